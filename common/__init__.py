@@ -1,0 +1,1 @@
+"""Code shared by data_tools, pretrain and finetune: config, manifest, data stream, checkpoints."""

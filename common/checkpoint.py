@@ -1,0 +1,90 @@
+"""Checkpoint I/O: full training states (resumable) and the weights-only encoder export handed to fine-tuning.
+
+Layout of a run directory:
+
+    run_dir/config.yaml                      resolved config of the run
+    run_dir/metrics.jsonl                    one JSON object per logged step / evaluation
+    run_dir/checkpoints/step_000500/         accelerate state (model, optimizer, scaler, RNG) + trainer_state.json
+    run_dir/export/encoder.safetensors       unwrapped timm encoder weights (timm key names, no head)
+    run_dir/export/encoder.json              the ModelConfig to rebuild it, plus normalisation and provenance
+    run_dir/export/model.safetensors/.json   (fine-tuning) the whole classifier, head included, and class names
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from safetensors.torch import load_file, save_file
+
+TRAINER_STATE = "trainer_state.json"  # written last: a checkpoint without it is incomplete and ignored
+
+
+class CheckpointError(ValueError):
+    """A checkpoint or export is missing or does not fit; one-line message."""
+
+
+def checkpoints_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint of a run directory, or None."""
+    root = checkpoints_dir(run_dir)
+    if not root.is_dir():
+        return None
+    done = sorted(p for p in root.glob("step_*") if (p / TRAINER_STATE).is_file())
+    return done[-1] if done else None
+
+
+def save_checkpoint(accelerator: Accelerator, run_dir: str | Path, step: int, trainer_state: dict[str, Any],
+                    keep_last: int) -> Path:
+    """Save the full training state at `step` (all processes call this), then keep only the newest `keep_last`."""
+    path = checkpoints_dir(run_dir) / f"step_{step:06d}"
+    accelerator.save_state(str(path))
+    if accelerator.is_main_process:
+        tmp = path / (TRAINER_STATE + ".tmp")
+        tmp.write_text(json.dumps({"step": step, **trainer_state}, indent=1))
+        os.replace(tmp, path / TRAINER_STATE)
+        complete = sorted(p for p in checkpoints_dir(run_dir).glob("step_*") if (p / TRAINER_STATE).is_file())
+        for old in complete[: max(0, len(complete) - keep_last)]:
+            shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    return path
+
+
+def load_checkpoint(accelerator: Accelerator, path: Path) -> dict[str, Any]:
+    """Restore the full training state from `path`; returns its trainer state (with `step`)."""
+    accelerator.load_state(str(path))
+    return json.loads((path / TRAINER_STATE).read_text())
+
+
+def export_encoder(encoder: torch.nn.Module, model_config: dict[str, Any], out_dir: str | Path,
+                   extra: dict[str, Any] | None = None, name: str = "encoder", keep_head: bool = False) -> Path:
+    """Write `<name>.safetensors` (timm key names; the classifier head only with `keep_head`) and `<name>.json`,
+    the config needed to rebuild the model."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().cpu().contiguous() for k, v in encoder.state_dict().items()
+             if keep_head or not k.startswith("head.")}
+    weights = out_dir / f"{name}.safetensors"
+    save_file(state, str(weights))
+    (out_dir / f"{name}.json").write_text(json.dumps({"model": model_config, **(extra or {})}, indent=1))
+    return weights
+
+
+def load_encoder_export(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
+    """Weights (and the JSON beside them, if any) of an encoder export; `path` is the .safetensors or its folder."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "encoder.safetensors"
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint not found: {path}")
+    meta_path = path.with_suffix(".json")
+    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else None
+    return load_file(str(path)), meta

@@ -1,0 +1,327 @@
+"""The training and evaluation input streams over webdataset shards, shared by pretrain and finetune.
+
+How the work is split (the part that keeps many processes in step):
+
+* Each epoch, the split's shards are put in an order drawn from `seed + epoch` (the same on every rank) and
+  seen as one virtual sequence of samples whose length the manifest gives, without scanning a tar.
+* Every data-loader worker of every rank (G = processes x workers in all) gets one contiguous, equal-length
+  range of that sequence. A range may start or end inside a shard: the worker skips the samples before its
+  range without decoding them. So the shard count need not divide anything, and fewer shards than G works
+  (each such shard is read by several workers, which costs I/O, not correctness).
+* Training: each range holds `floor(N / (G * B)) * B` samples, so every worker yields the same number of full
+  batches and every rank runs the same number of steps; the tail (fewer than G * B samples, a different one each
+  epoch since the shard order changes) is left for that epoch. No sample is seen twice in an epoch.
+* Evaluation: ranges of `ceil(N / G)` samples, in manifest order; short ranges are padded with blank samples
+  whose `valid` flag is False, so every rank runs the same number of batches and each sample counts once.
+
+Batches leave the workers as uint8 images (B, 3, H, W); `to_device` moves them (non-blocking) and
+`normalize` turns them into float on the device, so the MPP targets can be computed from the raw pixels.
+The loader is deliberately *not* passed through `accelerator.prepare`: it already splits itself across ranks, and
+accelerate would either re-split it or make rank 0 decode for everyone.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlparse
+
+import torch
+import webdataset as wds
+from PIL import Image
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torchvision.transforms import v2 as T
+
+from common.config import DataConfig
+from common.manifest import Split
+
+IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
+
+
+class DataError(RuntimeError):
+    """The data cannot feed training as configured (too few samples, too many bad ones); one-line message."""
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Samples [start, stop) of one shard."""
+
+    url: str
+    start: int
+    stop: int
+
+
+def epoch_order(num_shards: int, seed: int, epoch: int) -> list[int]:
+    """The shard order of an epoch: the same on every rank, different from epoch to epoch."""
+    order = list(range(num_shards))
+    random.Random(f"{seed}-{epoch}").shuffle(order)
+    return order
+
+
+def range_segments(split: Split, order: list[int], start: int, stop: int) -> list[Segment]:
+    """The pieces of shards that make up samples [start, stop) of the virtual sequence of shards in `order`."""
+    segments, offset = [], 0
+    for i in order:
+        n = split.lengths[i]
+        lo, hi = max(start, offset), min(stop, offset + n)
+        if lo < hi:
+            segments.append(Segment(split.urls[i], lo - offset, hi - offset))
+        offset += n
+        if offset >= stop:
+            break
+    return segments
+
+
+def open_url(url: str):
+    """Open a shard for reading: local paths, `pipe:`, http(s) via webdataset's gopen; s3://, gs:// etc. via fsspec."""
+    scheme = urlparse(url).scheme
+    if scheme in ("", "file", "pipe", "http", "https") or len(scheme) == 1:  # len 1: a Windows drive letter
+        return wds.gopen(url, "rb")
+    import fsspec
+
+    return fsspec.open(url, "rb").open()
+
+
+def read_segment(seg: Segment) -> Iterator[dict[str, Any]]:
+    """Raw samples (dicts of extension -> bytes, plus `__key__`) of one shard segment; nothing is decoded."""
+    stream = open_url(seg.url)
+    try:
+        files = wds.tariterators.tar_file_expander([{"url": seg.url, "stream": stream}])
+        for i, sample in enumerate(wds.tariterators.group_by_keys(files)):
+            if i >= seg.stop:
+                break
+            if i >= seg.start:
+                yield sample
+    finally:
+        stream.close()
+
+
+def shuffled(samples: Iterator[dict[str, Any]], size: int, rng: random.Random) -> Iterator[dict[str, Any]]:
+    """A shuffle buffer of `size` encoded samples (bytes, so memory stays small)."""
+    if size <= 1:
+        yield from samples
+        return
+    buf: list[dict[str, Any]] = []
+    for s in samples:
+        if len(buf) < size:
+            buf.append(s)
+            continue
+        j = rng.randrange(size)
+        buf[j], s = s, buf[j]
+        yield s
+    rng.shuffle(buf)
+    yield from buf
+
+
+def image_bytes(sample: dict[str, Any]) -> bytes:
+    for ext in IMAGE_EXTENSIONS:
+        if ext in sample:
+            return sample[ext]
+    raise KeyError(f"sample {sample.get('__key__')} has no image ({', '.join(IMAGE_EXTENSIONS)})")
+
+
+def sample_label(sample: dict[str, Any]) -> int:
+    raw = sample.get("cls")
+    return int(raw) if raw is not None else -1
+
+
+def _pair(size: int | tuple[int, int] | list[int]) -> tuple[int, int]:
+    return (size, size) if isinstance(size, int) else (int(size[0]), int(size[1]))
+
+
+class ImageDecoder:
+    """Bytes -> augmented uint8 tensor (3, H, W). Train: RandomResizedCrop + flip; eval: resize + center crop."""
+
+    def __init__(self, img_size: int | tuple[int, int], train: bool, crop_scale: tuple[float, float] = (0.35, 1.0),
+                 hflip: bool = True, eval_crop_pct: float = 0.875) -> None:
+        h, w = _pair(img_size)
+        self.size = (h, w)
+        if train:
+            ops = [T.RandomResizedCrop((h, w), scale=tuple(crop_scale), antialias=True)]
+            if hflip:
+                ops.append(T.RandomHorizontalFlip())
+            # JPEG draft mode decodes at a reduced scale; keep enough pixels for the smallest crop.
+            self.draft = (int(w / math.sqrt(crop_scale[0])), int(h / math.sqrt(crop_scale[0])))
+        else:
+            resize = (int(round(h / eval_crop_pct)), int(round(w / eval_crop_pct)))
+            ops = [T.Resize(resize, antialias=True), T.CenterCrop((h, w))]
+            self.draft = (resize[1], resize[0])
+        self.transform = T.Compose([*ops, T.PILToTensor()])
+
+    def __call__(self, data: bytes) -> torch.Tensor:
+        img = Image.open(io.BytesIO(data))
+        img.draft("RGB", self.draft)
+        img = img.convert("RGB")
+        return self.transform(img)  # (3, H, W) uint8
+
+
+class ShardStream(IterableDataset):
+    """Batches of decoded samples from one split, split across ranks and data-loader workers (see module doc).
+
+    Each item is a dict: `image` uint8 (B, 3, H, W), `label` int64 (B,), `valid` bool (B,), `key` list[str],
+    `bad` int (undecodable samples replaced since the previous batch of this worker), `epoch` int.
+    """
+
+    def __init__(self, split: Split, decoder: ImageDecoder, batch_size: int, *, rank: int, world_size: int,
+                 num_workers: int, train: bool, seed: int = 0, shuffle_buffer: int = 1000, endless: bool = False,
+                 start_batch: int = 0, max_bad_fraction: float = 0.01) -> None:
+        super().__init__()
+        self.split, self.decoder, self.batch_size = split, decoder, batch_size
+        self.rank, self.world_size, self.num_workers = rank, world_size, max(1, num_workers)
+        self.train, self.seed, self.shuffle_buffer, self.endless = train, seed, shuffle_buffer, endless
+        self.start_batch, self.max_bad_fraction = start_batch, max_bad_fraction
+        parts = world_size * self.num_workers
+        n = split.num_samples
+        if train:
+            self.per_worker = (n // (parts * batch_size)) * batch_size
+            if self.per_worker == 0:
+                raise DataError(
+                    f"split '{split.name}' has {n} samples, fewer than processes x workers x per-device batch = "
+                    f"{world_size} x {self.num_workers} x {batch_size}: use fewer workers or a smaller batch"
+                )
+        else:
+            self.per_worker = math.ceil(n / parts)
+        self.batches_per_worker = math.ceil(self.per_worker / batch_size)
+
+    @property
+    def batches_per_epoch(self) -> int:
+        """Batches one rank receives per epoch (the same on every rank)."""
+        return self.batches_per_worker * self.num_workers
+
+    def __len__(self) -> int:
+        return self.batches_per_epoch
+
+    def _resume_role(self, worker: int) -> tuple[int, int, int]:
+        """(first epoch, role, batches to skip) for a worker when resuming after `start_batch` batches of this rank.
+
+        The DataLoader takes batches from its workers in strict round-robin order starting at worker 0, so batch i
+        came from worker i % W. After `rem` batches of an epoch the next batch belongs to worker rem % W; real worker
+        w therefore plays the role (data part and position) of worker (w + rem) % W, and the sequence continues
+        exactly where it stopped, in this and every later epoch (an epoch is a multiple of W batches).
+        """
+        epoch, rem = divmod(self.start_batch, self.batches_per_epoch)
+        role = (worker + rem) % self.num_workers
+        return epoch, role, max(0, -(-(rem - role) // self.num_workers))
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        info = get_worker_info()
+        worker = info.id if info is not None else 0
+        if info is not None and info.num_workers != self.num_workers:
+            raise DataError(f"stream built for {self.num_workers} workers but the DataLoader has {info.num_workers}")
+        epoch, role, skip_batches = self._resume_role(worker) if self.train else (0, worker, 0)
+        part = self.rank * self.num_workers + role
+        while True:
+            yield from self._epoch(epoch, part, skip_batches * self.batch_size)
+            skip_batches = 0
+            epoch += 1
+            if not self.endless:
+                return
+
+    def _epoch(self, epoch: int, part: int, skip: int) -> Iterator[dict[str, Any]]:
+        order = epoch_order(len(self.split.urls), self.seed, epoch) if self.train else list(range(len(self.split.urls)))
+        start = part * self.per_worker
+        stop = min(start + self.per_worker, self.split.num_samples)
+        raw: Iterator[dict[str, Any]] = (s for seg in range_segments(self.split, order, start, stop)
+                                         for s in read_segment(seg))
+        if self.train:
+            raw = shuffled(raw, self.shuffle_buffer, random.Random(f"{self.seed}-{epoch}-{part}"))
+        batcher = _Batcher(self.batch_size, epoch)
+        blank = torch.zeros(3, *self.decoder.size, dtype=torch.uint8)
+        seen = bad = waiting = 0  # waiting: bad train samples seen before any good one, to be replaced by it
+        last_good: tuple[torch.Tensor, int, str] | None = None
+        for i, sample in enumerate(raw):
+            if i < skip:  # resuming: consumed before the checkpoint; skipped without decoding
+                batcher.emitted += 1
+                continue
+            seen += 1
+            try:
+                item = (self.decoder(image_bytes(sample)), sample_label(sample), sample["__key__"])
+            except Exception:  # a bad sample must neither stop nor desynchronise the run: count and replace it
+                bad += 1
+                batcher.bad += 1
+                if seen >= 100 and bad > self.max_bad_fraction * seen:
+                    raise DataError(f"{bad} of {seen} samples undecodable in split '{self.split.name}' (worker "
+                                    f"{part}), above data.max_bad_fraction={self.max_bad_fraction}") from None
+                if not self.train:  # eval: the sample still occupies its place, but does not count
+                    yield from batcher.add(blank, 0, False, sample["__key__"])
+                elif last_good is not None:  # train: repeat the previous good sample so batches stay full
+                    yield from batcher.add(*last_good[:2], True, last_good[2])
+                else:
+                    waiting += 1
+                continue
+            for _ in range(1 + waiting):
+                yield from batcher.add(item[0], item[1], True, item[2])
+            waiting, last_good = 0, item
+        if waiting:
+            raise DataError(f"every sample of worker {part}'s range in split '{self.split.name}' is undecodable")
+        while batcher.emitted < self.per_worker:  # eval ranges are padded to equal length with blanks
+            yield from batcher.add(blank, 0, False, "")
+        yield from batcher.flush()
+
+
+class _Batcher:
+    """Collects samples into batches of a fixed size; counts what it emitted and the bad samples replaced."""
+
+    def __init__(self, batch_size: int, epoch: int) -> None:
+        self.batch_size, self.epoch = batch_size, epoch
+        self.emitted = self.bad = 0
+        self.items: list[tuple[torch.Tensor, int, bool, str]] = []
+
+    def add(self, image: torch.Tensor, label: int, valid: bool, key: str) -> Iterator[dict[str, Any]]:
+        self.items.append((image, label, valid, key))
+        self.emitted += 1
+        if len(self.items) == self.batch_size:
+            yield from self.flush()
+
+    def flush(self) -> Iterator[dict[str, Any]]:
+        if not self.items:
+            return
+        images, labels, valid, keys = zip(*self.items)
+        yield {
+            "image": torch.stack(images),
+            "label": torch.tensor(labels, dtype=torch.int64),
+            "valid": torch.tensor(valid, dtype=torch.bool),
+            "key": list(keys),
+            "bad": self.bad,
+            "epoch": self.epoch,
+        }
+        self.items, self.bad = [], 0
+
+
+def make_loader(stream: ShardStream, num_workers: int, prefetch_factor: int = 2, pin_memory: bool = True,
+                persistent_workers: bool = True) -> DataLoader:
+    """A DataLoader over a ShardStream; batching happens inside the workers (batch_size=None)."""
+    kwargs: dict[str, Any] = {}
+    if num_workers > 0:
+        kwargs.update(prefetch_factor=prefetch_factor, persistent_workers=persistent_workers)
+    return DataLoader(stream, batch_size=None, num_workers=num_workers,
+                      pin_memory=pin_memory and torch.cuda.is_available(), **kwargs)
+
+
+def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """Move the tensors of a batch to `device` without blocking; images stay uint8 until `normalize`."""
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def normalize(images: torch.Tensor, mean: tuple[float, ...], std: tuple[float, ...]) -> torch.Tensor:
+    """uint8 (B, 3, H, W) -> float32 (B, 3, H, W), scaled to [0, 1] then standardised with mean/std."""
+    mean_t = torch.tensor(mean, device=images.device, dtype=torch.float32).view(1, -1, 1, 1)
+    std_t = torch.tensor(std, device=images.device, dtype=torch.float32).view(1, -1, 1, 1)
+    return (images.float() / 255.0 - mean_t) / std_t
+
+
+def build_loader(split: Split, data: DataConfig, img_size: int | list[int], micro_batch: int, *, rank: int,
+                 world_size: int, train: bool, seed: int = 0, start_batch: int = 0) -> tuple[ShardStream, DataLoader]:
+    """The stream and its DataLoader for one rank: endless and shuffled for training, one ordered pass for eval."""
+    decoder = ImageDecoder(img_size, train=train, crop_scale=tuple(data.crop_scale), hflip=data.hflip,
+                           eval_crop_pct=data.eval_crop_pct)
+    stream = ShardStream(split, decoder, micro_batch, rank=rank, world_size=world_size, num_workers=data.num_workers,
+                         train=train, seed=seed, shuffle_buffer=data.shuffle_buffer, endless=train,
+                         start_batch=start_batch, max_bad_fraction=data.max_bad_fraction)
+    loader = make_loader(stream, data.num_workers, data.prefetch_factor, data.pin_memory,
+                         data.persistent_workers and train)
+    return stream, loader

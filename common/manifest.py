@@ -1,0 +1,83 @@
+"""The shard manifest (`_info.json`): what `build-shards` writes and what training reads instead of scanning tars.
+
+The schema is timm's `wds/` info file (so `timm.data.create_dataset("wds/...")` trains on our shards):
+
+    {"name": ..., "splits": {"train": {"name": "train", "num_samples": N, "filenames": [...],
+                                        "shard_lengths": [...]}, ...}}
+
+extended with what a user needs to trust the shards: per-shard bytes and sha256 (`shard_bytes`, `shard_sha256`),
+`class_names`, `num_classes`, `source`, `seed`, `encoder` settings and `tool_version`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+MANIFEST_NAME = "_info.json"
+
+
+class ManifestError(ValueError):
+    """The shard directory or its manifest is missing or unusable; the message is one line."""
+
+
+@dataclass(frozen=True)
+class Split:
+    """One split of a shard set: shard URLs (in manifest order) and their sample counts."""
+
+    name: str
+    urls: list[str]
+    lengths: list[int]
+
+    @property
+    def num_samples(self) -> int:
+        return sum(self.lengths)
+
+
+def _join(location: str, filename: str) -> str:
+    return location.rstrip("/") + "/" + filename if "://" in location else os.path.join(location, filename)
+
+
+def read_manifest(location: str | Path) -> dict[str, Any]:
+    """Read `_info.json` from a shard directory (local path, or any URL fsspec can open)."""
+    location = str(location)
+    path = _join(location, MANIFEST_NAME)
+    try:
+        if "://" in location:
+            import fsspec  # installed with `datasets`; only needed for remote shards
+
+            with fsspec.open(path, "r") as f:
+                return json.load(f)
+        if not os.path.isdir(location):
+            raise ManifestError(f"shard directory not found: {location} (build it with `build-shards SOURCE OUT_DIR`)")
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise ManifestError(f"no {MANIFEST_NAME} in {location}: not a complete build-shards output") from None
+    except json.JSONDecodeError as e:
+        raise ManifestError(f"{path} is not valid JSON: {e}") from None
+
+
+def load_split(location: str | Path, split: str) -> tuple[Split, dict[str, Any]]:
+    """The named split of the shard set at `location`, with shard URLs resolved, plus the whole manifest."""
+    info = read_manifest(location)
+    splits = info.get("splits", {})
+    if split not in splits:
+        raise ManifestError(f"split '{split}' not in {_join(str(location), MANIFEST_NAME)} (has: {', '.join(splits)})")
+    s = splits[split]
+    urls = [_join(str(location), f) for f in s["filenames"]]
+    lengths = [int(n) for n in s["shard_lengths"]]
+    if len(urls) != len(lengths) or sum(lengths) != int(s["num_samples"]):
+        raise ManifestError(f"manifest split '{split}' is inconsistent: filenames, shard_lengths, num_samples differ")
+    return Split(name=split, urls=urls, lengths=lengths), info
+
+
+def write_manifest(out_dir: str | Path, info: dict[str, Any]) -> None:
+    """Write the manifest atomically: it is the commit point of a build, so it must never be half-written."""
+    out_dir = Path(out_dir)
+    tmp = out_dir / (MANIFEST_NAME + ".tmp")
+    tmp.write_text(json.dumps(info, indent=1, sort_keys=False) + "\n")
+    os.replace(tmp, out_dir / MANIFEST_NAME)

@@ -1,0 +1,68 @@
+"""Building the timm VisionTransformer that both stages train, from a `ModelConfig`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import timm
+import torch
+from timm.models.vision_transformer import VisionTransformer
+
+from common.config import ConfigError, ModelConfig
+
+ARCH_KEYS = ("name", "patch_size", "embed_dim", "depth", "num_heads", "mlp_ratio")
+
+
+def img_hw(img_size: int | list[int] | tuple[int, ...]) -> tuple[int, int]:
+    """(height, width) from an int or a [height, width] pair."""
+    if isinstance(img_size, int):
+        return img_size, img_size
+    if len(img_size) != 2:
+        raise ConfigError(f"model.img_size must be an int or [height, width], got {list(img_size)}")
+    return int(img_size[0]), int(img_size[1])
+
+
+def create_encoder(cfg: ModelConfig, num_classes: int = 0) -> VisionTransformer:
+    """A randomly initialised timm ViT with a class token, the given input size and (optionally) custom sizes."""
+    if cfg.name not in timm.list_models():
+        raise ConfigError(f"model.name '{cfg.name}' is not a timm model (see timm.list_models('vit_*'))")
+    h, w = img_hw(cfg.img_size)
+    overrides = {k: getattr(cfg, k) for k in ("patch_size", "embed_dim", "depth", "num_heads", "mlp_ratio")}
+    kwargs: dict[str, Any] = {k: v for k, v in overrides.items() if v is not None}
+    try:
+        model = timm.create_model(cfg.name, pretrained=False, num_classes=num_classes, img_size=(h, w),
+                                  drop_path_rate=cfg.drop_path_rate, **kwargs)
+    except TypeError as e:
+        raise ConfigError(f"model '{cfg.name}' does not take these settings: {e}") from None
+    if not isinstance(model, VisionTransformer):
+        raise ConfigError(f"model.name '{cfg.name}' is a {type(model).__name__}, not a timm VisionTransformer")
+    if model.cls_token is None or model.pos_embed is None:
+        raise ConfigError(f"model '{cfg.name}' has no class token or no learned position embedding; MPP needs both")
+    ph, pw = model.patch_embed.patch_size
+    if h % ph or w % pw:
+        raise ConfigError(f"model.img_size {h}x{w} is not divisible by the patch size {ph}x{pw}")
+    model.set_grad_checkpointing(cfg.grad_checkpointing)
+    return model
+
+
+def patch_size(model: VisionTransformer) -> int:
+    """The (square) patch size P of a timm ViT."""
+    ph, pw = model.patch_embed.patch_size
+    if ph != pw:
+        raise ConfigError(f"non-square patches {ph}x{pw} are not supported")
+    return ph
+
+
+def grid_size(model: VisionTransformer) -> tuple[int, int]:
+    """The patch grid (rows, columns) of a timm ViT at its input size."""
+    return tuple(model.patch_embed.grid_size)
+
+
+def norm_stats(model: VisionTransformer) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Normalisation mean and std the model expects (from its timm pretrained config)."""
+    cfg = model.pretrained_cfg or {}
+    return tuple(cfg.get("mean", (0.5, 0.5, 0.5))), tuple(cfg.get("std", (0.5, 0.5, 0.5)))
+
+
+def count_params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

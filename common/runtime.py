@@ -1,0 +1,120 @@
+"""Accelerate set-up shared by both stages: global batch -> per-device batch and accumulation, optimizer, LR."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator, PartialState
+from accelerate.utils import ProjectConfiguration
+from timm.optim import param_groups_layer_decay, param_groups_weight_decay
+
+from common.config import ConfigError, OptimConfig, TrainConfig
+from common.data_stream import to_device
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How the global batch is made: processes x micro-batch x accumulation steps."""
+
+    global_batch: int
+    num_processes: int
+    micro_batch: int
+    accum_steps: int
+
+    def describe(self) -> str:
+        return (f"global batch {self.global_batch} = {self.num_processes} process(es) x {self.micro_batch} "
+                f"per device x {self.accum_steps} accumulation step(s)")
+
+
+def plan_batches(global_batch: int, micro_batch: int | None, num_processes: int) -> BatchPlan:
+    """Derive per-device batch and accumulation steps from the global batch; fail clearly if they do not divide."""
+    if global_batch % num_processes:
+        raise ConfigError(f"train.batch_size={global_batch} is not divisible by the {num_processes} processes")
+    per_process = global_batch // num_processes
+    micro = micro_batch or per_process
+    if micro <= 0 or per_process % micro:
+        raise ConfigError(f"train.micro_batch_size={micro} does not divide the per-process batch {per_process} "
+                          f"(train.batch_size={global_batch} / {num_processes} processes)")
+    return BatchPlan(global_batch, num_processes, micro, per_process // micro)
+
+
+def make_accelerator(train: TrainConfig) -> tuple[Accelerator, BatchPlan]:
+    """One Accelerator for the run, with gradient accumulation derived from the global batch size."""
+    # Without CUDA, accelerate only sets up gloo for several processes (`accelerate launch --multi_gpu` on a CPU
+    # machine) when told to use the CPU; the first PartialState fixes the process group for the whole run.
+    cpu = not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    plan = plan_batches(train.batch_size, train.micro_batch_size, PartialState(cpu=cpu).num_processes)
+    project = ProjectConfiguration(project_dir=train.run_dir, logging_dir=str(Path(train.run_dir) / "logs"))
+    accelerator = Accelerator(
+        cpu=cpu,
+        mixed_precision=train.mixed_precision,
+        gradient_accumulation_steps=plan.accum_steps,
+        log_with=train.trackers or None,
+        project_config=project,
+        step_scheduler_with_optimizer=False,  # the LR is set by hand from the step (see common/schedule.py)
+    )
+    return accelerator, plan
+
+
+def build_optimizer(model: torch.nn.Module, optim: OptimConfig, lr: float, layer_decay: float | None = None,
+                    ) -> torch.optim.Optimizer:
+    """AdamW/Adam/SGD over timm's parameter groups (no decay on biases, norms, tokens, position embeddings)."""
+    skip = model.no_weight_decay() if hasattr(model, "no_weight_decay") else set()
+    if layer_decay is not None:
+        groups = param_groups_layer_decay(model, weight_decay=optim.weight_decay, no_weight_decay_list=skip,
+                                          layer_decay=layer_decay)
+    else:
+        groups = param_groups_weight_decay(model, weight_decay=optim.weight_decay, no_weight_decay_list=skip)
+    on_cuda = next(model.parameters()).is_cuda
+    impl = optim.impl if optim.impl != "auto" else ("fused" if on_cuda else "foreach")
+    kernel = {"fused": {"fused": True}, "foreach": {"foreach": True}, "single": {"foreach": False}}[impl]
+    if impl == "fused" and not on_cuda:
+        raise ConfigError("optim.impl=fused needs a CUDA device; use auto or foreach on CPU")
+    if optim.name == "sgd":
+        return torch.optim.SGD(groups, lr=lr, momentum=optim.momentum, **kernel)
+    if len(optim.betas) != 2:
+        raise ConfigError(f"optim.betas must hold two numbers, got {optim.betas}")
+    cls = torch.optim.AdamW if optim.name == "adamw" else torch.optim.Adam
+    if optim.name == "adam" and optim.weight_decay:
+        raise ConfigError("optim.name=adam takes no weight_decay (it would be L2 in the gradient); use adamw")
+    return cls(groups, lr=lr, betas=tuple(optim.betas), **kernel)
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Set the learning rate of every group, honouring per-group scales (layer-wise decay)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr * group.get("lr_scale", 1.0)
+
+
+def optimizer_step(accelerator: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                   batches, forward, accum_steps: int, clip_grad_norm: float) -> list[dict]:
+    """One optimizer step over `accum_steps` micro-batches drawn from `batches`; returns each forward's output.
+
+    `forward(model, batch)` returns a dict with "loss". Gradients sync on the last micro-batch only (accumulate()).
+    """
+    outputs = []
+    for _ in range(accum_steps):
+        batch = to_device(next(batches), accelerator.device)
+        with accelerator.accumulate(model):
+            out = forward(model, batch)
+            accelerator.backward(out["loss"])
+            if accelerator.sync_gradients and clip_grad_norm > 0:
+                accelerator.clip_grad_norm_(model.parameters(), clip_grad_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        out["bad_samples"] = batch.get("bad", 0)  # undecodable samples the stream replaced
+        outputs.append(out)
+    return outputs
+
+
+def mean_across_processes(accelerator: Accelerator, values: dict[str, float | torch.Tensor]) -> dict[str, float]:
+    """Average scalar metrics over all processes (one collective for the whole dict)."""
+    if not values:
+        return {}
+    keys = sorted(values)
+    t = torch.stack([torch.as_tensor(values[k], dtype=torch.float32, device=accelerator.device) for k in keys])
+    t = accelerator.reduce(t, reduction="mean")
+    return {k: float(v) for k, v in zip(keys, t.tolist())}

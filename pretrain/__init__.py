@@ -1,0 +1,1 @@
+"""Masked patch prediction pretraining: `accelerate launch pretrain --config configs/pretrain/<name>.yaml`."""

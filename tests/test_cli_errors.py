@@ -1,0 +1,31 @@
+"""User errors end in one line on stderr and exit status 2, not a traceback."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import run_module
+
+
+@pytest.mark.parametrize("module, args, message", [
+    ("pretrain", ["--config", "configs/pretrain/tiny.yaml", "optim.lrr=1"], "unknown config key 'optim.lrr'"),
+    ("pretrain", ["--config", "configs/pretrain/tiny.yaml", "train.steps=many"], "'train.steps' expects int"),
+    ("pretrain", ["--config", "configs/pretrain/tiny.yaml", "data.shards=/nonexistent/shards"],
+     "shard directory not found: /nonexistent/shards"),
+    ("finetune", ["--config", "configs/finetune/tiny.yaml", "init.checkpoint=/nonexistent/encoder.safetensors"],
+     "checkpoint not found: /nonexistent/encoder.safetensors"),
+])
+def test_one_line_error(module, args, message, demo_shards, tmp_path):
+    if "data.shards" not in " ".join(args):
+        args = [*args, f"data.shards={demo_shards}"]
+    result = run_module(module, *args, f"train.run_dir={tmp_path / 'run'}", timeout=120)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.stderr
+
+
+def test_help_lists_every_key():
+    result = run_module("pretrain", "--help", timeout=120)
+    assert result.returncode == 0
+    for key in ("mpp.mask_ratio", "mpp.target", "optim.base_lr", "train.batch_size", "data.shards"):
+        assert key in result.stdout

@@ -1,0 +1,79 @@
+"""The fine-tuning rule: zero-initialised head, position embeddings resized by 2D interpolation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy import ndimage
+from timm.layers import resample_abs_pos_embed
+
+from common.checkpoint import CheckpointError, export_encoder
+from common.config import ModelConfig, to_dict
+from common.models import create_encoder
+from finetune.config import InitConfig
+from finetune.init_model import build_classifier
+from finetune.surgery import attach_zero_head, load_encoder_weights, resize_pos_embed
+
+SMALL = dict(patch_size=4, embed_dim=32, depth=1, num_heads=2)
+
+
+def test_zero_head_gives_zero_logits():
+    torch.manual_seed(0)
+    model = create_encoder(ModelConfig(img_size=16, **SMALL))
+    attach_zero_head(model, 10)
+    assert model.head.weight.shape == (10, 32)
+    assert torch.count_nonzero(model.head.weight) == 0 and torch.count_nonzero(model.head.bias) == 0
+    logits = model(torch.randn(3, 3, 16, 16))
+    assert logits.shape == (3, 10) and torch.count_nonzero(logits) == 0
+
+
+def test_resize_is_identity_at_the_same_size():
+    posemb = torch.randn(1, 1 + 6 * 5, 8)
+    for mode in ("bilinear", "bicubic"):
+        assert torch.equal(resize_pos_embed(posemb, (6, 5), (6, 5), 1, mode), posemb)
+
+
+@pytest.mark.parametrize("old, new", [((4, 4), (7, 7)), ((4, 6), (6, 9)), ((14, 14), (24, 24)), ((5, 3), (2, 4))])
+def test_bilinear_matches_scipy_linear_zoom_and_keeps_class_token(old, new):
+    d = 6
+    posemb = torch.randn(1, 1 + old[0] * old[1], d, dtype=torch.float64)
+    out = resize_pos_embed(posemb, old, new, 1, "bilinear")
+    assert out.shape == (1, 1 + new[0] * new[1], d)
+    assert torch.equal(out[:, :1], posemb[:, :1])
+    grid = posemb[0, 1:].reshape(old[0], old[1], d).numpy()
+    zoom = (new[0] / old[0], new[1] / old[1], 1)
+    ref = ndimage.zoom(grid, zoom, order=1, grid_mode=False, mode="nearest")  # the original ViT code's resize
+    assert ref.shape == (new[0], new[1], d)
+    np.testing.assert_allclose(out[0, 1:].reshape(new[0], new[1], d).numpy(), ref, atol=1e-5)
+
+
+def test_bicubic_matches_timm():
+    posemb = torch.randn(1, 1 + 4 * 6, 8)
+    ours = resize_pos_embed(posemb, (4, 6), (8, 9), 1, "bicubic")
+    theirs = resample_abs_pos_embed(posemb, [8, 9], [4, 6], num_prefix_tokens=1)
+    torch.testing.assert_close(ours, theirs)
+
+
+def test_loading_an_export_at_a_larger_non_square_size(tmp_path):
+    torch.manual_seed(0)
+    pre_cfg = ModelConfig(img_size=16, **SMALL)
+    encoder = create_encoder(pre_cfg)
+    export_encoder(encoder, to_dict(pre_cfg), tmp_path)
+    model, _, _, resolved = build_classifier(InitConfig(checkpoint=str(tmp_path)), ModelConfig(img_size=[24, 32]), 5)
+    assert resolved.embed_dim == 32 and model.patch_embed.grid_size == (6, 8)
+    expected = resize_pos_embed(encoder.pos_embed.detach(), (4, 4), (6, 8), 1, "bilinear")
+    torch.testing.assert_close(model.pos_embed.detach(), expected)
+    torch.testing.assert_close(model.blocks[0].attn.qkv.weight, encoder.blocks[0].attn.qkv.weight)
+    assert torch.count_nonzero(model.head.weight) == 0
+    assert model(torch.randn(2, 3, 24, 32)).shape == (2, 5)
+
+
+def test_patch_size_change_and_mismatched_keys_are_errors():
+    src = create_encoder(ModelConfig(img_size=16, **SMALL))
+    other_patch = create_encoder(ModelConfig(img_size=16, patch_size=8, embed_dim=32, depth=1, num_heads=2))
+    with pytest.raises(CheckpointError, match="patch size"):
+        load_encoder_weights(other_patch, src.state_dict(), (4, 4))
+    deeper = create_encoder(ModelConfig(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2))
+    with pytest.raises(CheckpointError, match=r"missing keys \['blocks\.1\."):
+        load_encoder_weights(deeper, src.state_dict(), (4, 4))
