@@ -64,18 +64,23 @@ def load_checkpoint(accelerator: Accelerator, path: Path) -> dict[str, Any]:
     return json.loads((path / TRAINER_STATE).read_text())
 
 
-def export_encoder(encoder: torch.nn.Module, model_config: dict[str, Any], out_dir: str | Path,
-                   extra: dict[str, Any] | None = None, name: str = "encoder", keep_head: bool = False) -> Path:
-    """Write `<name>.safetensors` (timm key names; the classifier head only with `keep_head`) and `<name>.json`,
-    the config needed to rebuild the model."""
+def export_encoder(state: dict[str, torch.Tensor], model_config: dict[str, Any], out_dir: str | Path,
+                   extra: dict[str, Any] | None = None, name: str = "encoder", keep_head: bool = False,
+                   prefix: str = "") -> Path:
+    """Write `<name>.safetensors` and `<name>.json` (the config needed to rebuild the model).
+
+    `state` is a full state dict (from `accelerator.get_state_dict`, which also gathers FSDP shards); only keys under
+    `prefix` are kept, with the prefix removed, so the file has timm's key names. The classifier head is kept only
+    with `keep_head`.
+    """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().cpu().contiguous() for k, v in encoder.state_dict().items()
-             if keep_head or not k.startswith("head.")}
-    weights = out_dir / f"{name}.safetensors"
-    save_file(state, str(weights))
+    weights = {k[len(prefix):]: v.detach().cpu().contiguous() for k, v in state.items() if k.startswith(prefix)}
+    weights = {k: v for k, v in weights.items() if keep_head or not k.startswith("head.")}
+    path = out_dir / f"{name}.safetensors"
+    save_file(weights, str(path))
     (out_dir / f"{name}.json").write_text(json.dumps({"model": model_config, **(extra or {})}, indent=1))
-    return weights
+    return path
 
 
 def load_encoder_export(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:

@@ -7,12 +7,16 @@ How the work is split (the part that keeps many processes in step):
 * Every data-loader worker of every rank (G = processes x workers in all) gets one contiguous, equal-length
   range of that sequence. A range may start or end inside a shard: the worker skips the samples before its
   range without decoding them. So the shard count need not divide anything, and fewer shards than G works
-  (each such shard is read by several workers, which costs I/O, not correctness).
+  (each such shard is read by several workers, which costs I/O, not correctness; rank 0 prints a warning).
 * Training: each range holds `floor(N / (G * B)) * B` samples, so every worker yields the same number of full
   batches and every rank runs the same number of steps; the tail (fewer than G * B samples, a different one each
   epoch since the shard order changes) is left for that epoch. No sample is seen twice in an epoch.
 * Evaluation: ranges of `ceil(N / G)` samples, in manifest order; short ranges are padded with blank samples
   whose `valid` flag is False, so every rank runs the same number of batches and each sample counts once.
+* A shard that holds fewer samples than the manifest says is a DataError, never a short range: one rank with
+  fewer steps than the others would hang the run in a collective. Undecodable samples are replaced (training) or
+  marked invalid (evaluation) in place, so they cannot desynchronise the ranks either; more than
+  `max_bad_fraction` of them (checked from the 100th sample of a worker's range) is a DataError.
 
 Batches leave the workers as uint8 images (B, 3, H, W); `to_device` moves them (non-blocking) and
 `normalize` turns them into float on the device, so the MPP targets can be computed from the raw pixels.
@@ -25,6 +29,9 @@ from __future__ import annotations
 import io
 import math
 import random
+import shutil
+import sys
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -34,7 +41,9 @@ import torch
 import webdataset as wds
 from PIL import Image
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms import v2 as T
+from torchvision.transforms.v2.functional import pil_to_tensor
 
 from common.config import DataConfig
 from common.manifest import Split
@@ -77,8 +86,11 @@ def range_segments(split: Split, order: list[int], start: int, stop: int) -> lis
 
 
 def open_url(url: str):
-    """Open a shard for reading: local paths, `pipe:`, http(s) via webdataset's gopen; s3://, gs:// etc. via fsspec."""
+    """Open a shard for reading: local paths and `pipe:` via webdataset's gopen; http(s) with curl (retries) or,
+    without curl, the standard library; s3://, gs:// etc. via fsspec."""
     scheme = urlparse(url).scheme
+    if scheme in ("http", "https") and shutil.which("curl") is None:
+        return urllib.request.urlopen(url, timeout=60)
     if scheme in ("", "file", "pipe", "http", "https") or len(scheme) == 1:  # len 1: a Windows drive letter
         return wds.gopen(url, "rb")
     import fsspec
@@ -87,17 +99,26 @@ def open_url(url: str):
 
 
 def read_segment(seg: Segment) -> Iterator[dict[str, Any]]:
-    """Raw samples (dicts of extension -> bytes, plus `__key__`) of one shard segment; nothing is decoded."""
+    """Raw samples (dicts of extension -> bytes, plus `__key__`) of one shard segment; nothing is decoded.
+
+    A shard that ends before the segment does (truncated download, manifest out of date) is a DataError: yielding
+    fewer samples would leave this rank with fewer steps than the others, and the run would hang in a collective.
+    """
     stream = open_url(seg.url)
+    count = 0
     try:
         files = wds.tariterators.tar_file_expander([{"url": seg.url, "stream": stream}])
-        for i, sample in enumerate(wds.tariterators.group_by_keys(files)):
-            if i >= seg.stop:
+        for sample in wds.tariterators.group_by_keys(files):
+            if count >= seg.stop:
                 break
-            if i >= seg.start:
+            if count >= seg.start:
                 yield sample
+            count += 1
     finally:
         stream.close()
+    if count < seg.stop:
+        raise DataError(f"shard {seg.url} holds only {count} samples but the manifest says at least {seg.stop}: "
+                        "the shard is truncated or the manifest is out of date")
 
 
 def shuffled(samples: Iterator[dict[str, Any]], size: int, rng: random.Random) -> Iterator[dict[str, Any]]:
@@ -134,7 +155,14 @@ def _pair(size: int | tuple[int, int] | list[int]) -> tuple[int, int]:
 
 
 class ImageDecoder:
-    """Bytes -> augmented uint8 tensor (3, H, W). Train: RandomResizedCrop + flip; eval: resize + center crop."""
+    """Bytes -> augmented uint8 tensor (3, H, W). Train: RandomResizedCrop + flip; eval: resize + center crop.
+
+    Decoding and resizing are most of a loader's cost, so: a JPEG large enough is decoded at 1/2, 1/4 or 1/8 scale
+    (PIL's draft mode, DCT scaling) when that still leaves enough pixels for the smallest crop; any other JPEG is
+    decoded by torchvision (libjpeg-turbo, straight into a tensor); other formats by PIL. The crop and resize then
+    run on the uint8 tensor in channels-last layout, where torch's antialiased resize is several times faster than
+    PIL's.
+    """
 
     def __init__(self, img_size: int | tuple[int, int], train: bool, crop_scale: tuple[float, float] = (0.35, 1.0),
                  hflip: bool = True, eval_crop_pct: float = 0.875) -> None:
@@ -144,19 +172,25 @@ class ImageDecoder:
             ops = [T.RandomResizedCrop((h, w), scale=tuple(crop_scale), antialias=True)]
             if hflip:
                 ops.append(T.RandomHorizontalFlip())
-            # JPEG draft mode decodes at a reduced scale; keep enough pixels for the smallest crop.
+            # Keep enough pixels for the smallest crop when decoding at a reduced scale.
             self.draft = (int(w / math.sqrt(crop_scale[0])), int(h / math.sqrt(crop_scale[0])))
         else:
             resize = (int(round(h / eval_crop_pct)), int(round(w / eval_crop_pct)))
             ops = [T.Resize(resize, antialias=True), T.CenterCrop((h, w))]
             self.draft = (resize[1], resize[0])
-        self.transform = T.Compose([*ops, T.PILToTensor()])
+        self.transform = T.Compose(ops)
+
+    def decode(self, data: bytes) -> torch.Tensor:
+        """Bytes -> uint8 RGB tensor (3, H, W), at a reduced scale where the crop allows it (see the class doc)."""
+        img = Image.open(io.BytesIO(data))  # reads the header only
+        if img.format == "JPEG" and min(img.size[0] // self.draft[0], img.size[1] // self.draft[1]) < 2:
+            return decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
+        img.draft("RGB", self.draft)  # a no-op except for JPEGs
+        return pil_to_tensor(img.convert("RGB"))
 
     def __call__(self, data: bytes) -> torch.Tensor:
-        img = Image.open(io.BytesIO(data))
-        img.draft("RGB", self.draft)
-        img = img.convert("RGB")
-        return self.transform(img)  # (3, H, W) uint8
+        x = self.decode(data).unsqueeze(0).contiguous(memory_format=torch.channels_last)  # (1, 3, h, w)
+        return self.transform(x)[0].contiguous()  # (3, H, W) uint8
 
 
 class ShardStream(IterableDataset):
@@ -185,6 +219,11 @@ class ShardStream(IterableDataset):
                 )
         else:
             self.per_worker = math.ceil(n / parts)
+        if rank == 0 and len(split.urls) < parts:
+            # Correct by design (ranges span shards), but each shard is then read, in part, by several workers.
+            print(f"warning: split '{split.name}' has {len(split.urls)} shard(s) for {world_size} process(es) x "
+                  f"{self.num_workers} worker(s): shards are read by several workers (extra I/O); more, smaller "
+                  "shards avoid it", file=sys.stderr, flush=True)
         self.batches_per_worker = math.ceil(self.per_worker / batch_size)
 
     @property

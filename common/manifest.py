@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import os
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,6 +48,10 @@ def read_manifest(location: str | Path) -> dict[str, Any]:
     location = str(location)
     path = _join(location, MANIFEST_NAME)
     try:
+        if location.startswith(("http://", "https://")):
+            # The standard library, not fsspec: fsspec's http needs aiohttp, which is not a dependency.
+            with urllib.request.urlopen(path, timeout=60) as f:
+                return json.load(f)
         if "://" in location:
             import fsspec  # installed with `datasets`; only needed for remote shards
 
@@ -55,6 +61,10 @@ def read_manifest(location: str | Path) -> dict[str, Any]:
             raise ManifestError(f"shard directory not found: {location} (build it with `build-shards SOURCE OUT_DIR`)")
         with open(path) as f:
             return json.load(f)
+    except urllib.error.HTTPError as e:
+        raise ManifestError(f"cannot read {path}: HTTP {e.code} {e.reason}") from None
+    except urllib.error.URLError as e:
+        raise ManifestError(f"cannot reach {path}: {e.reason}") from None
     except FileNotFoundError:
         raise ManifestError(f"no {MANIFEST_NAME} in {location}: not a complete build-shards output") from None
     except json.JSONDecodeError as e:

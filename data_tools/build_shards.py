@@ -1,128 +1,423 @@
-"""Build webdataset shards and their manifest from a folder of images.
+"""Build webdataset shards and their manifest from images; resume an interrupted build; inspect a finished one.
 
-    build-shards SOURCE OUT_DIR [--val-fraction 0.1] [--shard-size 1000] [--max-side 512] [--seed 0]
+    build-shards SOURCE OUT_DIR [--val-fraction 0.1 | --existing-splits] [--shard-size 1000] [--shard-bytes 0]
+                 [--max-side 512] [--resize-side longer] [--workers N] [--seed 0] [--overwrite]
+    build-shards inspect OUT_DIR [--grid samples.png] [--no-verify]
 
-SOURCE is a folder with one sub-folder per class. OUT_DIR receives `train-000000.tar ...`, `val-000000.tar ...`,
-`_info.json` (the manifest; timm's `wds/` schema, extended) and `failures.jsonl` (inputs skipped, with reasons).
+SOURCE is a class-folder tree, a plain tree of images (`--source-kind unlabelled`), a CSV/JSONL list of paths,
+or a Hugging Face dataset (see data_tools/sources.py). OUT_DIR receives `train-000000.tar ...`,
+`val-000000.tar ...`, `_info.json` (the manifest and commit point; timm's `wds/` schema, extended),
+`failures.jsonl` (inputs skipped, with reasons) and `_journal.jsonl` (finished shards, for resuming).
+Re-running the same command after an interruption finishes the build; docs/build_shards.md has the details.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import hashlib
 import json
+import math
+import multiprocessing as mp
+import os
 import random
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from PIL import Image
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeRemainingColumn
+from rich.text import Text
 
 from common.manifest import MANIFEST_NAME, write_manifest
 from data_tools.images import BadImage, EncodeSettings, prepare_image
-from data_tools.sources import Item, image_folder
-from data_tools.writer import ShardWriter
+from data_tools.sources import KINDS, Item, Source, SourceError, open_source
+from data_tools.writer import ShardWriter, file_sha256
 
-TOOL_VERSION = "0.1.0"
+TOOL_VERSION = "0.2.0"
+JOURNAL_NAME = "_journal.jsonl"
+FAILURES_NAME = "failures.jsonl"
+CHUNK = 16  # inputs per task sent to a worker: amortises inter-process overhead, keeps the order fine-grained
+# In flight per worker: 3 chunks (one being decoded, one queued, one waiting in order for the writer); this many
+# images is all the image memory a build ever holds.
+
+
+def default_workers() -> int:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(cores, 8))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="build-shards", description=__doc__.split("\n\n")[0],
+                                epilog="`build-shards inspect OUT_DIR --help` describes the inspect command.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("source", help="folder with one sub-folder of images per class")
+    p.add_argument("source", help="class-folder tree, image tree, .csv/.jsonl list, or Hugging Face dataset")
     p.add_argument("out_dir", help="output folder for the shards and _info.json")
+    p.add_argument("--source-kind", choices=KINDS, default="auto",
+                   help="auto: .csv/.jsonl -> list; save_to_disk folder, parquet, or a hub name (owner/name) "
+                        "-> hf; other folders -> folder (one sub-folder per class)")
+    p.add_argument("--existing-splits", action="store_true",
+                   help="use the source's own splits (sub-folders of SOURCE, the list's 'split' column, or the HF "
+                        "dataset's splits) instead of --val-fraction")
     p.add_argument("--val-fraction", type=float, default=0.1, help="fraction of images held out for the val split")
-    p.add_argument("--shard-size", type=int, default=1000, help="samples per shard")
+    p.add_argument("--split", default=None,
+                   help="HF split(s) to read, comma-separated (default: train; all with --existing-splits)")
+    p.add_argument("--image-column", default="", help="HF image column (default: 'image' or the first Image column)")
+    p.add_argument("--label-column", default="label", help="HF label column ('' for unlabelled)")
+    p.add_argument("--shard-size", type=int, default=1000,
+                   help="samples per shard at most (0: no limit); shards of a split are balanced by count")
+    p.add_argument("--shard-bytes", type=int, default=0, help="bytes per shard at most, roughly (0: no limit)")
     p.add_argument("--max-side", type=int, default=512,
-                   help="re-encode images whose longer side exceeds this (0: never)")
+                   help="resize images whose --resize-side side exceeds this (0: never)")
+    p.add_argument("--resize-side", choices=["longer", "shorter"], default="longer",
+                   help="which side --max-side limits")
     p.add_argument("--min-side", type=int, default=8, help="skip images whose shorter side is below this")
+    p.add_argument("--max-pixels", type=int, default=100_000_000,
+                   help="skip images with more pixels than this (decompression bombs)")
     p.add_argument("--quality", type=int, default=90, help="JPEG/WebP quality when re-encoding")
     p.add_argument("--format", choices=["jpg", "png", "webp"], default="jpg", help="format when re-encoding")
     p.add_argument("--seed", type=int, default=0, help="seed of the shuffle before sharding")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing build in OUT_DIR")
-    return p.parse_args(argv)
+    p.add_argument("--workers", type=int, default=default_workers(), help="decoding processes")
+    p.add_argument("--overwrite", action="store_true", help="delete an existing or unfinished build in OUT_DIR first")
+    args = p.parse_args(argv)
+    if args.shard_size < 0 or args.shard_bytes < 0 or (args.shard_size == 0 and args.shard_bytes == 0):
+        p.error("--shard-size and --shard-bytes must be >= 0, and one of them > 0")
+    if not 0 <= args.val_fraction < 1:
+        p.error("--val-fraction must be in [0, 1)")
+    if args.workers < 1:
+        p.error("--workers must be >= 1")
+    return args
 
 
-def write_split(name: str, items: list[Item], out_dir: Path, shard_size: int, settings: EncodeSettings,
-                failures: list[dict], progress: Progress, task) -> dict:
-    """Write one split's shards; returns its manifest entry."""
-    filenames, lengths, sizes, hashes = [], [], [], []
-    for shard_index, start in enumerate(range(0, len(items), shard_size)):
-        filename = f"{name}-{shard_index:06d}.tar"
-        writer = ShardWriter(out_dir / filename)
-        for offset, item in enumerate(items[start:start + shard_size]):
+# ---------------------------------------------------------------- worker processes
+
+_reader = None
+_settings: EncodeSettings | None = None
+
+
+def _exit_with_parent(parent: int) -> None:
+    """Pool workers wait on a pipe forever if the main process is killed (kill -9); leave when it is gone."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)
+
+
+def _init_worker(reader, settings: EncodeSettings, parent: int) -> None:
+    global _reader, _settings
+    _reader, _settings = reader, settings
+    Image.MAX_IMAGE_PIXELS = settings.max_pixels  # PIL's own bomb check (at twice this) must not be stricter than ours
+    threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
+
+
+def _process(ref: str | int) -> tuple:
+    """Read and prepare one input: ("ok", bytes, ext, w, h) or ("fail", reason, detail)."""
+    try:
+        data = _reader.read(ref)
+    except OSError as e:
+        return ("fail", "unreadable", f"{type(e).__name__}: {e}")
+    try:
+        return ("ok", *prepare_image(data, _settings))
+    except BadImage as e:
+        return ("fail", e.reason, e.detail)
+
+
+def _ordered_results(pool, items: list[Item], start: int, window: int) -> Iterator[tuple]:
+    """Results for items[start:], in order. At most `window` inputs are in flight, so memory holds a bounded
+    number of images however slow the writer is (Pool.imap alone would read ahead without limit)."""
+    slots, stop = threading.Semaphore(window), threading.Event()
+
+    def refs() -> Iterator[str | int]:
+        for i in range(start, len(items)):
+            while not slots.acquire(timeout=0.1):
+                if stop.is_set():  # the consumer is gone; let the pool's feeder thread end
+                    return
+            yield items[i].ref
+
+    try:
+        for result in pool.imap(_process, refs(), chunksize=CHUNK):
+            slots.release()
+            yield result
+    finally:
+        stop.set()
+
+
+# ---------------------------------------------------------------- planning, journal, resume
+
+def plan_splits(source: Source, val_fraction: float, seed: int) -> dict[str, list[Item]]:
+    """Seeded global shuffle, then the split: by --val-fraction, or the source's own splits (each shuffled)."""
+    if "" in source.splits:
+        items = list(source.splits[""])
+        random.Random(seed).shuffle(items)
+        n_val = int(round(len(items) * val_fraction))
+        splits = {"train": items[n_val:], "val": items[:n_val]}
+    else:
+        splits = {}
+        for name, split_items in source.splits.items():
+            items = list(split_items)
+            random.Random(f"{seed}/{name}").shuffle(items)
+            splits[name] = items
+    return {k: v for k, v in splits.items() if v}
+
+
+def shard_end(start: int, total: int, shard_size: int) -> int:
+    """End of the shard starting at input `start`: the remaining inputs are spread evenly over as few shards as
+    `shard_size` allows (2500 by 1000 -> 834, 833, 833), so shards of a split differ by at most one input."""
+    remaining = total - start
+    if not shard_size:
+        return total
+    return start + math.ceil(remaining / math.ceil(remaining / shard_size))
+
+
+def fingerprint(source: Source, splits: dict[str, list[Item]], settings: dict) -> str:
+    """Identifies a build: settings plus every input id in its shuffled order. A resume must match it exactly."""
+    digest = hashlib.sha256(json.dumps([source.describe(), settings], sort_keys=True).encode())
+    for name, items in splits.items():
+        digest.update(f"\n[{name}]".encode())
+        for item in items:
+            digest.update(f"{item.source_id}\t{item.label}\n".encode())
+    return digest.hexdigest()
+
+
+class Journal:
+    """`_journal.jsonl`: a header naming the build, then one line per finished shard (appended and fsynced after
+    the shard's rename). A torn last line, from a kill mid-write, is ignored."""
+
+    def __init__(self, out_dir: Path) -> None:
+        self.path = out_dir / JOURNAL_NAME
+
+    def read(self) -> tuple[str | None, list[dict]]:
+        if not self.path.exists():
+            return None, []
+        header, records = None, []
+        for line in self.path.read_text().splitlines():
             try:
-                data, ext, w, h = prepare_image(item.read(), settings)
-            except (BadImage, OSError) as e:
-                failures.append({"source": item.source_id, "split": name, "reason": str(e)})
-                progress.advance(task)
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                break
+            if rec.get("type") == "build":
+                header = rec["fingerprint"]
+            elif rec.get("type") == "shard":
+                records.append(rec)
+        return header, records
+
+    def start(self, build_id: str, records: list[dict]) -> None:
+        """(Re)write the journal with the records that are kept, atomically."""
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        with open(tmp, "w") as f:
+            for rec in [{"type": "build", "fingerprint": build_id}, *records]:
+                f.write(json.dumps(rec) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+
+    def append(self, rec: dict) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"type": "shard", **rec}) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def verified_records(out_dir: Path, records: list[dict]) -> list[dict]:
+    """The journal's shards that are still intact: per split, a prefix whose files have the recorded size (and,
+    for each split's last shard, the one a crash is most likely to have hurt, the recorded sha256)."""
+    kept: list[dict] = []
+    by_split: dict[str, list[dict]] = collections.defaultdict(list)
+    for rec in records:
+        by_split[rec["split"]].append(rec)
+    for recs in by_split.values():
+        for i, rec in enumerate(recs):
+            if rec["filename"] is not None:
+                path = out_dir / rec["filename"]
+                if not path.exists() or path.stat().st_size != rec["bytes"]:
+                    break
+                if i == len(recs) - 1 and file_sha256(path) != rec["sha256"]:
+                    break
+            kept.append(rec)
+    return kept
+
+
+def our_files(out_dir: Path) -> list[Path]:
+    """Files a build writes into OUT_DIR (what --overwrite deletes): shards, temporaries, journal, reports."""
+    names = {MANIFEST_NAME, JOURNAL_NAME, FAILURES_NAME, MANIFEST_NAME + ".tmp", JOURNAL_NAME + ".tmp",
+             FAILURES_NAME + ".tmp"}
+    return sorted(p for p in out_dir.iterdir()
+                  if p.is_file() and (p.name in names or p.name.endswith((".tar", ".tar.tmp"))))
+
+
+# ---------------------------------------------------------------- building
+
+class SpeedColumn(ProgressColumn):
+    """Images per second."""
+
+    def render(self, task) -> Text:
+        return Text(f"{task.speed or 0:,.0f} img/s")
+
+
+def sample_files(result: tuple, item: Item) -> dict[str, bytes]:
+    """The files of one sample: the image, `.cls` when labelled, `.json` metadata."""
+    _, data, ext, w, h = result
+    files = {ext: data}
+    if item.label >= 0:
+        files["cls"] = str(item.label).encode()
+    meta = {"source": item.source_id, "label": item.label, "width": w, "height": h}
+    files["json"] = json.dumps(meta, sort_keys=True).encode()
+    return files
+
+
+def write_split(name: str, items: list[Item], done: list[dict], pool, args: argparse.Namespace, out_dir: Path,
+                journal: Journal, advance) -> list[dict]:
+    """Write the shards of one split not yet in `done` (its journal records); returns all its records."""
+    records = list(done)
+    pos = records[-1]["end"] if records else 0
+    index = sum(1 for r in records if r["filename"] is not None)
+    if pos >= len(items):
+        return records
+    results = _ordered_results(pool, items, pos, window=3 * CHUNK * args.workers)
+    try:
+        return _write_shards(name, items, records, pos, index, results, args, out_dir, journal, advance)
+    finally:
+        results.close()  # stops the pool's feeder if we leave early (an error, Ctrl-C)
+
+
+def _write_shards(name: str, items: list[Item], records: list[dict], pos: int, index: int, results: Iterator[tuple],
+                  args: argparse.Namespace, out_dir: Path, journal: Journal, advance) -> list[dict]:
+    while pos < len(items):
+        end = shard_end(pos, len(items), args.shard_size)
+        filename = f"{name}-{index:06d}.tar"
+        writer = ShardWriter(out_dir / filename)
+        failures = []
+        i = pos
+        while i < end:
+            result, item = next(results), items[i]
+            i += 1
+            advance()
+            if result[0] == "fail":
+                failures.append({"source": item.source_id, "split": name, "reason": result[1], "detail": result[2]})
                 continue
-            key = f"{name}_{start + offset:08d}"
-            meta = {"source": item.source_id, "label": item.label, "width": w, "height": h}
-            files = {ext: data}
-            if item.label >= 0:
-                files["cls"] = str(item.label).encode()
-            files["json"] = json.dumps(meta, sort_keys=True).encode()
-            writer.write(key, files)
-            progress.advance(task)
-        count, size, digest = writer.close()
-        filenames.append(filename)
-        lengths.append(count)
-        sizes.append(size)
-        hashes.append(digest)
-    return {"name": name, "num_samples": sum(lengths), "filenames": filenames, "shard_lengths": lengths,
-            "shard_bytes": sizes, "shard_sha256": hashes}
+            writer.write(f"{name}_{i - 1:09d}", sample_files(result, item))
+            if args.shard_bytes and writer.bytes_written >= args.shard_bytes:
+                break  # the byte limit closes the shard early; the next one starts at the next input
+        if writer.count:
+            count, size, digest = writer.close()
+            index += 1
+        else:
+            writer.discard()  # every input of this range failed: no empty shard in the manifest
+            count, size, digest, filename = 0, 0, "", None
+        rec = {"split": name, "filename": filename, "start": pos, "end": i, "count": count, "bytes": size,
+               "sha256": digest, "failures": failures}
+        journal.append(rec)
+        records.append(rec)
+        pos = i
+    return records
+
+
+def split_entry(name: str, records: list[dict]) -> dict:
+    """The manifest's entry for one split (timm's schema plus shard_bytes and shard_sha256)."""
+    shards = [r for r in records if r["filename"] is not None]
+    return {"name": name, "num_samples": sum(r["count"] for r in shards), "filenames": [r["filename"] for r in shards],
+            "shard_lengths": [r["count"] for r in shards], "shard_bytes": [r["bytes"] for r in shards],
+            "shard_sha256": [r["sha256"] for r in shards]}
 
 
 def build(args: argparse.Namespace) -> dict:
+    """Build (or finish building) OUT_DIR from SOURCE; returns the manifest."""
     out_dir = Path(args.out_dir)
-    if (out_dir / MANIFEST_NAME).exists() and not args.overwrite:
-        raise FileExistsError(f"{out_dir} already holds a build ({MANIFEST_NAME}); pass --overwrite to replace it")
-    items, classes = image_folder(args.source)
-    if not items:
-        raise ValueError(f"no images found under {args.source}")
-    random.Random(args.seed).shuffle(items)
-    n_val = int(round(len(items) * args.val_fraction))
-    splits = {"train": items[n_val:], "val": items[:n_val]}
-    out_dir.mkdir(parents=True, exist_ok=True)
+    if args.overwrite and out_dir.is_dir():
+        for path in our_files(out_dir):
+            path.unlink()
+    split_arg = args.split if args.split is not None else ("" if args.existing_splits else "train")
+    source = open_source(args.source, args.source_kind, existing_splits=args.existing_splits, split=split_arg,
+                         image_column=args.image_column, label_column=args.label_column or None)
+    splits = plan_splits(source, args.val_fraction, args.seed)
+    if not splits:
+        raise SourceError(f"no images found in {args.source}")
     settings = EncodeSettings(max_side=args.max_side, min_side=args.min_side, quality=args.quality,
-                              format=args.format)
-    failures: list[dict] = []
+                              format=args.format, resize_side=args.resize_side, max_pixels=args.max_pixels)
+    layout = {"seed": args.seed, "val_fraction": None if args.existing_splits else args.val_fraction,
+              "existing_splits": args.existing_splits, "shard_size": args.shard_size,
+              "shard_bytes": args.shard_bytes}
+    build_id = fingerprint(source, splits, {**layout, "encoder": settings.to_dict()})
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    journal = Journal(out_dir)
+    previous, records = journal.read()
+    if previous is not None and previous != build_id:
+        raise FileExistsError(f"{out_dir} holds a build of other inputs or settings; pass --overwrite to replace it")
+    if previous is None and [p for p in our_files(out_dir) if not p.name.endswith(".tmp")]:
+        raise FileExistsError(f"{out_dir} holds files of another build; pass --overwrite to replace them")
+    if previous == build_id and (out_dir / MANIFEST_NAME).exists():
+        print(f"{out_dir} is already complete ({MANIFEST_NAME}); pass --overwrite to build it again")
+        return json.loads((out_dir / MANIFEST_NAME).read_text())
+    records = verified_records(out_dir, records)
+    journal.start(build_id, records)
+    for tmp in out_dir.glob("*.tar.tmp"):  # a shard that was being written when the last run stopped
+        tmp.unlink()
+    done = collections.defaultdict(list)
+    for rec in records:
+        done[rec["split"]].append(rec)
+    total = sum(len(v) for v in splits.values())
+    resumed = sum(r["end"] - r["start"] for r in records)
+    if resumed:
+        print(f"resuming: {resumed} of {total} inputs are in {sum(r['filename'] is not None for r in records)} "
+              "finished shards")
+
     start = time.perf_counter()
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), SpeedColumn(),
                TimeRemainingColumn())
-    with Progress(*columns, transient=not sys.stderr.isatty()) as progress:
-        task = progress.add_task("building shards", total=len(items))
-        entries = {name: write_split(name, split_items, out_dir, args.shard_size, settings, failures, progress, task)
-                   for name, split_items in splits.items() if split_items}
+    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+    with ctx.Pool(args.workers, _init_worker, (source.reader, settings, os.getpid())) as pool, \
+            Progress(*columns, transient=not sys.stderr.isatty()) as progress:
+        task = progress.add_task("building shards", total=total, completed=resumed)
+
+        def advance() -> None:
+            progress.advance(task)
+
+        all_records = {name: write_split(name, items, done[name], pool, args, out_dir, journal, advance)
+                       for name, items in splits.items()}
     elapsed = time.perf_counter() - start
-    with open(out_dir / "failures.jsonl", "w") as f:
+
+    failures = [f for recs in all_records.values() for r in recs for f in r["failures"]]
+    tmp = out_dir / (FAILURES_NAME + ".tmp")
+    with open(tmp, "w") as f:
         for rec in failures:
             f.write(json.dumps(rec) + "\n")
+    os.replace(tmp, out_dir / FAILURES_NAME)
+    entries = {name: split_entry(name, recs) for name, recs in all_records.items()}
     info = {
-        "name": Path(args.source).name,
+        "name": Path(str(args.source).rstrip("/")).name,
         "splits": entries,
-        "num_classes": len(classes),
-        "class_names": classes,
-        "source": {"kind": "image_folder", "path": str(args.source), "num_inputs": len(items)},
-        "seed": args.seed,
-        "encoder": {"max_side": args.max_side, "min_side": args.min_side, "quality": args.quality,
-                    "format": args.format},
+        "num_classes": len(source.class_names),
+        "class_names": source.class_names,
+        "source": source.describe(),
+        **layout,
+        "encoder": settings.to_dict(),
         "num_failures": len(failures),
+        "failure_reasons": dict(sorted(collections.Counter(f["reason"] for f in failures).items())),
         "tool_version": TOOL_VERSION,
     }
     write_manifest(out_dir, info)  # the commit point: a build without it is incomplete
     written = sum(e["num_samples"] for e in entries.values())
     shards = sum(len(e["filenames"]) for e in entries.values())
     per_split = ", ".join(f"{k}: {v['num_samples']}" for k, v in entries.items())
-    print(f"wrote {written} samples in {shards} shards to {out_dir} ({per_split}); skipped {len(failures)}; "
-          f"{written / max(elapsed, 1e-9):.0f} img/s")
+    reasons = ", ".join(f"{k} {v}" for k, v in info["failure_reasons"].items())
+    rate = (total - resumed) / max(elapsed, 1e-9)
+    print(f"wrote {written} samples in {shards} shards to {out_dir} ({per_split}); "
+          f"skipped {len(failures)}{f' ({reasons}; see {FAILURES_NAME})' if failures else ''}")
+    print(f"throughput: {rate:,.0f} img/s with {args.workers} worker(s) ({rate / args.workers:,.0f} img/s per worker)"
+          f", {elapsed:.1f} s")
     return info
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        build(args)
+        if argv and argv[0] == "inspect":
+            from data_tools.inspect_shards import main as inspect_main
+
+            sys.exit(inspect_main(argv[1:]))
+        build(parse_args(argv))
     except (FileNotFoundError, FileExistsError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

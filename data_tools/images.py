@@ -1,50 +1,108 @@
-"""Image checks and encoding: fully decode every input; keep the original bytes when they are fine as they are."""
+"""Image checks and encoding: fully decode every input; keep the original bytes when they are fine as they are.
+
+An input keeps its original bytes when it is a JPEG, PNG or WebP, decodes completely, is plain 8-bit RGB, has no
+EXIF rotation and fits `max_side`. Anything else is converted to RGB (EXIF orientation applied, alpha composited
+on white, 16-bit scaled to 8-bit, CMYK and palette converted), resized if needed and re-encoded once.
+"""
 
 from __future__ import annotations
 
 import io
-from dataclasses import dataclass
+import warnings
+from dataclasses import asdict, dataclass
 
-from PIL import Image, ImageOps
+import numpy as np
+from PIL import Image, ImageFile, ImageOps
 
-FORMAT_EXT = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp"}
+FORMAT_EXT = {"JPEG": "jpg", "MPO": "jpg", "PNG": "png", "WEBP": "webp"}  # MPO: camera JPEGs with extra frames
+PIL_FORMAT = {"jpg": "JPEG", "png": "PNG", "webp": "WEBP"}
 ORIENTATION = 0x0112  # EXIF tag
+WHITE = (255, 255, 255)
+
+ImageFile.LOAD_TRUNCATED_IMAGES = False  # a truncated file must fail here, not silently become grey pixels
 
 
 class BadImage(ValueError):
-    """An input that cannot become a sample; the message is the reason recorded in the failures file."""
+    """An input that cannot become a sample. `reason` is a short code; the message says more."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason, self.detail = reason, detail
 
 
 @dataclass(frozen=True)
 class EncodeSettings:
-    max_side: int = 0  # 0: never resize; otherwise the longer side is brought down to this
-    min_side: int = 1  # smaller images are rejected
-    quality: int = 90  # JPEG quality when re-encoding
+    max_side: int = 0  # 0: never resize; otherwise `resize_side` is brought down to this
+    min_side: int = 1  # images whose shorter side is smaller are rejected
+    quality: int = 90  # JPEG/WebP quality when re-encoding
     format: str = "jpg"  # re-encoding format: jpg, png or webp
+    resize_side: str = "longer"  # which side `max_side` limits: longer or shorter
+    max_pixels: int = 100_000_000  # larger images are rejected as decompression bombs
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _to_rgb(img: Image.Image) -> Image.Image:
+    """Any PIL mode to 8-bit RGB: alpha composited on white, 16/32-bit and float scaled to 0..255."""
+    if img.mode in ("I", "I;16", "I;16B", "I;16L", "I;16N", "F"):
+        arr = np.asarray(img, dtype=np.float64)
+        # 16-bit data stored as I/I;16 spans 0..65535; a float image is assumed to be 0..1 when it fits there
+        top = 65535.0 if arr.max(initial=0) > 255 else (1.0 if img.mode == "F" and arr.max(initial=0) <= 1 else 255.0)
+        img = Image.fromarray(np.clip(arr / top * 255.0 + 0.5, 0, 255).astype(np.uint8), "L")
+    if img.mode in ("RGBA", "LA", "PA", "RGBa", "La") or (img.mode == "P" and "transparency" in img.info):
+        rgba = img.convert("RGBA")
+        out = Image.new("RGB", rgba.size, WHITE)
+        out.paste(rgba, mask=rgba.getchannel("A"))
+        return out
+    return img.convert("RGB")
+
+
+def _target_size(w: int, h: int, settings: EncodeSettings) -> tuple[int, int] | None:
+    """The new size when the limited side exceeds `max_side`, else None."""
+    if not settings.max_side:
+        return None
+    side = max(w, h) if settings.resize_side == "longer" else min(w, h)
+    if side <= settings.max_side:
+        return None
+    scale = settings.max_side / side
+    return max(1, round(w * scale)), max(1, round(h * scale))
 
 
 def prepare_image(data: bytes, settings: EncodeSettings) -> tuple[bytes, str, int, int]:
-    """Decode fully and check; return (bytes, extension, width, height), re-encoded only when needed."""
+    """Decode fully and check; return (bytes, extension, width, height), re-encoded only when needed.
+
+    Raises `BadImage` with reason empty, undecodable, truncated, decompression_bomb or too_small."""
     if not data:
-        raise BadImage("empty file")
+        raise BadImage("empty", "0 bytes")
     try:
-        img = Image.open(io.BytesIO(data))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # checked below, against our limit
+            img = Image.open(io.BytesIO(data))
+        w, h = img.size
+        if w * h > settings.max_pixels:
+            raise BadImage("decompression_bomb", f"{w}x{h} exceeds --max-pixels {settings.max_pixels}")
         fmt = img.format
-        img.load()  # full decode: truncated files fail here, not at training time
+        img.load()  # full decode: truncated and corrupt files fail here, not at training time
+    except BadImage:
+        raise
+    except Image.DecompressionBombError as e:
+        raise BadImage("decompression_bomb", str(e)) from None
     except Exception as e:  # PIL raises many types for bad input
-        raise BadImage(f"undecodable: {type(e).__name__}: {e}") from None
-    w, h = img.size
+        text = f"{type(e).__name__}: {e}"
+        reason = "truncated" if "truncated" in str(e) or "broken data stream" in str(e) else "undecodable"
+        raise BadImage(reason, text) from None
     if min(w, h) < settings.min_side:
-        raise BadImage(f"too small: {w}x{h}")
+        raise BadImage("too_small", f"{w}x{h} < --min-side {settings.min_side}")
     rotated = img.getexif().get(ORIENTATION, 1) != 1
-    needs_resize = settings.max_side and max(w, h) > settings.max_side
-    if fmt in FORMAT_EXT and img.mode == "RGB" and not rotated and not needs_resize:
+    size = _target_size(w, h, settings)
+    if fmt in FORMAT_EXT and img.mode == "RGB" and not rotated and size is None:
         return data, FORMAT_EXT[fmt], w, h
-    img = ImageOps.exif_transpose(img).convert("RGB")
-    if needs_resize:
-        scale = settings.max_side / max(img.size)
-        img = img.resize((max(1, round(img.width * scale)), max(1, round(img.height * scale))), Image.BICUBIC)
+    img = _to_rgb(ImageOps.exif_transpose(img))
+    size = _target_size(img.width, img.height, settings)  # again: a 90-degree rotation swaps the sides
+    if size is not None:
+        img = img.resize(size, Image.BICUBIC, reducing_gap=3.0)
     out = io.BytesIO()
-    pil_format = {"jpg": "JPEG", "png": "PNG", "webp": "WEBP"}[settings.format]
-    img.save(out, format=pil_format, **({"quality": settings.quality} if settings.format != "png" else {}))
+    options = {} if settings.format == "png" else {"quality": settings.quality}
+    img.save(out, format=PIL_FORMAT[settings.format], **options)
     return out.getvalue(), settings.format, img.width, img.height

@@ -1,4 +1,7 @@
-"""Writing webdataset tars from bytes: fixed metadata (byte-reproducible), atomic (temporary name, then rename)."""
+"""Writing webdataset tars from bytes: fixed metadata (byte-reproducible), atomic (temporary name, then rename).
+
+The sha256 and size are computed while writing, so a finished shard is never read back.
+"""
 
 from __future__ import annotations
 
@@ -9,14 +12,48 @@ import tarfile
 from pathlib import Path
 
 
+class _HashingFile(io.RawIOBase):
+    """A write-only file that hashes and counts what passes through it."""
+
+    def __init__(self, path: Path) -> None:
+        self.f = open(path, "wb")
+        self.sha256 = hashlib.sha256()
+        self.size = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.size
+
+    def write(self, data) -> int:
+        self.sha256.update(data)
+        self.size += len(data)
+        return self.f.write(data)
+
+    def close(self) -> None:
+        if not self.f.closed:
+            self.f.flush()
+            os.fsync(self.f.fileno())  # the shard is on disk before the journal says it is
+            self.f.close()
+        super().close()
+
+
 class ShardWriter:
-    """Writes one shard; `close()` renames `<name>.tmp` to `<name>` and returns (samples, bytes, sha256)."""
+    """Writes one shard; `close()` renames `<name>.tmp` to `<name>` and returns (samples, bytes, sha256).
+
+    `discard()` removes the temporary file instead (a shard that ended up empty)."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.tmp = self.path.with_name(self.path.name + ".tmp")
-        self.tar = tarfile.open(self.tmp, "w", format=tarfile.USTAR_FORMAT)
+        self.file = _HashingFile(self.tmp)
+        self.tar = tarfile.open(fileobj=self.file, mode="w", format=tarfile.USTAR_FORMAT)
         self.count = 0
+
+    @property
+    def bytes_written(self) -> int:
+        return self.file.size
 
     def write(self, key: str, files: dict[str, bytes]) -> None:
         """Add one sample: `files` maps extension to bytes; they are stored adjacent, as `<key>.<ext>`."""
@@ -31,10 +68,20 @@ class ShardWriter:
 
     def close(self) -> tuple[int, int, str]:
         self.tar.close()
-        digest = hashlib.sha256()
-        with open(self.tmp, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                digest.update(block)
-        size = self.tmp.stat().st_size
+        self.file.close()
         os.replace(self.tmp, self.path)
-        return self.count, size, digest.hexdigest()
+        return self.count, self.file.size, self.file.sha256.hexdigest()
+
+    def discard(self) -> None:
+        self.tar.close()
+        self.file.close()
+        self.tmp.unlink()
+
+
+def file_sha256(path: str | Path) -> str:
+    """sha256 of a file, read in 1 MiB blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()

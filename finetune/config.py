@@ -10,7 +10,12 @@ from common.config import DataConfig, ModelConfig, OptimConfig, TrainConfig, opt
 
 @dataclass
 class InitConfig:
-    checkpoint: str = opt("", "encoder to start from: a pretrain export (.safetensors or its folder); '' = scratch")
+    checkpoint: str = opt("", "encoder to start from: a pretrain/fine-tune export (folder or .safetensors), a timm "
+                              "state dict (.safetensors, .pth, .bin), or an original ViT .npz; '' = from scratch")
+    kind: Literal["auto", "export", "timm", "npz"] = opt(
+        "auto", "checkpoint format (auto: a folder or a .safetensors with its .json = export, .npz = npz, else timm)")
+    grid: list[int] | None = opt(None, "the checkpoint's patch grid [rows, cols] for timm/npz checkpoints "
+                                       "(default: inferred from pos_embed, assumed square)")
     posemb_interp: Literal["bilinear", "bicubic"] = opt("bilinear", "position-embedding resize (paper: bilinear)")
 
 
@@ -20,11 +25,27 @@ class FinetuneOptimConfig(OptimConfig):
     base_lr: float = opt(0.01, "learning rate at base_batch_size (paper: one of 0.001, 0.003, 0.01, 0.03)")
     base_batch_size: int = opt(512, "batch size at which base_lr applies (paper: 512)")
     warmup_steps: int = opt(500, "linear warmup steps")
+    layer_decay: float | None = opt(None, "layer-wise LR decay (e.g. 0.75 with AdamW): the head gets the LR, "
+                                          "block i (0-based) of L decay^(L-i), the embeddings decay^(L+1); "
+                                          "null = the same LR everywhere (paper)")
+
+
+@dataclass
+class AugmentConfig:
+    """Augmentations applied on the device to the training batch (crops and flips are in `data`)."""
+
+    color_jitter: float = opt(0.0, "brightness/contrast/saturation jitter strength (0.4 is common; 0 = off)")
+    mixup: float = opt(0.0, "mixup alpha (0 = off)")
+    cutmix: float = opt(0.0, "cutmix alpha (0 = off)")
+    mix_prob: float = opt(1.0, "probability of applying mixup/cutmix to a batch")
+    switch_prob: float = opt(0.5, "probability of cutmix instead of mixup when both are on")
 
 
 @dataclass
 class FinetuneTrainConfig(TrainConfig):
     run_dir: str = opt("runs/finetune", "run directory (config, metrics, checkpoints, export); re-running resumes")
+    mode: Literal["finetune", "linear_probe"] = opt(
+        "finetune", "finetune: train everything; linear_probe: frozen encoder (eval mode), only the head trains")
     batch_size: int = opt(512, "global batch size (all processes, after accumulation)")
     epochs: int = opt(10, "passes over the training split")
     label_smoothing: float = opt(0.0, "label smoothing of the cross-entropy")
@@ -38,4 +59,5 @@ class FinetuneConfig:
     num_classes: int | None = opt(None, "classes of the new head (default: from the shard manifest)")
     data: DataConfig = section(DataConfig)
     optim: FinetuneOptimConfig = section(FinetuneOptimConfig)
+    augment: AugmentConfig = section(AugmentConfig)
     train: FinetuneTrainConfig = section(FinetuneTrainConfig)

@@ -10,46 +10,32 @@ Reads top to bottom: config -> accelerator -> data -> model -> optimizer -> resu
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from accelerate.utils import set_seed
+from timm.loss import SoftTargetCrossEntropy
 
 from common.checkpoint import export_encoder, latest_checkpoint, load_checkpoint, save_checkpoint
 from common.config import ConfigError, parse_args, to_dict
-from common.data_stream import build_loader, normalize, to_device
+from common.data_stream import build_loader, normalize
 from common.manifest import load_split
 from common.models import count_params
 from common.run_dir import MetricsLog, Throughput, prepare_run_dir, progress_line
 from common.runtime import build_optimizer, make_accelerator, mean_across_processes, optimizer_step, set_lr
 from common.schedule import lr_at, scaled_lr, warmup_steps
+from finetune.augment import build_mixup, color_jitter
 from finetune.config import FinetuneConfig
+from finetune.evaluation import evaluate, per_class_accuracy, write_confusion
 from finetune.init_model import build_classifier
+from finetune.modes import freeze_encoder, set_train_mode
 
 
-@torch.no_grad()
-def evaluate(accelerator, model, loader, mean, std, num_classes: int) -> dict[str, float]:
-    """Top-1 (and top-5 when there are more than 5 classes) and loss; every sample counted once across processes."""
-    model.eval()
-    k = min(5, num_classes)
-    totals = torch.zeros(4, device=accelerator.device)  # loss sum, top-1 hits, top-k hits, samples
-    for batch in loader:
-        batch = to_device(batch, accelerator.device)
-        with accelerator.autocast():
-            logits = model(normalize(batch["image"], mean, std)).float()
-        valid = batch["valid"].float()
-        loss = F.cross_entropy(logits, batch["label"], reduction="none")
-        topk = logits.topk(k, dim=1).indices  # (B, k)
-        hits = topk == batch["label"].unsqueeze(1)
-        totals += torch.stack([(loss * valid).sum(), (hits[:, 0].float() * valid).sum(),
-                               (hits.any(1).float() * valid).sum(), valid.sum()])
-    totals = accelerator.reduce(totals, reduction="sum")
-    model.train()
-    n = totals[3].clamp(min=1)
-    result = {"val_loss": (totals[0] / n).item(), "val_top1": (totals[1] / n).item(), "val_samples": int(totals[3])}
-    if num_classes > 5:
-        result["val_top5"] = (totals[2] / n).item()
-    return result
+def export_classifier(state: dict[str, torch.Tensor], model_cfg: dict[str, Any], out_dir: Path,
+                      extra: dict[str, Any]) -> None:
+    """`model.safetensors` (head included) + `model.json`: what `python -m finetune.predict` reads."""
+    export_encoder(state, model_cfg, out_dir, extra=extra, name="model", keep_head=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -67,20 +53,26 @@ def main(argv: list[str] | None = None) -> None:
     num_classes = cfg.num_classes or info.get("num_classes") or len(info.get("class_names", []))
     if not num_classes:
         raise ConfigError("num_classes is not set and the manifest names no classes")
+    class_names = info.get("class_names")
 
     # Model: encoder (pretrained or not) with position embeddings resized to model.img_size and a zero head.
     model, mean, std, model_cfg = build_classifier(cfg.init, cfg.model, num_classes)
+    if tc.mode == "linear_probe":
+        freeze_encoder(model)  # before the optimizer is built: its parameter groups then hold the head only
     model.to(accelerator.device)
     peak_lr = scaled_lr(cfg.optim, tc.batch_size)
-    optimizer = build_optimizer(model, cfg.optim, peak_lr)
+    optimizer = build_optimizer(model, cfg.optim, peak_lr, layer_decay=cfg.optim.layer_decay)
     model, optimizer = accelerator.prepare(model, optimizer)
     if tc.compile:
         model = torch.compile(model)
+    mixup = build_mixup(cfg.augment, num_classes, tc.label_smoothing, plan.micro_batch)
+    soft_ce = SoftTargetCrossEntropy()
 
-    start_step = 0
+    start_step, best_top1 = 0, -1.0
     ckpt = latest_checkpoint(tc.run_dir)
     if ckpt is not None:
-        start_step = load_checkpoint(accelerator, ckpt)["step"]
+        state = load_checkpoint(accelerator, ckpt)
+        start_step, best_top1 = state["step"], state.get("best_top1", -1.0)
         accelerator.print(f"resuming from {ckpt} (step {start_step})")
         if changed:
             accelerator.print(f"note: config differs from the previous run in: {', '.join(changed)}")
@@ -97,27 +89,43 @@ def main(argv: list[str] | None = None) -> None:
     steps_per_epoch = max(1, stream.batches_per_epoch // plan.accum_steps)
     total_steps = tc.epochs * steps_per_epoch
     warmup = warmup_steps(cfg.optim, total_steps)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     accelerator.print(
-        f"model {model_cfg.name} at {cfg.model.img_size} ({count_params(model) / 1e6:.2f}M params), "
-        f"{num_classes} classes, init: {cfg.init.checkpoint or 'random (from scratch)'}\n"
+        f"model {model_cfg.name} at {cfg.model.img_size} ({count_params(model) / 1e6:.2f}M params, "
+        f"{trainable / 1e6:.2f}M trained: {tc.mode}), {num_classes} classes, "
+        f"init: {cfg.init.checkpoint or 'random (from scratch)'}\n"
         f"data {train_split.num_samples} train images, {steps_per_epoch} steps/epoch x {tc.epochs} epochs "
         f"= {total_steps} steps | {plan.describe()}\n"
-        f"optim {cfg.optim.name} lr {peak_lr:.3g} (base {cfg.optim.base_lr:g} @ {cfg.optim.base_batch_size}), warmup "
-        f"{warmup}, cosine | mixed precision {tc.mixed_precision} | run dir {tc.run_dir}"
+        f"optim {cfg.optim.name} lr {peak_lr:.3g} (base {cfg.optim.base_lr:g} @ {cfg.optim.base_batch_size}"
+        f"{f', layer decay {cfg.optim.layer_decay:g}' if cfg.optim.layer_decay else ''}), warmup {warmup}, cosine | "
+        f"mixed precision {tc.mixed_precision} | run dir {tc.run_dir}"
     )
     accelerator.init_trackers("finetune", config={k: str(v) for k, v in to_dict(cfg).items()})
 
     def forward(m, batch):
-        logits = m(normalize(batch["image"], mean, std))
-        loss = F.cross_entropy(logits.float(), batch["label"], label_smoothing=tc.label_smoothing)
-        acc = (logits.argmax(1) == batch["label"]).float().mean()
+        images, labels = batch["image"], batch["label"]
+        if cfg.augment.color_jitter > 0:
+            images = color_jitter(images, cfg.augment.color_jitter)  # (B, 3, H, W) float in [0, 255]
+        x = normalize(images, mean, std)
+        if mixup is not None:  # mixes the normalized batch; targets become (B, K) soft labels, smoothed
+            x, soft = mixup(x, labels)
+            logits = m(x)
+            loss = soft_ce(logits.float(), soft)
+        else:
+            logits = m(x)
+            loss = F.cross_entropy(logits.float(), labels, label_smoothing=tc.label_smoothing)
+        acc = (logits.argmax(1) == labels).float().mean()  # against the unmixed labels: a rough guide with mixup
         return {"loss": loss, "metrics": {"acc": acc.detach()}}
+
+    def export_extra() -> dict[str, Any]:
+        return {"mean": list(mean), "std": list(std), "num_classes": num_classes, "class_names": class_names,
+                "eval_crop_pct": cfg.data.eval_crop_pct, "init": cfg.init.checkpoint, "mode": tc.mode}
 
     batches = iter(loader)
     speed = Throughput(start_step, total_steps)
     sums: dict[str, float] = {}
     result: dict[str, float] = {}
-    model.train()
+    set_train_mode(accelerator.unwrap_model(model), tc.mode)
     for step in range(start_step, total_steps):
         lr = lr_at(step, peak_lr, warmup, total_steps, cfg.optim.min_lr_ratio)
         set_lr(optimizer, lr)
@@ -139,20 +147,32 @@ def main(argv: list[str] | None = None) -> None:
         epoch_end = done % steps_per_epoch == 0
         if val_loader is not None and (done == total_steps or
                                        (epoch_end and (done // steps_per_epoch) % tc.eval_every_epochs == 0)):
-            result = evaluate(accelerator, model, val_loader, mean, std, num_classes)
+            result, confusion = evaluate(accelerator, model, val_loader, mean, std, num_classes)
+            set_train_mode(accelerator.unwrap_model(model), tc.mode)
             accelerator.print(f"eval epoch {done / steps_per_epoch:.3g} | "
                               + " | ".join(f"{k} {v:.4g}" for k, v in result.items()))
-            log.write({"step": done, **result})
+            log.write({"step": done, **result, "val_per_class_acc": per_class_accuracy(confusion).tolist(),
+                       "val_per_class_count": confusion.sum(1).tolist()})
             accelerator.log(result, step=done)
+            if accelerator.is_main_process:
+                write_confusion(confusion, class_names, tc.run_dir,
+                                title=f"step {done}: top-1 {result['val_top1']:.4f} on {result['val_samples']} images")
+            if result["val_top1"] > best_top1:  # the best model so far (the same decision on every process)
+                state = accelerator.get_state_dict(model)  # on every process: FSDP gathers shards
+                if accelerator.is_main_process:
+                    export_classifier(state, to_dict(model_cfg), Path(tc.run_dir) / "export" / "best",
+                                      {**export_extra(), "step": done, **result})
+            best_top1 = max(best_top1, result["val_top1"])
         if done % tc.ckpt_every == 0 or done == total_steps:
-            save_checkpoint(accelerator, tc.run_dir, done, {"config": to_dict(cfg)}, tc.keep_last)
+            save_checkpoint(accelerator, tc.run_dir, done, {"config": to_dict(cfg), "best_top1": best_top1},
+                            tc.keep_last)
 
+    state = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
-        export_encoder(accelerator.unwrap_model(model), to_dict(model_cfg), Path(tc.run_dir) / "export", extra={
-            "mean": list(mean), "std": list(std), "num_classes": num_classes,
-            "class_names": info.get("class_names"), "init": cfg.init.checkpoint,
-        }, name="model", keep_head=True)
+        export_classifier(state, to_dict(model_cfg), Path(tc.run_dir) / "export",
+                          {**export_extra(), "step": total_steps, **result})
         if result:
             accelerator.print(f"final validation top-1: {result['val_top1']:.4f} on {result['val_samples']} images "
-                              f"({num_classes} classes, chance {1 / num_classes:.4f})")
+                              f"({num_classes} classes, chance {1 / num_classes:.4f}); best {best_top1:.4f}, "
+                              f"exported to {Path(tc.run_dir) / 'export' / 'best'}")
     accelerator.end_training()

@@ -139,10 +139,11 @@ def main(argv: list[str] | None = None) -> None:
         if done % tc.ckpt_every == 0 or done == tc.steps:
             save_checkpoint(accelerator, tc.run_dir, done, {"config": to_dict(cfg)}, tc.keep_last)
 
-    # The hand-off to fine-tuning: the unwrapped encoder's weights (timm names) and the config to rebuild it.
+    # The hand-off to fine-tuning: the encoder's weights (timm names) and the config to rebuild it. The state dict
+    # is gathered on every process (FSDP shards need all of them); the main process writes it.
+    state = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
-        encoder = accelerator.unwrap_model(model).encoder
-        path = export_encoder(encoder, to_dict(cfg.model), Path(tc.run_dir) / "export", extra={
+        path = export_encoder(state, to_dict(cfg.model), Path(tc.run_dir) / "export", prefix="encoder.", extra={
             "mean": list(mean), "std": list(std), "pretrain": {"steps": tc.steps, "target": cfg.mpp.target,
                                                                 "mask_ratio": cfg.mpp.mask_ratio},
         })

@@ -57,6 +57,8 @@ def test_pretrain_resume_then_finetune_with_two_processes(demo_shards, tmp_path)
     evals = [m for m in metrics(ft) if "val_top1" in m]
     n_val = json.loads((demo_shards / "_info.json").read_text())["splits"]["val"]["num_samples"]
     assert evals and evals[-1]["val_samples"] == n_val  # every validation image counted once over both processes
+    assert sum(evals[-1]["val_per_class_count"]) == n_val
+    assert (ft / "export" / "best" / "model.safetensors").is_file()
     model = load_file(ft / "export" / "model.safetensors")
     assert model["pos_embed"].shape == (1, 1 + 6 * 6, 32)  # resized from 16px to 24px
     assert model["head.weight"].shape == (4, 32) and torch.count_nonzero(model["head.weight"]) > 0

@@ -59,7 +59,7 @@ def test_loading_an_export_at_a_larger_non_square_size(tmp_path):
     torch.manual_seed(0)
     pre_cfg = ModelConfig(img_size=16, **SMALL)
     encoder = create_encoder(pre_cfg)
-    export_encoder(encoder, to_dict(pre_cfg), tmp_path)
+    export_encoder(encoder.state_dict(), to_dict(pre_cfg), tmp_path)
     model, _, _, resolved = build_classifier(InitConfig(checkpoint=str(tmp_path)), ModelConfig(img_size=[24, 32]), 5)
     assert resolved.embed_dim == 32 and model.patch_embed.grid_size == (6, 8)
     expected = resize_pos_embed(encoder.pos_embed.detach(), (4, 4), (6, 8), 1, "bilinear")

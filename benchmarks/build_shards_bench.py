@@ -1,0 +1,120 @@
+"""How fast is build-shards next to a bare PIL loop doing the same work, and how much memory does it need?
+
+    python benchmarks/build_shards_bench.py [--images 2000] [--size 320] [--max-side 256]
+    python benchmarks/build_shards_bench.py --rss 100000      # also: peak RSS for 100k tiny images
+
+Generates JPEGs (seeded; nothing downloaded), larger than --max-side so every image is decoded, resized and
+re-encoded, then times in the same run:
+
+* a bare PIL loop on one core: read, decode fully, convert to RGB, resize, encode JPEG (what build-shards does
+  to such an image, minus tar, sha256, journal and processes);
+* build-shards with 1 and 2 workers.
+
+It prints images/s per core and the ratios; targets: build-shards with one worker >= 0.9 x the bare loop, two
+workers >= 1.8 x one worker on 2 free cores. With --rss N it builds N tiny images (and N/10, for the slope) in a
+child process and prints the peak resident memory of the largest process, which should grow with the number of
+inputs (paths) only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from data_tools.build_shards import build, parse_args  # noqa: E402  (after the path set-up above)
+
+
+def make_images(root: Path, count: int, size: int, seed: int = 0, fmt: str = "JPEG") -> list[Path]:
+    """`count` smooth random images of size x (3/4 size) in two class folders."""
+    rng = np.random.default_rng(seed)
+    paths = []
+    for i in range(count):
+        folder = root / f"class{i % 2}"
+        folder.mkdir(parents=True, exist_ok=True)
+        h = max(1, size * 3 // 4)
+        small = rng.integers(0, 256, (max(1, h // 8), max(1, size // 8), 3), dtype=np.uint8)
+        img = Image.fromarray(small).resize((size, h), Image.BILINEAR)  # smooth: realistic JPEG sizes
+        path = folder / f"img{i:07d}.{'jpg' if fmt == 'JPEG' else 'png'}"
+        img.save(path, format=fmt, **({"quality": 90} if fmt == "JPEG" else {}))
+        paths.append(path)
+    return paths
+
+
+def bare_loop(paths: list[Path], max_side: int, quality: int) -> float:
+    """Images/s of the same work in a plain loop on one core."""
+    start = time.perf_counter()
+    for path in paths:
+        img = Image.open(io.BytesIO(path.read_bytes()))
+        img.load()
+        img = img.convert("RGB")
+        scale = max_side / max(img.size)
+        img = img.resize((round(img.width * scale), round(img.height * scale)), Image.BICUBIC, reducing_gap=3.0)
+        img.save(io.BytesIO(), format="JPEG", quality=quality)
+    return len(paths) / (time.perf_counter() - start)
+
+
+def timed_build(src: Path, out: Path, workers: int, max_side: int) -> float:
+    start = time.perf_counter()
+    build(parse_args([str(src), str(out), "--workers", str(workers), "--max-side", str(max_side),
+                      "--val-fraction", "0", "--overwrite"]))
+    return sum(1 for _ in src.rglob("*.jpg")) / (time.perf_counter() - start)
+
+
+def peak_rss_mib(src: Path, out: Path) -> tuple[float, float]:
+    """Peak RSS (MiB) of a build-shards run in a fresh process: (main process, largest worker)."""
+    code = ("import resource, sys; from data_tools.build_shards import main; main(sys.argv[1:]); "
+            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "
+            "resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
+    result = subprocess.run([sys.executable, "-c", code, str(src), str(out), "--workers", "2", "--val-fraction", "0",
+                             "--shard-size", "10000", "--min-side", "1", "--overwrite"],
+                            check=True, cwd=REPO, capture_output=True, text=True)
+    main_kib, worker_kib = map(int, result.stdout.strip().splitlines()[-1].split())
+    return main_kib / 1024, worker_kib / 1024  # Linux reports KiB
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--images", type=int, default=2000, help="images for the throughput comparison")
+    p.add_argument("--size", type=int, default=320, help="width of the generated images")
+    p.add_argument("--max-side", type=int, default=256, help="build-shards --max-side (below --size: re-encode)")
+    p.add_argument("--rss", type=int, default=0, help="also measure peak RSS for this many tiny images (0: skip)")
+    args = p.parse_args()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        paths = make_images(tmp / "src", args.images, args.size)
+        bare_loop(paths[:50], args.max_side, 90)  # warm the page cache and PIL's codecs
+        bare = bare_loop(paths, args.max_side, 90)
+        one = timed_build(tmp / "src", tmp / "out", 1, args.max_side)
+        two = timed_build(tmp / "src", tmp / "out", 2, args.max_side)
+        print(f"\n{args.images} images {args.size}px -> max side {args.max_side}, {cores} core(s) available")
+        print(f"bare PIL loop        {bare:8.1f} img/s  (1 core)")
+        print(f"build-shards 1 worker {one:7.1f} img/s  ratio to bare loop {one / bare:.2f}  (target >= 0.90)")
+        print(f"build-shards 2 workers {two:6.1f} img/s  {two / 2:.1f} img/s per worker; "
+              f"speed-up over 1 worker {two / one:.2f}x  (target >= 1.80 on 2 free cores)")
+        if args.rss:
+            small = max(1, args.rss // 10)
+            make_images(tmp / "tiny", args.rss, 8, fmt="PNG")
+            make_images(tmp / "tiny_small", small, 8, fmt="PNG")
+            main_small, worker_small = peak_rss_mib(tmp / "tiny_small", tmp / "out_small")
+            main_large, worker_large = peak_rss_mib(tmp / "tiny", tmp / "out_large")
+            per_input = (main_large - main_small) * 2**20 / max(1, args.rss - small)
+            print(f"peak RSS, main process: {main_small:.0f} MiB for {small} inputs, {main_large:.0f} MiB for "
+                  f"{args.rss} inputs (~{per_input:.0f} bytes per input); largest worker: {worker_small:.0f} / "
+                  f"{worker_large:.0f} MiB")
+
+
+if __name__ == "__main__":
+    main()

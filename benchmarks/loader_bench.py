@@ -1,0 +1,146 @@
+"""Training-loader throughput: our shard stream against torchvision ImageFolder + DataLoader on the same JPEGs.
+
+    python benchmarks/loader_bench.py [--images 2000] [--size 224] [--workers 2] [--batch 64]
+
+Generates `--images` JPEGs of `--width` x `--height` (default 500x375, ImageNet's typical size; smooth colour fields
+plus noise, so they compress like photographs), stores them both as an ImageFolder tree and as webdataset shards
+with a manifest, then times one epoch of each loader after a warm-up epoch (persistent workers, so start-up is not
+counted). Both apply the same transforms: RandomResizedCrop(size, scale=crop_scale) + horizontal flip + PILToTensor
+(uint8). Prints images/s, images/s per worker process, the ratio (ours / ImageFolder) and each worker's peak RSS
+(VmHWM, which includes the pages shared with the parent).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader
+from torchvision.datasets import ImageFolder
+from torchvision.transforms import v2 as T
+
+from common.config import DataConfig
+from common.data_stream import build_loader
+from common.manifest import load_split, write_manifest
+from data_tools.writer import ShardWriter
+
+
+def make_images(root: Path, count: int, width: int, height: int, quality: int, shard_size: int, seed: int) -> None:
+    """`count` JPEGs in `root/folder/<class>/` and the same bytes in `root/shards/` (4 classes)."""
+    rng = np.random.default_rng(seed)
+    (root / "shards").mkdir(parents=True)
+    filenames, lengths, writer = [], [], None
+    for i in range(count):
+        field = rng.integers(0, 256, (height // 32 + 2, width // 32 + 2, 3), dtype=np.uint8)
+        img = np.asarray(Image.fromarray(field).resize((width, height), Image.BICUBIC), dtype=np.int16)
+        img = np.clip(img + rng.normal(0, 6, img.shape), 0, 255).astype(np.uint8)
+        out = io.BytesIO()
+        Image.fromarray(img).save(out, format="JPEG", quality=quality)
+        data, label = out.getvalue(), i % 4
+        folder = root / "folder" / f"class{label}"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"img{i:06d}.jpg").write_bytes(data)
+        if i % shard_size == 0:
+            if writer is not None:
+                lengths.append(writer.close()[0])
+            filenames.append(f"train-{len(filenames):06d}.tar")
+            writer = ShardWriter(root / "shards" / filenames[-1])
+        writer.write(f"img{i:06d}", {"jpg": data, "cls": str(label).encode()})
+    lengths.append(writer.close()[0])
+    write_manifest(root / "shards", {"name": "bench", "splits": {"train": {
+        "name": "train", "num_samples": count, "filenames": filenames, "shard_lengths": lengths}}})
+
+
+def worker_peak_rss_mib(before: set[int]) -> list[float]:
+    """Peak RSS (VmHWM, MiB) of the child processes started since `before` was taken: the loader's workers."""
+    peaks = []
+    for child in psutil.Process().children():
+        if child.pid in before:
+            continue
+        try:
+            status = Path(f"/proc/{child.pid}/status").read_text()
+        except OSError:  # not Linux, or the worker already exited
+            continue
+        peaks += [int(line.split()[1]) / 1024 for line in status.splitlines() if line.startswith("VmHWM:")]
+    return peaks
+
+
+def time_epochs(batches, per_epoch: int) -> tuple[float, int]:
+    """Run a warm-up epoch, then time one: (seconds, images)."""
+    for _ in range(per_epoch):
+        next(batches)
+    start, images = time.perf_counter(), 0
+    for _ in range(per_epoch):
+        b = next(batches)
+        images += len(b["image"] if isinstance(b, dict) else b[0])
+    return time.perf_counter() - start, images
+
+
+def bench_ours(shards: Path, args: argparse.Namespace) -> tuple[float, int, list[float]]:
+    split, _ = load_split(shards, "train")
+    data = DataConfig(num_workers=args.workers, shuffle_buffer=args.shuffle_buffer, crop_scale=list(args.crop_scale),
+                      persistent_workers=True)
+    before = {c.pid for c in psutil.Process().children()}
+    stream, loader = build_loader(split, data, args.size, args.batch, rank=0, world_size=1, train=True, seed=0)
+    seconds, images = time_epochs(iter(loader), stream.batches_per_epoch)
+    return seconds, images, worker_peak_rss_mib(before)
+
+
+def bench_imagefolder(folder: Path, args: argparse.Namespace) -> tuple[float, int, list[float]]:
+    transform = T.Compose([T.RandomResizedCrop(args.size, scale=tuple(args.crop_scale), antialias=True),
+                           T.RandomHorizontalFlip(), T.PILToTensor()])
+    dataset = ImageFolder(str(folder), transform=transform)
+    before = {c.pid for c in psutil.Process().children()}
+    loader = DataLoader(dataset, batch_size=args.batch, shuffle=True, num_workers=args.workers, drop_last=True,
+                        persistent_workers=True, prefetch_factor=2)
+
+    def endless():
+        while True:
+            yield from loader
+
+    seconds, images = time_epochs(endless(), len(loader))
+    return seconds, images, worker_peak_rss_mib(before)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--images", type=int, default=2000)
+    parser.add_argument("--size", type=int, default=224, help="training crop size")
+    parser.add_argument("--width", type=int, default=500)
+    parser.add_argument("--height", type=int, default=375)
+    parser.add_argument("--quality", type=int, default=90)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--shard-size", type=int, default=500)
+    parser.add_argument("--shuffle-buffer", type=int, default=1000)
+    parser.add_argument("--crop-scale", type=float, nargs=2, default=[0.35, 1.0])
+    parser.add_argument("--dir", help="where to generate the data (default: a temporary directory)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        root = Path(tmp)
+        make_images(root, args.images, args.width, args.height, args.quality, args.shard_size, seed=0)
+        mean_kb = sum(p.stat().st_size for p in (root / "folder").rglob("*.jpg")) / args.images / 1024
+        print(f"{args.images} JPEGs {args.width}x{args.height} (mean {mean_kb:.0f} KiB), crop {args.size}, "
+              f"{args.workers} workers, batch {args.batch}, {os.cpu_count()} CPU cores")
+        rates = {}
+        for name, run in (("imagefolder", lambda: bench_imagefolder(root / "folder", args)),
+                          ("ours", lambda: bench_ours(root / "shards", args))):
+            seconds, images, peaks = run()
+            rates[name] = images / seconds
+            rss = ", ".join(f"{p:.0f}" for p in peaks) or "n/a"
+            print(f"{name:12s} {rates[name]:8.1f} img/s  {rates[name] / args.workers:7.1f} img/s per worker  "
+                  f"({images} images in {seconds:.2f} s)  worker peak RSS MiB: {rss}")
+        print(f"ratio ours / imagefolder: {rates['ours'] / rates['imagefolder']:.2f}")
+
+
+if __name__ == "__main__":
+    main()

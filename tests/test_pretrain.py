@@ -1,0 +1,87 @@
+"""The pretrain stage: the export is a plain timm model, every target trains, a killed run resumes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import timm
+import torch
+from safetensors.torch import load_file
+
+from common.checkpoint import export_encoder
+from common.config import ModelConfig, to_dict
+from common.models import create_encoder
+from pretrain.mpp import MaskedPatchPrediction, MPPConfig
+from tests.conftest import REPO, subprocess_env
+
+
+def test_export_loads_into_timm_create_model_with_the_same_outputs(tmp_path):
+    torch.manual_seed(0)
+    cfg = ModelConfig(name="vit_small_patch16_224", img_size=[32, 48], patch_size=8, depth=2)
+    encoder = create_encoder(cfg).eval()
+    export_encoder(encoder.state_dict(), to_dict(cfg), tmp_path)
+    meta = json.loads((tmp_path / "encoder.json").read_text())["model"]
+    kwargs = {k: meta[k] for k in ("patch_size", "embed_dim", "depth", "num_heads", "mlp_ratio") if meta[k] is not None}
+    model = timm.create_model(meta["name"], num_classes=0, img_size=meta["img_size"], **kwargs).eval()
+    model.load_state_dict(load_file(tmp_path / "encoder.safetensors"))  # strict: every key matches
+    x = torch.randn(2, 3, 32, 48)
+    torch.testing.assert_close(model(x), encoder(x), rtol=0, atol=0)
+
+
+def _structured_images(n: int, size: int, seed: int) -> torch.Tensor:
+    """Smooth colour gradients: neighbouring patches predict each other, as in natural images."""
+    g = torch.Generator().manual_seed(seed)
+    yy, xx = torch.meshgrid(torch.linspace(0, 1, size), torch.linspace(0, 1, size), indexing="ij")
+    a, b, c = (torch.rand(n, 3, 1, 1, generator=g) for _ in range(3))
+    img = a * yy + b * xx + c * (1 - yy)
+    return (img / img.amax(dim=(2, 3), keepdim=True) * 255).to(torch.uint8)  # (n, 3, size, size)
+
+
+@pytest.mark.parametrize("target", ["mean_color", "pixels_4x4", "l2"])
+def test_every_target_trains(target):
+    torch.manual_seed(0)
+    enc = create_encoder(ModelConfig(img_size=16, patch_size=4, embed_dim=64, depth=2, num_heads=4))
+    model = MaskedPatchPrediction(enc, MPPConfig(target=target), (0.5,) * 3, (0.5,) * 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    images = _structured_images(64, 16, seed=1)
+    losses = []
+    for step in range(60):
+        batch = images[(step * 16) % 64:(step * 16) % 64 + 16]
+        loss = model(batch)["loss"]
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
+    assert last < 0.8 * first, (first, last)
+
+
+def test_killed_run_resumes_from_its_checkpoint_and_finishes(demo_shards, tmp_path):
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "pretrain", "--config", "configs/pretrain/tiny.yaml", f"data.shards={demo_shards}",
+           f"train.run_dir={run_dir}", "train.steps=300", "train.ckpt_every=5", "train.log_every=5",
+           "train.eval_every=0", "data.val_split="]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    deadline = time.time() + 120
+    while not list((run_dir / "checkpoints").glob("step_*/trainer_state.json")):
+        assert proc.poll() is None and time.time() < deadline, "no checkpoint appeared"
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)  # kill -9, mid-run
+    proc.wait()
+    assert not (run_dir / "export").exists()
+
+    result = subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    resumed = int(result.stdout.split("(step ")[1].split(")")[0])
+    assert resumed >= 5 and resumed % 5 == 0
+    logged = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert logged[-1] == 300 and [s for s in logged if s > resumed] == list(range(resumed + 5, 301, 5))
+    assert (run_dir / "export" / "encoder.safetensors").is_file()
+    assert json.loads((run_dir / "checkpoints" / "step_000300" / "trainer_state.json").read_text())["step"] == 300

@@ -1,0 +1,128 @@
+"""The shard stream's failure modes and sources: bad-sample rate, truncated shards, shards over http."""
+
+from __future__ import annotations
+
+import collections
+import functools
+import http.server
+import io
+import threading
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from common import data_stream
+from common.cli import run_main
+from common.config import DataConfig
+from common.data_stream import DataError, build_loader
+from common.manifest import ManifestError, load_split, write_manifest
+from data_tools.writer import ShardWriter
+from tests.conftest import write_shard_set
+
+
+class QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args) -> None:  # keep the test output clean
+        pass
+
+
+@pytest.fixture
+def served(tmp_path):
+    """A shard set served over http from 127.0.0.1; yields (url, local dir)."""
+    shards = write_shard_set(tmp_path / "s", {"train": [5, 3, 4], "val": [3]}, size=8)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(QuietHandler, directory=str(shards)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", shards
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.mark.parametrize("curl", [True, False])
+def test_http_shards_through_the_manifest(served, monkeypatch, curl):
+    url, _ = served
+    if not curl:  # a machine without curl falls back to the standard library
+        monkeypatch.setattr(data_stream.shutil, "which", lambda name: None)
+    split, info = load_split(url, "train")
+    assert split.urls[0] == f"{url}/train-000000.tar" and info["num_classes"] == 3
+    _, loader = build_loader(split, DataConfig(num_workers=0, shuffle_buffer=1), 8, 3, rank=0, world_size=1,
+                             train=True)
+    keys = [k for _, b in zip(range(4), loader) for k in b["key"]]
+    assert collections.Counter(keys) == collections.Counter(f"train_{i:06d}" for i in range(12))
+
+
+def test_http_manifest_missing_is_a_clear_error(served):
+    url, _ = served
+    with pytest.raises(ManifestError, match="HTTP 404"):
+        load_split(url + "/nowhere", "train")
+
+
+def bad_shard_set(root, good: int, bad: int):
+    """One train shard of `good` decodable and `bad` undecodable images, interleaved."""
+    rng = np.random.default_rng(0)
+    root.mkdir()
+    w = ShardWriter(root / "train-000000.tar")
+    for i in range(good + bad):
+        out = io.BytesIO()
+        Image.fromarray(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)).save(out, format="PNG")
+        data = b"not an image" if i % ((good + bad) // bad) == 1 else out.getvalue()
+        w.write(f"train_{i:06d}", {"png": data, "cls": b"0"})
+    w.close()
+    n = good + bad
+    write_manifest(root, {"name": "bad", "splits": {"train": {"name": "train", "num_samples": n,
+                                                              "filenames": ["train-000000.tar"],
+                                                              "shard_lengths": [n]}}})
+    return root
+
+
+def test_too_many_bad_samples_stop_the_run_with_one_line(tmp_path, capsys):
+    shards = bad_shard_set(tmp_path / "bad", good=180, bad=20)  # 10% bad
+    split, _ = load_split(shards, "train")
+    data = DataConfig(num_workers=1, shuffle_buffer=1, max_bad_fraction=0.05, persistent_workers=False)
+
+    def main(argv):
+        _, loader = build_loader(split, data, 8, 4, rank=0, world_size=1, train=True)
+        for _ in zip(range(100), loader):
+            pass
+
+    with pytest.raises(SystemExit) as exit_info:
+        run_main(main, [])  # the DataError is raised in the worker process and re-raised here
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("error: ") and "samples undecodable in split 'train'" in lines[0]
+    assert "above data.max_bad_fraction=0.05" in lines[0]
+
+
+def test_bad_samples_under_the_rate_keep_batches_full(tmp_path):
+    shards = bad_shard_set(tmp_path / "bad", good=180, bad=20)
+    split, _ = load_split(shards, "train")
+    data = DataConfig(num_workers=0, shuffle_buffer=1, max_bad_fraction=0.2)
+    stream, loader = build_loader(split, data, 8, 4, rank=0, world_size=1, train=True)
+    batches = [b for _, b in zip(range(stream.batches_per_epoch), loader)]
+    assert all(len(b["key"]) == 4 for b in batches)
+    assert sum(b["bad"] for b in batches) == 20
+
+
+def test_truncated_shard_is_an_error_not_a_short_epoch(tmp_path):
+    # The manifest claims more samples than the shard holds: a silent short epoch would desynchronise the ranks.
+    shards = write_shard_set(tmp_path / "s", {"train": [6, 6]}, size=8)
+    info_path = shards / "_info.json"
+    info_path.write_text(info_path.read_text().replace('"num_samples": 12', '"num_samples": 14')
+                         .replace('"shard_lengths": [\n    6,\n    6\n   ]', '"shard_lengths": [6, 8]'))
+    split, _ = load_split(shards, "train")
+    assert split.lengths == [6, 8]
+    stream, loader = build_loader(split, DataConfig(num_workers=0, shuffle_buffer=1), 8, 7, rank=0, world_size=1,
+                                  train=True)
+    with pytest.raises(DataError, match="holds only 6 samples but the manifest says at least 8"):
+        for _ in zip(range(stream.batches_per_epoch), loader):
+            pass
+
+
+def test_fewer_shards_than_workers_in_one_process(tmp_path, capsys):
+    shards = write_shard_set(tmp_path / "s", {"train": [20]}, size=8)
+    split, _ = load_split(shards, "train")
+    stream, loader = build_loader(split, DataConfig(num_workers=2, shuffle_buffer=1), 8, 5, rank=0, world_size=1,
+                                  train=True)
+    assert "shards are read by several workers" in capsys.readouterr().err
+    keys = [k for _, b in zip(range(stream.batches_per_epoch), loader) for k in b["key"]]
+    assert sorted(keys) == [f"train_{i:06d}" for i in range(20)]
