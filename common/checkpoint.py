@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 TRAINER_STATE = "trainer_state.json"  # written last: a checkpoint without it is incomplete and ignored
 
@@ -81,15 +81,3 @@ def export_encoder(state: dict[str, torch.Tensor], model_config: dict[str, Any],
     save_file(weights, str(path))
     (out_dir / f"{name}.json").write_text(json.dumps({"model": model_config, **(extra or {})}, indent=1))
     return path
-
-
-def load_encoder_export(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
-    """Weights (and the JSON beside them, if any) of an encoder export; `path` is the .safetensors or its folder."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / "encoder.safetensors"
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint not found: {path}")
-    meta_path = path.with_suffix(".json")
-    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else None
-    return load_file(str(path)), meta

@@ -364,3 +364,16 @@ def build_loader(split: Split, data: DataConfig, img_size: int | list[int], micr
     loader = make_loader(stream, data.num_workers, data.prefetch_factor, data.pin_memory,
                          data.persistent_workers and train)
     return stream, loader
+
+
+def build_loaders(train_split: Split, val_split: Split | None, data: DataConfig, img_size: int | list[int],
+                  micro_batch: int, *, rank: int, world_size: int, seed: int, start_batch: int,
+                  ) -> tuple[ShardStream, DataLoader, DataLoader | None]:
+    """The training stream and loader (resuming after `start_batch` batches) and the evaluation loader, if any."""
+    stream, loader = build_loader(train_split, data, img_size, micro_batch, rank=rank, world_size=world_size,
+                                  train=True, seed=seed, start_batch=start_batch)
+    val_loader = None
+    if val_split is not None:
+        val_loader = build_loader(val_split, data, img_size, micro_batch, rank=rank, world_size=world_size,
+                                  train=False)[1]
+    return stream, loader, val_loader

@@ -5,12 +5,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from accelerate import Accelerator, PartialState
 from accelerate.utils import ProjectConfiguration
 from timm.optim import param_groups_layer_decay, param_groups_weight_decay
 
+from common.checkpoint import latest_checkpoint, load_checkpoint
 from common.config import ConfigError, OptimConfig, TrainConfig
 from common.data_stream import to_device
 
@@ -118,3 +120,18 @@ def mean_across_processes(accelerator: Accelerator, values: dict[str, float | to
     t = torch.stack([torch.as_tensor(values[k], dtype=torch.float32, device=accelerator.device) for k in keys])
     t = accelerator.reduce(t, reduction="mean")
     return {k: float(v) for k, v in zip(keys, t.tolist())}
+
+
+def resume_latest(accelerator: Accelerator, run_dir: str | Path, changed: list[str]) -> dict[str, Any]:
+    """Restore the newest complete checkpoint of `run_dir`, if any; returns its trainer state ({} for a new run).
+
+    `changed` lists the config keys that differ from the run directory's previous config, printed as a note.
+    """
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt is None:
+        return {}
+    state = load_checkpoint(accelerator, ckpt)
+    accelerator.print(f"resuming from {ckpt} (step {state['step']})")
+    if changed:
+        accelerator.print(f"note: config differs from the previous run in: {', '.join(changed)}")
+    return state

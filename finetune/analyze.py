@@ -2,8 +2,8 @@
 figures and a parameter/memory table for a checkpoint.
 
 CHECKPOINT is a pretrain export (`export/encoder.safetensors`, with `encoder.json` beside it), a finetune export
-(`export/model.safetensors` + `model.json`), either's folder, or a timm state dict (`.safetensors`) together with
-`--model NAME --img-size N`. Written to `--out` (default: `analysis/` beside the checkpoint):
+(`export/model.safetensors` + `model.json`), either's folder, or a timm state dict (`.safetensors`, weights-only
+`.pth`) or original ViT `.npz` together with `--model NAME --img-size N`. Written to `--out` (default: `analysis/` beside the checkpoint):
 
     attention_<i>_<name>.png   [class]-token attention rollout over each image, and per layer (paper figure 6)
     position_similarity.png    cosine similarity of the position embeddings (figure 7, center)
@@ -20,19 +20,17 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import io
 import json
-import math
 from pathlib import Path
 from typing import Any
 
 import torch
 from rich.console import Console
 from rich.table import Table
-from safetensors.torch import load_file
 from timm.models.vision_transformer import VisionTransformer
 
-from common.checkpoint import CheckpointError
 from common.cli import run_main
 from common.config import ConfigError, ModelConfig
 from common.data_stream import ImageDecoder, image_bytes, normalize, range_segments, read_segment
@@ -40,9 +38,8 @@ from common.manifest import load_split
 from common.models import create_encoder, grid_size, img_hw, norm_stats, patch_size
 from finetune import attention_stats as stats
 from finetune import figures
-from finetune.surgery import resize_pos_embed
-
-EXPORT_NAMES = ("model.safetensors", "encoder.safetensors")  # a folder holding both: the classifier wins
+from finetune.checkpoints import checkpoint_kind, export_grid, read_export, read_npz, read_state_dict, state_dict_grid
+from finetune.surgery import load_encoder_weights
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -72,54 +69,38 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def resolve_checkpoint(path: str) -> tuple[Path, dict[str, Any] | None]:
-    """The weights file and the JSON written beside it by our exports (None for a bare state dict)."""
-    p = Path(path)
-    if p.is_dir():
-        found = [p / n for n in EXPORT_NAMES if (p / n).is_file()]
-        if not found:
-            raise CheckpointError(f"no {' or '.join(EXPORT_NAMES)} in {p}")
-        p = found[0]
-    if not p.is_file():
-        raise CheckpointError(f"checkpoint not found: {p}")
-    meta_path = p.with_suffix(".json")
-    return p, (json.loads(meta_path.read_text()) if meta_path.is_file() else None)
-
-
-def load_model(path: Path, meta: dict[str, Any] | None, model_name: str | None, img_size: list[int] | None,
+def load_model(checkpoint: str, model_name: str | None, img_size: list[int] | None,
                ) -> tuple[VisionTransformer, tuple[float, ...], tuple[float, ...]]:
-    """(model in eval mode with the checkpoint's weights, mean, std). A classifier head in the weights is kept."""
-    state = load_file(str(path))
+    """(model in eval mode with the checkpoint's weights, mean, std); a classifier head in the weights is kept.
+
+    Reads every format fine-tuning reads (finetune/checkpoints.py); `img_size` resizes the position embeddings
+    with the fine-tuning rule. Only our exports name their architecture: other formats need `model_name`.
+    """
+    kind = checkpoint_kind(checkpoint)
     size = None if img_size is None else (img_size[0] if len(img_size) == 1 else list(img_size))
-    if meta is not None:
+    meta, old_grid = None, None
+    if kind == "export":
+        state, meta = read_export(checkpoint)
         cfg = ModelConfig(**{k: v for k, v in meta["model"].items() if k in ModelConfig.__dataclass_fields__})
-        old_hw = img_hw(cfg.img_size)
+        old_grid = export_grid(meta, state)
         if size is not None:
-            cfg.img_size = size
+            cfg = dataclasses.replace(cfg, img_size=size)
     else:
         if model_name is None or size is None:
-            raise ConfigError(f"{path} has no JSON beside it: give --model NAME and --img-size N")
+            raise ConfigError(f"{checkpoint} does not name its architecture: give --model NAME and --img-size N")
         cfg = ModelConfig(name=model_name, img_size=size)
+        if kind == "npz":
+            state, old_grid = read_npz(checkpoint, cfg, None)
+        else:
+            state = read_state_dict(checkpoint)
     num_classes = int(state["head.weight"].shape[0]) if "head.weight" in state else 0
     model = create_encoder(cfg, num_classes)
-    try:
-        if "pos_embed" in state:
-            prefix = stats.num_pos_prefix(model)
-            if meta is not None:
-                ph = int(state["patch_embed.proj.weight"].shape[-1])
-                old_grid = (old_hw[0] // ph, old_hw[1] // ph)
-            else:  # a bare state dict does not say its input size: assume a square grid
-                side = math.isqrt(state["pos_embed"].shape[1] - prefix)
-                old_grid = (side, side)
-            if old_grid != grid_size(model):
-                state["pos_embed"] = resize_pos_embed(state["pos_embed"], old_grid, grid_size(model), prefix)
-        model.load_state_dict(state)
-    except (RuntimeError, KeyError) as e:
-        first = str(e).strip().splitlines()[:3]
-        raise CheckpointError(f"{path} does not fit {cfg.name}: {' '.join(line.strip() for line in first)}") from None
-    default_mean, default_std = norm_stats(model)
-    mean = tuple(meta.get("mean", default_mean)) if meta else default_mean
-    std = tuple(meta.get("std", default_std)) if meta else default_std
+    load_encoder_weights(model, state, old_grid or state_dict_grid(state, model, None))
+    if num_classes:
+        model.head.load_state_dict({"weight": state["head.weight"], "bias": state["head.bias"]})
+    mean, std = norm_stats(model)
+    if meta is not None:
+        mean, std = tuple(meta.get("mean", mean)), tuple(meta.get("std", std))
     return model.eval(), mean, std
 
 
@@ -203,15 +184,15 @@ def attention_figures(model: VisionTransformer, images: torch.Tensor, names: lis
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    path, meta = resolve_checkpoint(args.checkpoint)
-    out = Path(args.out) if args.out else path.parent / "analysis"
+    base = Path(args.checkpoint)
+    out = Path(args.out) if args.out else (base if base.is_dir() else base.parent) / "analysis"
+    model, mean, std = load_model(args.checkpoint, args.model, args.img_size)
     out.mkdir(parents=True, exist_ok=True)
-    model, mean, std = load_model(path, meta, args.model, args.img_size)
     grid, p, pos_prefix = grid_size(model), patch_size(model), stats.num_pos_prefix(model)
     hw = (grid[0] * p, grid[1] * p)
     rows = param_report(model, out)
     summary: dict[str, Any] = {
-        "checkpoint": str(path), "model": meta["model"]["name"] if meta else args.model,
+        "checkpoint": str(base), "model": model.pretrained_cfg.get("architecture", args.model),
         "img_size": list(hw), "patch_size": p, "grid": list(grid), "depth": len(model.blocks),
         "num_heads": model.blocks[0].attn.num_heads, "embed_dim": model.embed_dim,
         "num_classes": model.num_classes, "params": rows[-1]["params"],

@@ -56,7 +56,8 @@ def load_encoder_weights(model: VisionTransformer, state: dict[str, torch.Tensor
     mismatched = [k for k, v in state.items() if v.shape != model.state_dict()[k].shape]
     if mismatched:
         raise CheckpointError(f"checkpoint shapes differ from the model's for: {', '.join(mismatched[:8])}")
-    model.load_state_dict(state)
+    # Not strict: the model's own head and fc_norm (if any) are new; every other key was checked just above.
+    model.load_state_dict(state, strict=False)
 
 
 def attach_zero_head(model: VisionTransformer, num_classes: int) -> None:

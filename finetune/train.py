@@ -17,13 +17,20 @@ import torch.nn.functional as F
 from accelerate.utils import set_seed
 from timm.loss import SoftTargetCrossEntropy
 
-from common.checkpoint import export_encoder, latest_checkpoint, load_checkpoint, save_checkpoint
+from common.checkpoint import export_encoder, save_checkpoint
 from common.config import ConfigError, parse_args, to_dict
-from common.data_stream import build_loader, normalize
+from common.data_stream import build_loaders, normalize
 from common.manifest import load_split
 from common.models import count_params
 from common.run_dir import MetricsLog, Throughput, prepare_run_dir, progress_line
-from common.runtime import build_optimizer, make_accelerator, mean_across_processes, optimizer_step, set_lr
+from common.runtime import (
+    build_optimizer,
+    make_accelerator,
+    mean_across_processes,
+    optimizer_step,
+    resume_latest,
+    set_lr,
+)
 from common.schedule import lr_at, scaled_lr, warmup_steps
 from finetune.augment import build_mixup, color_jitter
 from finetune.config import FinetuneConfig
@@ -68,24 +75,15 @@ def main(argv: list[str] | None = None) -> None:
     mixup = build_mixup(cfg.augment, num_classes, tc.label_smoothing, plan.micro_batch)
     soft_ce = SoftTargetCrossEntropy()
 
-    start_step, best_top1 = 0, -1.0
-    ckpt = latest_checkpoint(tc.run_dir)
-    if ckpt is not None:
-        state = load_checkpoint(accelerator, ckpt)
-        start_step, best_top1 = state["step"], state.get("best_top1", -1.0)
-        accelerator.print(f"resuming from {ckpt} (step {start_step})")
-        if changed:
-            accelerator.print(f"note: config differs from the previous run in: {', '.join(changed)}")
+    # Resume from the newest complete checkpoint of this run directory, if any.
+    resumed = resume_latest(accelerator, tc.run_dir, changed)
+    start_step, best_top1 = resumed.get("step", 0), resumed.get("best_top1", -1.0)
 
     # The loader splits itself across processes and workers, so it is NOT passed to accelerator.prepare
     # (which would re-split it, or make rank 0 decode for everyone); batches are moved to the device by hand.
-    rank, world = accelerator.process_index, accelerator.num_processes
-    stream, loader = build_loader(train_split, cfg.data, cfg.model.img_size, plan.micro_batch, rank=rank,
-                                  world_size=world, train=True, seed=tc.seed, start_batch=start_step * plan.accum_steps)
-    val_loader = None
-    if val_split is not None:
-        val_loader = build_loader(val_split, cfg.data, cfg.model.img_size, plan.micro_batch, rank=rank,
-                                  world_size=world, train=False)[1]
+    stream, loader, val_loader = build_loaders(
+        train_split, val_split, cfg.data, cfg.model.img_size, plan.micro_batch, rank=accelerator.process_index,
+        world_size=accelerator.num_processes, seed=tc.seed, start_batch=start_step * plan.accum_steps)
     steps_per_epoch = max(1, stream.batches_per_epoch // plan.accum_steps)
     total_steps = tc.epochs * steps_per_epoch
     warmup = warmup_steps(cfg.optim, total_steps)

@@ -14,13 +14,20 @@ from pathlib import Path
 import torch
 from accelerate.utils import set_seed
 
-from common.checkpoint import export_encoder, latest_checkpoint, load_checkpoint, save_checkpoint
+from common.checkpoint import export_encoder, save_checkpoint
 from common.config import parse_args, to_dict
-from common.data_stream import build_loader, to_device
+from common.data_stream import build_loaders, to_device
 from common.manifest import load_split
 from common.models import count_params, create_encoder, norm_stats, patch_size
 from common.run_dir import MetricsLog, Throughput, prepare_run_dir, progress_line
-from common.runtime import build_optimizer, make_accelerator, mean_across_processes, optimizer_step, set_lr
+from common.runtime import (
+    build_optimizer,
+    make_accelerator,
+    mean_across_processes,
+    optimizer_step,
+    resume_latest,
+    set_lr,
+)
 from common.schedule import lr_at, scaled_lr, warmup_steps
 from pretrain.config import PretrainConfig
 from pretrain.mpp import MaskedPatchPrediction
@@ -76,23 +83,13 @@ def main(argv: list[str] | None = None) -> None:
         model = torch.compile(model)
 
     # Resume from the newest complete checkpoint of this run directory, if any.
-    start_step = 0
-    ckpt = latest_checkpoint(tc.run_dir)
-    if ckpt is not None:
-        start_step = load_checkpoint(accelerator, ckpt)["step"]
-        accelerator.print(f"resuming from {ckpt} (step {start_step})")
-        if changed:
-            accelerator.print(f"note: config differs from the previous run in: {', '.join(changed)}")
+    start_step = resume_latest(accelerator, tc.run_dir, changed).get("step", 0)
 
     # The loader splits itself across processes and workers, so it is NOT passed to accelerator.prepare
     # (which would re-split it, or make rank 0 decode for everyone); batches are moved to the device by hand.
-    rank, world = accelerator.process_index, accelerator.num_processes
-    stream, loader = build_loader(train_split, cfg.data, cfg.model.img_size, plan.micro_batch, rank=rank,
-                                  world_size=world, train=True, seed=tc.seed, start_batch=start_step * plan.accum_steps)
-    val_loader = None
-    if val_split is not None:
-        val_loader = build_loader(val_split, cfg.data, cfg.model.img_size, plan.micro_batch, rank=rank,
-                                  world_size=world, train=False)[1]
+    stream, loader, val_loader = build_loaders(
+        train_split, val_split, cfg.data, cfg.model.img_size, plan.micro_batch, rank=accelerator.process_index,
+        world_size=accelerator.num_processes, seed=tc.seed, start_batch=start_step * plan.accum_steps)
 
     steps_per_epoch = stream.batches_per_epoch // plan.accum_steps
     accelerator.print(

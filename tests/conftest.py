@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import http.server
 import io
 import json
 import os
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +39,24 @@ def run_module(module: str, *args: str, timeout: int = 300) -> subprocess.Comple
     """`python -m module args...` in a child process."""
     return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=timeout,
                           env=subprocess_env(), cwd=REPO)
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args) -> None:  # keep the test output clean
+        pass
+
+
+@contextlib.contextmanager
+def serve_directory(directory: Path) -> Iterator[str]:
+    """Serve `directory` over http on 127.0.0.1 (a free port) while the block runs; yields the base URL."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_QuietHandler,
+                                                                                 directory=str(directory)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def png_bytes(rng: np.random.Generator, size: int = 16) -> bytes:

@@ -77,3 +77,14 @@ def test_patch_size_change_and_mismatched_keys_are_errors():
     deeper = create_encoder(ModelConfig(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2))
     with pytest.raises(CheckpointError, match=r"missing keys \['blocks\.1\."):
         load_encoder_weights(deeper, src.state_dict(), (4, 4))
+
+
+def test_loading_into_a_model_with_a_head_and_fc_norm_keeps_them_new():
+    # Average-pooled timm ViTs have an fc_norm; a classifier has a head: neither comes from the encoder weights.
+    torch.manual_seed(0)
+    src = create_encoder(ModelConfig(img_size=16, **SMALL))
+    dst = create_encoder(ModelConfig(img_size=16, **SMALL), num_classes=3)
+    dst.reset_classifier(3, global_pool="avg")
+    dst.fc_norm = torch.nn.LayerNorm(32)
+    load_encoder_weights(dst, src.state_dict(), (4, 4))
+    torch.testing.assert_close(dst.blocks[0].mlp.fc1.weight, src.blocks[0].mlp.fc1.weight)

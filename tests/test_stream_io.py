@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import collections
-import functools
-import http.server
 import io
-import threading
 
 import numpy as np
 import pytest
@@ -18,23 +15,15 @@ from common.config import DataConfig
 from common.data_stream import DataError, build_loader
 from common.manifest import ManifestError, load_split, write_manifest
 from data_tools.writer import ShardWriter
-from tests.conftest import write_shard_set
-
-
-class QuietHandler(http.server.SimpleHTTPRequestHandler):
-    def log_message(self, *args) -> None:  # keep the test output clean
-        pass
+from tests.conftest import serve_directory, write_shard_set
 
 
 @pytest.fixture
 def served(tmp_path):
     """A shard set served over http from 127.0.0.1; yields (url, local dir)."""
     shards = write_shard_set(tmp_path / "s", {"train": [5, 3, 4], "val": [3]}, size=8)
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(QuietHandler, directory=str(shards)))
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}", shards
-    server.shutdown()
-    server.server_close()
+    with serve_directory(shards) as url:
+        yield url, shards
 
 
 @pytest.mark.parametrize("curl", [True, False])

@@ -7,16 +7,13 @@ and the uneven set again over http from a loopback server. The per-rank JSON it 
 from __future__ import annotations
 
 import collections
-import functools
-import http.server
 import json
 import subprocess
 import sys
-import threading
 
 import pytest
 
-from tests.conftest import REPO, subprocess_env, write_shard_set
+from tests.conftest import REPO, serve_directory, subprocess_env, write_shard_set
 
 # 36 train samples in 6 uneven shards: the global batch 2 ranks x 2 workers x 3 = 12 divides it.
 UNEVEN = {"train": [7, 1, 12, 4, 9, 3], "val": [5, 2, 4]}
@@ -30,30 +27,18 @@ def launched(tmp_path_factory):
     root = tmp_path_factory.mktemp("launch")
     uneven = write_shard_set(root / "uneven", UNEVEN, size=8)
     few = write_shard_set(root / "few", FEW, size=8)
-    handler = functools.partial(QuietHandler, directory=str(uneven))
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{server.server_address[1]}"
     out = root / "out"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
-           "tests/stream_probe.py", str(out), f"uneven={uneven}", f"few={few}", f"http={url}",
-           "--workers", "2", "--batch", "3", "--epochs", str(EPOCHS)]
-    try:
+    with serve_directory(uneven) as url:
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
+               "tests/stream_probe.py", str(out), f"uneven={uneven}", f"few={few}", f"http={url}",
+               "--workers", "2", "--batch", "3", "--epochs", str(EPOCHS)]
         # The timeout is the hang detector: unequal step counts would block a collective forever.
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=subprocess_env(), cwd=REPO)
-    finally:
-        server.shutdown()
-        server.server_close()
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     sets = {name: [json.loads((out / f"{name}.rank{r}.json").read_text()) for r in range(2)]
             for name in ("uneven", "few", "http")}
     return sets, result.stderr
-
-
-class QuietHandler(http.server.SimpleHTTPRequestHandler):
-    def log_message(self, *args) -> None:  # keep the test output clean
-        pass
 
 
 def keys(split: str, n: int) -> collections.Counter:
