@@ -39,8 +39,10 @@ from data_tools.writer import ShardWriter
 TOOL_VERSION = "0.2.0"
 FAILURES_NAME = "failures.jsonl"
 CHUNK = 16  # inputs per task sent to a worker: amortises inter-process overhead, keeps the order fine-grained
-# In flight per worker: 3 chunks (one being decoded, one queued, one waiting in order for the writer); this many
-# images is all the image memory a build ever holds.
+# Chunks in flight per worker: enough that the workers keep going while the writer pauses (a shard's fsync, a
+# slow disk), few enough to bound memory: IN_FLIGHT * CHUNK images per worker are all the image memory a build
+# ever holds, whatever the number of inputs.
+IN_FLIGHT = 8
 
 
 def default_workers() -> int:
@@ -205,7 +207,7 @@ def write_split(name: str, items: list[Item], done: list[dict], pool, args: argp
     index = sum(1 for r in records if r["filename"] is not None)
     if pos >= len(items):
         return records
-    results = _ordered_results(pool, items, pos, window=3 * CHUNK * args.workers)
+    results = _ordered_results(pool, items, pos, window=IN_FLIGHT * CHUNK * args.workers)
     try:
         return _write_shards(name, items, records, pos, index, results, args, out_dir, journal, advance)
     finally:

@@ -3,7 +3,8 @@ figures and a parameter/memory table for a checkpoint.
 
 CHECKPOINT is a pretrain export (`export/encoder.safetensors`, with `encoder.json` beside it), a finetune export
 (`export/model.safetensors` + `model.json`), either's folder, or a timm state dict (`.safetensors`, weights-only
-`.pth`) or original ViT `.npz` together with `--model NAME --img-size N`. Written to `--out` (default: `analysis/` beside the checkpoint):
+`.pth`) or original ViT `.npz` together with `--model NAME --img-size N`. Written to `--out` (default: `analysis/`
+beside the checkpoint):
 
     attention_<i>_<name>.png   [class]-token attention rollout over each image, and per layer (paper figure 6)
     position_similarity.png    cosine similarity of the position embeddings (figure 7, center)
