@@ -62,7 +62,7 @@ class Throughput:
 
     def __init__(self, start_step: int, total_steps: int) -> None:
         self.total = total_steps
-        self.start_step = self.last_step = start_step
+        self.start_step = start_step
         self.start_time = self.last_time = time.perf_counter()
         self.images = 0
 
@@ -74,7 +74,7 @@ class Throughput:
         now = time.perf_counter()
         rate = self.images / max(1e-9, now - self.last_time)
         pace = (now - self.start_time) / max(1, step - self.start_step)
-        self.images, self.last_time, self.last_step = 0, now, step
+        self.images, self.last_time = 0, now
         return rate, pace * (self.total - step)
 
 

@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     log = MetricsLog(tc.run_dir, accelerator.is_main_process)
 
     # Data: the manifest gives sizes, so every process knows the step counts without scanning shards.
-    train_split, info = load_split(cfg.data.shards, cfg.data.train_split)
+    train_split, _ = load_split(cfg.data.shards, cfg.data.train_split)
     val_split = load_split(cfg.data.shards, cfg.data.val_split)[0] if cfg.data.val_split else None
 
     # Model: timm ViT + the MPP objective (mask token, corruption, head, targets).
