@@ -14,34 +14,29 @@ import argparse
 import contextlib
 import csv
 import dataclasses
-import json
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 
 from common.checkpoint import CheckpointError
 from common.cli import run_main
 from common.config import ConfigError, ModelConfig
 from common.data_stream import IMAGE_EXTENSIONS, ImageDecoder, normalize
 from common.models import ARCH_KEYS, create_encoder
-from finetune.checkpoints import export_files
+from finetune.checkpoints import read_export
 
 
 def load_classifier(path: str | Path) -> tuple[torch.nn.Module, dict[str, Any]]:
     """The fine-tuned classifier of an export (folder or model.safetensors) in eval mode, and its metadata."""
-    files = export_files(path)
-    if files is None:
-        raise CheckpointError(f"not a fine-tuning export (model.safetensors + model.json): {path}")
-    meta = json.loads(files[1].read_text())
-    if "num_classes" not in meta or "model" not in meta:
-        raise CheckpointError(f"{files[1]} is not a fine-tuned classifier (no num_classes): use a finetune export")
+    state, meta = read_export(path)
+    if "num_classes" not in meta:
+        raise CheckpointError(f"{path} is not a fine-tuned classifier (no num_classes): use a finetune export")
     arch = {k: meta["model"][k] for k in (*ARCH_KEYS, "img_size") if k in meta["model"]}
     model = create_encoder(dataclasses.replace(ModelConfig(), **arch), num_classes=meta["num_classes"])
-    model.load_state_dict(load_file(str(files[0])))
+    model.load_state_dict(state)
     return model.eval(), meta
 
 
