@@ -51,6 +51,21 @@ class MetricsLog:
         self.path = Path(run_dir) / "metrics.jsonl"
         self.is_main = is_main
 
+    def rewind(self, step: int) -> None:
+        """Drop records logged after `step`, the step a run resumes from.
+
+        A run killed between a log line and its next checkpoint has logged steps that the resumed run
+        repeats; without this the file would hold those steps twice.
+        """
+        if not self.is_main or not self.path.is_file():
+            return
+        lines = self.path.read_text().splitlines()
+        kept = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]
+        if len(kept) != len(lines):
+            tmp = self.path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(line + "\n" for line in kept))
+            tmp.replace(self.path)
+
     def write(self, record: dict[str, Any]) -> None:
         if self.is_main:
             with self.path.open("a") as f:

@@ -78,6 +78,7 @@ def main(argv: list[str] | None = None) -> None:
     # Resume from the newest complete checkpoint of this run directory, if any.
     resumed = resume_latest(accelerator, tc.run_dir, changed)
     start_step, best_top1 = resumed.get("step", 0), resumed.get("best_top1", -1.0)
+    log.rewind(start_step)  # steps logged after that checkpoint are about to be run again
 
     # The loader splits itself across processes and workers, so it is NOT passed to accelerator.prepare
     # (which would re-split it, or make rank 0 decode for everyone); batches are moved to the device by hand.

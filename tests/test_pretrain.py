@@ -82,6 +82,6 @@ def test_killed_run_resumes_from_its_checkpoint_and_finishes(demo_shards, tmp_pa
     resumed = int(result.stdout.split("(step ")[1].split(")")[0])
     assert resumed >= 5 and resumed % 5 == 0
     logged = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert logged[-1] == 300 and [s for s in logged if s > resumed] == list(range(resumed + 5, 301, 5))
+    assert logged == list(range(5, 301, 5)), "each step logged once, in order, across the kill"
     assert (run_dir / "export" / "encoder.safetensors").is_file()
     assert json.loads((run_dir / "checkpoints" / "step_000300" / "trainer_state.json").read_text())["step"] == 300
