@@ -1,6 +1,6 @@
 """How fast is build-shards next to a bare PIL loop doing the same work, and how much memory does it need?
 
-    python benchmarks/build_shards_bench.py [--images 2000] [--size 320] [--max-side 256]
+    python benchmarks/build_shards_bench.py [--images 2000] [--size 320] [--max-side 256] [--shard-size 100]
     python benchmarks/build_shards_bench.py --rss 100000      # also: peak RSS for 100k tiny images
 
 Generates JPEGs (seeded; nothing downloaded), larger than --max-side so every image is decoded, resized and
@@ -65,10 +65,10 @@ def bare_loop(paths: list[Path], max_side: int, quality: int) -> float:
     return len(paths) / (time.perf_counter() - start)
 
 
-def timed_build(src: Path, out: Path, workers: int, max_side: int) -> float:
+def timed_build(src: Path, out: Path, workers: int, max_side: int, shard_size: int) -> float:
     start = time.perf_counter()
     build(parse_args([str(src), str(out), "--workers", str(workers), "--max-side", str(max_side),
-                      "--val-fraction", "0", "--overwrite"]))
+                      "--shard-size", str(shard_size), "--val-fraction", "0", "--overwrite"]))
     return sum(1 for _ in src.rglob("*.jpg")) / (time.perf_counter() - start)
 
 
@@ -89,6 +89,8 @@ def main() -> None:
     p.add_argument("--images", type=int, default=2000, help="images for the throughput comparison")
     p.add_argument("--size", type=int, default=320, help="width of the generated images")
     p.add_argument("--max-side", type=int, default=256, help="build-shards --max-side (below --size: re-encode)")
+    p.add_argument("--shard-size", type=int, default=100,
+                   help="build-shards --shard-size; workers share whole shards, so keep shards >> workers")
     p.add_argument("--rss", type=int, default=0, help="also measure peak RSS for this many tiny images (0: skip)")
     args = p.parse_args()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -97,9 +99,10 @@ def main() -> None:
         paths = make_images(tmp / "src", args.images, args.size)
         bare_loop(paths[:50], args.max_side, 90)  # warm the page cache and PIL's codecs
         bare = bare_loop(paths, args.max_side, 90)
-        one = timed_build(tmp / "src", tmp / "out", 1, args.max_side)
-        two = timed_build(tmp / "src", tmp / "out", 2, args.max_side)
-        print(f"\n{args.images} images {args.size}px -> max side {args.max_side}, {cores} core(s) available")
+        one = timed_build(tmp / "src", tmp / "out", 1, args.max_side, args.shard_size)
+        two = timed_build(tmp / "src", tmp / "out", 2, args.max_side, args.shard_size)
+        print(f"\n{args.images} images {args.size}px -> max side {args.max_side}, shards of {args.shard_size}, "
+              f"{cores} core(s) available")
         print(f"bare PIL loop        {bare:8.1f} img/s  (1 core)")
         print(f"build-shards 1 worker {one:7.1f} img/s  ratio to bare loop {one / bare:.2f}  (target >= 0.90)")
         print(f"build-shards 2 workers {two:6.1f} img/s  {two / 2:.1f} img/s per worker; "

@@ -16,33 +16,24 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import math
 import multiprocessing as mp
 import os
 import random
 import sys
-import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
-from PIL import Image
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeRemainingColumn
 from rich.text import Text
 
 from common.manifest import MANIFEST_NAME, write_manifest
-from data_tools.images import BadImage, EncodeSettings, prepare_image
+from data_tools.images import EncodeSettings
 from data_tools.journal import JOURNAL_NAME, Journal, fingerprint, verified_records
+from data_tools.shard_ranges import RangeTask, init_worker, plan_ranges, whole_ranges, write_range
 from data_tools.sources import KINDS, Item, Source, SourceError, open_source
-from data_tools.writer import ShardWriter
 
-TOOL_VERSION = "0.2.0"
+TOOL_VERSION = "0.3.0"
 FAILURES_NAME = "failures.jsonl"
-CHUNK = 16  # inputs per task sent to a worker: amortises inter-process overhead, keeps the order fine-grained
-# Chunks in flight per worker: enough that the workers keep going while the writer pauses (a shard's fsync, a
-# slow disk), few enough to bound memory: IN_FLIGHT * CHUNK images per worker are all the image memory a build
-# ever holds, whatever the number of inputs.
-IN_FLIGHT = 8
 
 
 def default_workers() -> int:
@@ -68,8 +59,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--image-column", default="", help="HF image column (default: 'image' or the first Image column)")
     p.add_argument("--label-column", default="label", help="HF label column ('' for unlabelled)")
     p.add_argument("--shard-size", type=int, default=1000,
-                   help="samples per shard at most (0: no limit); shards of a split are balanced by count")
-    p.add_argument("--shard-bytes", type=int, default=0, help="bytes per shard at most, roughly (0: no limit)")
+                   help="inputs per shard at most; shards of a split are balanced by count (0: no count limit, "
+                        "shards of up to 10000 inputs cut by --shard-bytes)")
+    p.add_argument("--shard-bytes", type=int, default=0,
+                   help="also split a shard once it holds this many bytes (0: no limit)")
     p.add_argument("--max-side", type=int, default=512,
                    help="resize images whose --resize-side side exceeds this (0: never)")
     p.add_argument("--resize-side", choices=["longer", "shorter"], default="longer",
@@ -80,7 +73,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quality", type=int, default=90, help="JPEG/WebP quality when re-encoding")
     p.add_argument("--format", choices=["jpg", "png", "webp"], default="jpg", help="format when re-encoding")
     p.add_argument("--seed", type=int, default=0, help="seed of the shuffle before sharding")
-    p.add_argument("--workers", type=int, default=default_workers(), help="decoding processes")
+    p.add_argument("--workers", type=int, default=default_workers(), help="processes; each writes whole shards")
     p.add_argument("--overwrite", action="store_true", help="delete an existing or unfinished build in OUT_DIR first")
     args = p.parse_args(argv)
     if args.shard_size < 0 or args.shard_bytes < 0 or (args.shard_size == 0 and args.shard_bytes == 0):
@@ -90,58 +83,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.workers < 1:
         p.error("--workers must be >= 1")
     return args
-
-
-# ---------------------------------------------------------------- worker processes
-
-_reader = None
-_settings: EncodeSettings | None = None
-
-
-def _exit_with_parent(parent: int) -> None:
-    """Pool workers wait on a pipe forever if the main process is killed (kill -9); leave when it is gone."""
-    while os.getppid() == parent:
-        time.sleep(1.0)
-    os._exit(1)
-
-
-def _init_worker(reader, settings: EncodeSettings, parent: int) -> None:
-    global _reader, _settings
-    _reader, _settings = reader, settings
-    Image.MAX_IMAGE_PIXELS = settings.max_pixels  # PIL's own bomb check (at twice this) must not be stricter than ours
-    threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
-
-
-def _process(ref: str | int) -> tuple:
-    """Read and prepare one input: ("ok", bytes, ext, w, h) or ("fail", reason, detail)."""
-    try:
-        data = _reader.read(ref)
-    except OSError as e:
-        return ("fail", "unreadable", f"{type(e).__name__}: {e}")
-    try:
-        return ("ok", *prepare_image(data, _settings))
-    except BadImage as e:
-        return ("fail", e.reason, e.detail)
-
-
-def _ordered_results(pool, items: list[Item], start: int, window: int) -> Iterator[tuple]:
-    """Results for items[start:], in order. At most `window` inputs are in flight, so memory holds a bounded
-    number of images however slow the writer is (Pool.imap alone would read ahead without limit)."""
-    slots, stop = threading.Semaphore(window), threading.Event()
-
-    def refs() -> Iterator[str | int]:
-        for i in range(start, len(items)):
-            while not slots.acquire(timeout=0.1):
-                if stop.is_set():  # the consumer is gone; let the pool's feeder thread end
-                    return
-            yield items[i].ref
-
-    try:
-        for result in pool.imap(_process, refs(), chunksize=CHUNK):
-            slots.release()
-            yield result
-    finally:
-        stop.set()
 
 
 # ---------------------------------------------------------------- planning, journal, resume
@@ -162,15 +103,6 @@ def plan_splits(source: Source, val_fraction: float, seed: int) -> dict[str, lis
     return {k: v for k, v in splits.items() if v}
 
 
-def shard_end(start: int, total: int, shard_size: int) -> int:
-    """End of the shard starting at input `start`: the remaining inputs are spread evenly over as few shards as
-    `shard_size` allows (2500 by 1000 -> 834, 833, 833), so shards of a split differ by at most one input."""
-    remaining = total - start
-    if not shard_size:
-        return total
-    return start + math.ceil(remaining / math.ceil(remaining / shard_size))
-
-
 def our_files(out_dir: Path) -> list[Path]:
     """Files a build writes into OUT_DIR (what --overwrite deletes): shards, temporaries, journal, reports."""
     names = {MANIFEST_NAME, JOURNAL_NAME, FAILURES_NAME, MANIFEST_NAME + ".tmp", JOURNAL_NAME + ".tmp",
@@ -188,62 +120,31 @@ class SpeedColumn(ProgressColumn):
         return Text(f"{task.speed or 0:,.0f} img/s")
 
 
-def sample_files(result: tuple, item: Item) -> dict[str, bytes]:
-    """The files of one sample: the image, `.cls` when labelled, `.json` metadata."""
-    _, data, ext, w, h = result
-    files = {ext: data}
-    if item.label >= 0:
-        files["cls"] = str(item.label).encode()
-    meta = {"source": item.source_id, "label": item.label, "width": w, "height": h}
-    files["json"] = json.dumps(meta, sort_keys=True).encode()
-    return files
+def range_tasks(splits: dict[str, list[Item]], done: dict[str, list[dict]], args: argparse.Namespace) -> list:
+    """The ranges still to write, split by split; `done` (per split, the journal's records) is cut back to whole
+    ranges, in place."""
+    tasks = []
+    for name, items in splits.items():
+        ranges = plan_ranges(len(items), args.shard_size)
+        done[name] = whole_ranges(done[name], ranges)
+        covered = done[name][-1]["end"] if done[name] else 0
+        tasks += [RangeTask(name, a, items[a:b], args.shard_bytes) for a, b in ranges if a >= covered]
+    return tasks
 
 
-def write_split(name: str, items: list[Item], done: list[dict], pool, args: argparse.Namespace, out_dir: Path,
-                journal: Journal, advance) -> list[dict]:
-    """Write the shards of one split not yet in `done` (its journal records); returns all its records."""
-    records = list(done)
-    pos = records[-1]["end"] if records else 0
+def commit_range(parts: list[dict], records: list[dict], out_dir: Path, journal: Journal) -> None:
+    """Give a finished range's tars their final names (next in the split's numbering) and journal them."""
     index = sum(1 for r in records if r["filename"] is not None)
-    if pos >= len(items):
-        return records
-    results = _ordered_results(pool, items, pos, window=IN_FLIGHT * CHUNK * args.workers)
-    try:
-        return _write_shards(name, items, records, pos, index, results, args, out_dir, journal, advance)
-    finally:
-        results.close()  # stops the pool's feeder if we leave early (an error, Ctrl-C)
-
-
-def _write_shards(name: str, items: list[Item], records: list[dict], pos: int, index: int, results: Iterator[tuple],
-                  args: argparse.Namespace, out_dir: Path, journal: Journal, advance) -> list[dict]:
-    while pos < len(items):
-        end = shard_end(pos, len(items), args.shard_size)
-        filename = f"{name}-{index:06d}.tar"
-        writer = ShardWriter(out_dir / filename)
-        failures = []
-        i = pos
-        while i < end:
-            result, item = next(results), items[i]
-            i += 1
-            advance()
-            if result[0] == "fail":
-                failures.append({"source": item.source_id, "split": name, "reason": result[1], "detail": result[2]})
-                continue
-            writer.write(f"{name}_{i - 1:09d}", sample_files(result, item))
-            if args.shard_bytes and writer.bytes_written >= args.shard_bytes:
-                break  # the byte limit closes the shard early; the next one starts at the next input
-        if writer.count:
-            count, size, digest = writer.close()
+    committed = []
+    for part in parts:
+        tmp, filename = part.pop("tmp"), None
+        if tmp is not None:  # None: every input of this part failed, so no (empty) shard
+            filename = f"{part['split']}-{index:06d}.tar"
+            os.replace(out_dir / tmp, out_dir / filename)
             index += 1
-        else:
-            writer.discard()  # every input of this range failed: no empty shard in the manifest
-            count, size, digest, filename = 0, 0, "", None
-        rec = {"split": name, "filename": filename, "start": pos, "end": i, "count": count, "bytes": size,
-               "sha256": digest, "failures": failures}
-        journal.append(rec)
-        records.append(rec)
-        pos = i
-    return records
+        committed.append({**part, "filename": filename})
+    journal.append(committed)
+    records += committed
 
 
 def split_entry(name: str, records: list[dict]) -> dict:
@@ -283,32 +184,43 @@ def build(args: argparse.Namespace) -> dict:
     if previous == build_id and (out_dir / MANIFEST_NAME).exists():
         print(f"{out_dir} is already complete ({MANIFEST_NAME}); pass --overwrite to build it again")
         return json.loads((out_dir / MANIFEST_NAME).read_text())
-    records = verified_records(out_dir, records)
-    journal.start(build_id, records)
-    for tmp in out_dir.glob("*.tar.tmp"):  # a shard that was being written when the last run stopped
-        tmp.unlink()
-    done = collections.defaultdict(list)
-    for rec in records:
+    done: dict[str, list[dict]] = collections.defaultdict(list)
+    for rec in verified_records(out_dir, records):
         done[rec["split"]].append(rec)
+    tasks = range_tasks(splits, done, args)
+    records = [r for name in splits for r in done[name]]
+    journal.start(build_id, records)
+    for tmp in out_dir.glob("*.tar.tmp"):  # shards that were being written when the last run stopped
+        tmp.unlink()
     total = sum(len(v) for v in splits.values())
     resumed = sum(r["end"] - r["start"] for r in records)
     if resumed:
         print(f"resuming: {resumed} of {total} inputs are in {sum(r['filename'] is not None for r in records)} "
               "finished shards")
+    if 1 < len(tasks) < 2 * args.workers and total - resumed >= 5000:
+        print(f"note: {len(tasks)} shards to write with {args.workers} workers; a smaller --shard-size gives the "
+              "workers more equal shares")
 
     start = time.perf_counter()
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), SpeedColumn(),
                TimeRemainingColumn())
     ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-    with ctx.Pool(args.workers, _init_worker, (source.reader, settings, os.getpid())) as pool, \
-            Progress(*columns, transient=not sys.stderr.isatty()) as progress:
-        task = progress.add_task("building shards", total=total, completed=resumed)
-
-        def advance() -> None:
-            progress.advance(task)
-
-        all_records = {name: write_split(name, items, done[name], pool, args, out_dir, journal, advance)
-                       for name, items in splits.items()}
+    processed = ctx.Value("q", 0)  # inputs processed by the workers, for the progress bar
+    workers = max(1, min(args.workers, len(tasks)))
+    with ctx.Pool(workers, init_worker, (source.reader, settings, out_dir, processed, os.getpid())) as pool, \
+            Progress(*columns, refresh_per_second=4, transient=not sys.stderr.isatty()) as progress:
+        bar = progress.add_task("building shards", total=total, completed=resumed)
+        finished = pool.imap(write_range, tasks)  # in order: shard names and the journal follow the ranges
+        for _ in tasks:
+            while True:
+                try:
+                    parts = finished.next(timeout=0.25)
+                    break
+                except mp.TimeoutError:
+                    progress.update(bar, completed=resumed + processed.value)
+            commit_range(parts, done[parts[0]["split"]], out_dir, journal)
+        progress.update(bar, completed=resumed + processed.value)
+    all_records = {name: done[name] for name in splits}
     elapsed = time.perf_counter() - start
 
     failures = [f for recs in all_records.values() for r in recs for f in r["failures"]]

@@ -55,7 +55,7 @@ def _to_rgb(img: Image.Image) -> Image.Image:
         out = Image.new("RGB", rgba.size, WHITE)
         out.paste(rgba, mask=rgba.getchannel("A"))
         return out
-    return img.convert("RGB")
+    return img if img.mode == "RGB" else img.convert("RGB")  # convert() to the same mode copies the image
 
 
 def _target_size(w: int, h: int, settings: EncodeSettings) -> tuple[int, int] | None:
@@ -98,7 +98,7 @@ def prepare_image(data: bytes, settings: EncodeSettings) -> tuple[bytes, str, in
     size = _target_size(w, h, settings)
     if fmt in FORMAT_EXT and img.mode == "RGB" and not rotated and size is None:
         return data, FORMAT_EXT[fmt], w, h
-    img = _to_rgb(ImageOps.exif_transpose(img))
+    img = _to_rgb(ImageOps.exif_transpose(img) if rotated else img)  # exif_transpose copies even when upright
     size = _target_size(img.width, img.height, settings)  # again: a 90-degree rotation swaps the sides
     if size is not None:
         img = img.resize(size, Image.BICUBIC, reducing_gap=3.0)

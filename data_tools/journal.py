@@ -63,9 +63,10 @@ class Journal:
             os.fsync(f.fileno())
         os.replace(tmp, self.path)
 
-    def append(self, rec: dict) -> None:
+    def append(self, recs: list[dict]) -> None:
+        """Journal the shards of one finished range (after their renames), in one write."""
         with open(self.path, "a") as f:
-            f.write(json.dumps({"type": "shard", **rec}) + "\n")
+            f.write("".join(json.dumps({"type": "shard", **rec}) + "\n" for rec in recs))
             f.flush()
             os.fsync(f.fileno())
 

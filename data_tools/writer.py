@@ -56,9 +56,10 @@ class _HashingFile(io.RawIOBase):
 
 
 class ShardWriter:
-    """Writes one shard; `close()` renames `<name>.tmp` to `<name>` and returns (samples, bytes, sha256).
+    """Writes one shard to `<name>.tmp`; `close()` renames it to `<name>` and returns (samples, bytes, sha256).
 
-    `discard()` removes the temporary file instead (a shard that ended up empty)."""
+    `finish()` completes the temporary file but leaves the rename to the caller (build-shards' workers write
+    tars whose final names only the main process knows)."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
@@ -82,16 +83,16 @@ class ShardWriter:
             self.tar.addfile(info, io.BytesIO(data))
         self.count += 1
 
-    def close(self) -> tuple[int, int, str]:
+    def finish(self) -> tuple[int, int, str]:
+        """Complete and sync the temporary file, without renaming it; returns (samples, bytes, sha256)."""
         self.tar.close()
         self.file.close()
-        os.replace(self.tmp, self.path)
         return self.count, self.file.size, self.file.sha256.hexdigest()
 
-    def discard(self) -> None:
-        self.tar.close()
-        self.file.close()
-        self.tmp.unlink()
+    def close(self) -> tuple[int, int, str]:
+        stats = self.finish()
+        os.replace(self.tmp, self.path)
+        return stats
 
 
 def file_sha256(path: str | Path) -> str:

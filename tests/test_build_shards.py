@@ -21,6 +21,7 @@ from PIL import Image
 
 from common.manifest import load_split
 from data_tools.build_shards import main as build_main
+from data_tools.shard_ranges import plan_ranges, whole_ranges
 from tests.conftest import REPO, run_module, subprocess_env
 
 
@@ -259,6 +260,25 @@ def test_balanced_shards_and_byte_limit(tmp_path):
     assert max(split["shard_bytes"]) <= per_sample * 4 + 2 * per_sample + 10240
 
 
+def test_ranges_are_balanced_and_fixed_before_reading():
+    assert plan_ranges(2500, 1000) == [(0, 834), (834, 1667), (1667, 2500)]
+    assert plan_ranges(7, 0) == [(0, 7)] and plan_ranges(0, 10) == []
+    assert plan_ranges(25_000, 0) == [(0, 8334), (8334, 16667), (16667, 25000)]  # bytes-only: 10000 at most
+
+
+def test_a_range_journaled_in_part_is_written_again():
+    ranges = [(0, 10), (10, 20), (20, 30)]
+
+    def rec(a, b):
+        return {"start": a, "end": b}
+
+    # the second range was split by --shard-bytes and the kill came between its two journal lines
+    records = [rec(0, 10), rec(10, 14)]
+    assert whole_ranges(records, ranges) == [rec(0, 10)]
+    assert whole_ranges([rec(0, 4), rec(4, 10), rec(10, 20)], ranges) == [rec(0, 4), rec(4, 10), rec(10, 20)]
+    assert whole_ranges([rec(0, 10), rec(20, 30)], ranges) == [rec(0, 10)]  # a gap: nothing after it is kept
+
+
 def test_same_seed_same_bytes_whatever_the_workers(tmp_path):
     make_tree(tmp_path / "src", {"a": 12, "b": 12}, size=40)
     runs = {}
@@ -284,14 +304,16 @@ def test_rerun_is_a_noop_other_settings_need_overwrite(tmp_path):
     assert shard_bytes(tmp_path / "out") != before
 
 
-def test_kill_9_at_a_random_moment_then_rerun_finishes_the_build(tmp_path):
+@pytest.mark.parametrize("limits", [["--shard-size", "8"], ["--shard-size", "16", "--shard-bytes", "12000"]],
+                         ids=["count", "count_and_bytes"])
+def test_kill_9_at_a_random_moment_then_rerun_finishes_the_build(tmp_path, limits):
     seed = int(time.time())  # a different moment each run; printed on failure to replay it
     rng = np.random.default_rng(seed)
     files = make_tree(tmp_path / "src", {"a": 200, "b": 200}, size=64)
     (tmp_path / "src" / "a" / "broken.jpg").write_bytes(b"not an image")
-    args = [str(tmp_path / "src"), str(tmp_path / "out"), "--shard-size", "8", "--max-side", "40", "--workers", "2"]
+    args = [str(tmp_path / "src"), str(tmp_path / "out"), *limits, "--max-side", "40", "--workers", "2"]
     journal = tmp_path / "out" / "_journal.jsonl"
-    target = 1  # journal lines (header + shards); the build writes 50 shards of 8
+    target = 1  # journal lines (header + shards); the build writes at least 50 shards
     for _ in range(2):  # two interruptions, each at a random shard and a random moment within it
         target += int(rng.integers(2, 16))
         proc = subprocess.Popen([sys.executable, "-m", "data_tools.build_shards", *args], env=subprocess_env(),
