@@ -10,10 +10,10 @@ re-encoded, then times in the same run:
   to such an image, minus tar, sha256, journal and processes);
 * build-shards with 1 and 2 workers.
 
-It prints images/s per core and the ratios; targets: build-shards with one worker >= 0.9 x the bare loop, two
-workers >= 1.8 x one worker on 2 free cores. With --rss N it builds N tiny images (and N/10, for the slope) in a
-child process and prints the peak resident memory of the largest process, which should grow with the number of
-inputs (paths) only.
+It prints images/s per core and the ratios, medians of --repeats interleaved runs; targets: build-shards with one
+worker >= 0.9 x the bare loop, two workers >= 1.8 x one worker on 2 free cores. With --rss N it builds N tiny
+images (and N/10, for the slope) in a child process and prints the peak resident memory of the largest process,
+which should grow with the number of inputs (paths) only.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import io
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -66,10 +67,11 @@ def bare_loop(paths: list[Path], max_side: int, quality: int) -> float:
 
 
 def timed_build(src: Path, out: Path, workers: int, max_side: int, shard_size: int) -> float:
+    count = sum(1 for _ in src.rglob("*.jpg"))
     start = time.perf_counter()
     build(parse_args([str(src), str(out), "--workers", str(workers), "--max-side", str(max_side),
                       "--shard-size", str(shard_size), "--val-fraction", "0", "--overwrite"]))
-    return sum(1 for _ in src.rglob("*.jpg")) / (time.perf_counter() - start)
+    return count / (time.perf_counter() - start)
 
 
 def peak_rss_mib(src: Path, out: Path) -> tuple[float, float]:
@@ -91,6 +93,7 @@ def main() -> None:
     p.add_argument("--max-side", type=int, default=256, help="build-shards --max-side (below --size: re-encode)")
     p.add_argument("--shard-size", type=int, default=100,
                    help="build-shards --shard-size; workers share whole shards, so keep shards >> workers")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved runs of each; medians are compared")
     p.add_argument("--rss", type=int, default=0, help="also measure peak RSS for this many tiny images (0: skip)")
     args = p.parse_args()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -98,11 +101,14 @@ def main() -> None:
         tmp = Path(tmp)
         paths = make_images(tmp / "src", args.images, args.size)
         bare_loop(paths[:50], args.max_side, 90)  # warm the page cache and PIL's codecs
-        bare = bare_loop(paths, args.max_side, 90)
-        one = timed_build(tmp / "src", tmp / "out", 1, args.max_side, args.shard_size)
-        two = timed_build(tmp / "src", tmp / "out", 2, args.max_side, args.shard_size)
+        runs: dict[str, list[float]] = {"bare": [], "one": [], "two": []}
+        for _ in range(args.repeats):  # interleaved, so a noisy neighbour hits all three alike
+            runs["bare"].append(bare_loop(paths, args.max_side, 90))
+            runs["one"].append(timed_build(tmp / "src", tmp / "out", 1, args.max_side, args.shard_size))
+            runs["two"].append(timed_build(tmp / "src", tmp / "out", 2, args.max_side, args.shard_size))
+        bare, one, two = (statistics.median(v) for v in runs.values())
         print(f"\n{args.images} images {args.size}px -> max side {args.max_side}, shards of {args.shard_size}, "
-              f"{cores} core(s) available")
+              f"{cores} core(s) available; medians of {args.repeats} interleaved runs")
         print(f"bare PIL loop        {bare:8.1f} img/s  (1 core)")
         print(f"build-shards 1 worker {one:7.1f} img/s  ratio to bare loop {one / bare:.2f}  (target >= 0.90)")
         print(f"build-shards 2 workers {two:6.1f} img/s  {two / 2:.1f} img/s per worker; "

@@ -12,7 +12,8 @@ What it does, with the real commands as subprocesses (so it measures the product
 2. Per seed: `python -m pretrain --config configs/pretrain/digits.yaml` on ALL training images, labels unused.
 3. Per seed: the labelled subset (--labels-per-class images of each digit, drawn with that seed; 0 = all) is
    written as shards, and `python -m finetune --config configs/finetune/digits.yaml` runs from the pretrained
-   encoder and, with the same steps and recipe, from scratch; optionally a linear probe of the pretrained encoder.
+   encoder and, with the same steps and recipe, from scratch; and linear probes of the pretrained encoder (on the
+   [class] token and on the mean of the patch tokens; --no-probe skips them).
 4. Reads each run's `metrics.jsonl` and prints one table: top-1 on the 360 validation images (mean +- sample
    standard deviation over seeds, and every seed), the paired difference, and minutes of wall time per run; with a
    logistic regression on the raw pixels of the same labelled images as a reference.
@@ -210,6 +211,7 @@ class Plan:
     finetune: dict[int, Run] = field(default_factory=dict)
     scratch: dict[int, Run] = field(default_factory=dict)
     probe: dict[int, Run] = field(default_factory=dict)
+    probe_avg: dict[int, Run] = field(default_factory=dict)
     all_labels: dict[int, tuple[Run, Run]] = field(default_factory=dict)  # seed -> (pretrained, scratch)
     long_scratch: dict[int, Run] = field(default_factory=dict)
     ablations: dict[str, dict[int, tuple[Run, Run]]] = field(default_factory=dict)  # name -> seed -> (pre, ft)
@@ -238,6 +240,8 @@ def plan_runs(args: argparse.Namespace, out: Path, labelled: dict[int, Path]) ->
         if not args.no_probe:
             pre.then.append(plan.probe.setdefault(
                 seed, finetune(f"seed{seed}/probe", seed, pre, ["train.mode=linear_probe"])))
+            pre.then.append(plan.probe_avg.setdefault(seed, finetune(
+                f"seed{seed}/probe_avg", seed, pre, ["train.mode=linear_probe", "model.global_pool=avg"])))
         if seed in args.extra_seeds and args.all_labels_epochs:
             # Every training label, about the same number of steps as the labelled-subset runs.
             extra, shards = [f"train.epochs={args.all_labels_epochs}"], out / "shards" / "all"
@@ -264,7 +268,8 @@ def report(plan: Plan, args: argparse.Namespace, baseline: list[float]) -> str:
     """The results as markdown tables: final top-1 (what the recipe commits to) and best-during-training."""
     s = args.seeds
     arms = {"from scratch": plan.scratch, "MPP pretrain -> fine-tune": plan.finetune,
-            "MPP pretrain -> linear probe": plan.probe}
+            "MPP pretrain -> linear probe ([class] token)": plan.probe,
+            "MPP pretrain -> linear probe (mean of patch tokens)": plan.probe_avg}
     arms = {name: runs for name, runs in arms.items() if runs}
     pre_minutes = statistics.mean(r.minutes for r in plan.pretrain.values())
     val_samples = records(plan.scratch[s[0]], "val_top1")[-1]["val_samples"]
@@ -339,7 +344,7 @@ def main() -> None:
     p.add_argument("--pretrain-set", nargs="*", default=[], metavar="KEY=VALUE", help="more pretrain overrides")
     p.add_argument("--finetune-set", nargs="*", default=[], metavar="KEY=VALUE",
                    help="more finetune overrides (applied to both arms)")
-    p.add_argument("--no-probe", action="store_true", help="skip the linear probe of the pretrained encoder")
+    p.add_argument("--no-probe", action="store_true", help="skip the linear probes of the pretrained encoder")
     p.add_argument("--extra-seeds", type=int, nargs="*", default=[0],
                    help="seeds (of --seeds) that also run the two checks below (all labels; long from-scratch)")
     p.add_argument("--all-labels-epochs", type=int, default=43,
@@ -375,7 +380,8 @@ def main() -> None:
     plan = plan_runs(args, out, labelled)
     if args.report_only:
         runs = [*plan.pretrain.values(), *plan.finetune.values(), *plan.scratch.values(), *plan.probe.values(),
-                *plan.long_scratch.values(), *(r for pair in plan.all_labels.values() for r in pair),
+                *plan.probe_avg.values(), *plan.long_scratch.values(),
+                *(r for pair in plan.all_labels.values() for r in pair),
                 *(r for by_seed in plan.ablations.values() for pair in by_seed.values() for r in pair)]
         for run in runs:
             run.minutes = json.loads((run.run_dir / WALL_FILE).read_text())["minutes"]

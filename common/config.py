@@ -217,6 +217,8 @@ class ModelConfig:
     depth: int | None = opt(None, "number of blocks L (default: the named model's)")
     num_heads: int | None = opt(None, "attention heads (default: the named model's)")
     mlp_ratio: float | None = opt(None, "MLP hidden size / D (default: the named model's, 4 for ViT)")
+    global_pool: Literal["token", "avg"] = opt("token", "what the classifier head reads (fine-tuning): token (the "
+                                               "[class] token, as in the paper) or avg (mean of the patch tokens)")
     drop_path_rate: float = opt(0.0, "stochastic depth rate")
     grad_checkpointing: bool = opt(False, "recompute block activations in the backward pass (saves memory)")
 

@@ -30,8 +30,11 @@ def create_encoder(cfg: ModelConfig, num_classes: int = 0) -> VisionTransformer:
     overrides = {k: getattr(cfg, k) for k in ("patch_size", "embed_dim", "depth", "num_heads", "mlp_ratio")}
     kwargs: dict[str, Any] = {k: v for k, v in overrides.items() if v is not None}
     try:
+        # fc_norm=False: with avg pooling timm would otherwise move the final norm after the pooling (a new
+        # fc_norm layer, an Identity `norm`), and a pretrained encoder's `norm` weights would no longer load.
         model = timm.create_model(cfg.name, pretrained=False, num_classes=num_classes, img_size=(h, w),
-                                  drop_path_rate=cfg.drop_path_rate, **kwargs)
+                                  drop_path_rate=cfg.drop_path_rate, global_pool=cfg.global_pool, fc_norm=False,
+                                  **kwargs)
     except TypeError as e:
         raise ConfigError(f"model '{cfg.name}' does not take these settings: {e}") from None
     if not isinstance(model, VisionTransformer):

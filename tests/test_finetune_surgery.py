@@ -88,3 +88,19 @@ def test_loading_into_a_model_with_a_head_and_fc_norm_keeps_them_new():
     dst.fc_norm = torch.nn.LayerNorm(32)
     load_encoder_weights(dst, src.state_dict(), (4, 4))
     torch.testing.assert_close(dst.blocks[0].mlp.fc1.weight, src.blocks[0].mlp.fc1.weight)
+
+
+def test_avg_pool_head_reads_the_mean_of_the_normed_patch_tokens(tmp_path):
+    # An MPP loss never reaches the [class] token, so probes and fine-tunes may read the patch tokens instead.
+    torch.manual_seed(0)
+    pre_cfg = ModelConfig(img_size=16, **SMALL)
+    encoder = create_encoder(pre_cfg)
+    export_encoder(encoder.state_dict(), to_dict(pre_cfg), tmp_path)
+    token, *_ = build_classifier(InitConfig(checkpoint=str(tmp_path)), ModelConfig(img_size=16), 3)
+    avg, *_ = build_classifier(InitConfig(checkpoint=str(tmp_path)), ModelConfig(img_size=16, global_pool="avg"), 3)
+    assert avg.state_dict().keys() == token.state_dict().keys()  # same weights load: no fc_norm appears
+    torch.testing.assert_close(avg.norm.weight, encoder.norm.weight)
+    torch.nn.init.normal_(avg.head.weight)
+    x = torch.randn(2, 3, 16, 16)
+    features = avg.forward_features(x)  # (2, 1 + 16, D), after the final norm
+    torch.testing.assert_close(avg(x), avg.head(features[:, 1:].mean(dim=1)))
