@@ -77,6 +77,8 @@ def export_encoder(state: dict[str, torch.Tensor], model_config: dict[str, Any],
     out_dir.mkdir(parents=True, exist_ok=True)
     weights = {k[len(prefix):]: v.detach().cpu().contiguous() for k, v in state.items() if k.startswith(prefix)}
     weights = {k: v for k, v in weights.items() if keep_head or not k.startswith("head.")}
+    if not weights:  # never hand the next stage an empty file
+        raise CheckpointError(f"no weights under '{prefix}' to export (the state dict has e.g. {list(state)[:3]})")
     path = out_dir / f"{name}.safetensors"
     save_file(weights, str(path))
     (out_dir / f"{name}.json").write_text(json.dumps({"model": model_config, **(extra or {})}, indent=1))

@@ -71,7 +71,9 @@ def main(argv: list[str] | None = None) -> None:
     optimizer = build_optimizer(model, cfg.optim, peak_lr, layer_decay=cfg.optim.layer_decay)
     model, optimizer = accelerator.prepare(model, optimizer)
     if tc.compile:
-        model = torch.compile(model)
+        # In place (nn.Module.compile): `torch.compile(model)` would return a wrapper whose state dict keys start
+        # with `_orig_mod.`, and the export would then find no encoder keys.
+        model.compile()
     mixup = build_mixup(cfg.augment, num_classes, tc.label_smoothing, plan.micro_batch)
     soft_ce = SoftTargetCrossEntropy()
 

@@ -80,7 +80,9 @@ def main(argv: list[str] | None = None) -> None:
     optimizer = build_optimizer(model, cfg.optim, peak_lr)
     model, optimizer = accelerator.prepare(model, optimizer)
     if tc.compile:
-        model = torch.compile(model)
+        # In place (nn.Module.compile): `torch.compile(model)` would return a wrapper whose state dict keys start
+        # with `_orig_mod.`, and the export would then find no encoder keys.
+        model.compile()
 
     # Resume from the newest complete checkpoint of this run directory, if any.
     start_step = resume_latest(accelerator, tc.run_dir, changed).get("step", 0)

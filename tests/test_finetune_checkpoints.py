@@ -69,6 +69,14 @@ def test_export(tmp_path, encoder):
     assert_loaded(model, encoder, (6, 6))
 
 
+def test_an_export_with_no_weights_under_the_prefix_is_refused(tmp_path, encoder):
+    # What a torch.compile wrapper's `_orig_mod.encoder.*` keys once produced: an empty encoder file.
+    state = {f"_orig_mod.encoder.{k}": v for k, v in encoder.state_dict().items()}
+    with pytest.raises(CheckpointError, match="no weights under 'encoder.'"):
+        export_encoder(state, to_dict(ModelConfig(img_size=16, **SMALL)), tmp_path, prefix="encoder.")
+    assert not (tmp_path / "encoder.safetensors").exists()
+
+
 @pytest.mark.parametrize("wrap", [None, "model", "state_dict"])
 def test_timm_pth_weights_only(tmp_path, encoder, wrap):
     state = {"head.weight": torch.ones(5, 32), "head.bias": torch.ones(5), **encoder.state_dict()}

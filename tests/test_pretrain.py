@@ -85,3 +85,20 @@ def test_killed_run_resumes_from_its_checkpoint_and_finishes(demo_shards, tmp_pa
     assert logged == list(range(5, 301, 5)), "each step logged once, in order, across the kill"
     assert (run_dir / "export" / "encoder.safetensors").is_file()
     assert json.loads((run_dir / "checkpoints" / "step_000300" / "trainer_state.json").read_text())["step"] == 300
+
+
+def test_compiled_training_exports_every_encoder_weight(demo_shards, tmp_path):
+    # torch.compile once returned a wrapper whose `_orig_mod.` keys left the export empty. Inductor compiles C++
+    # for the CPU here, so this takes about 25 s.
+    run_dir = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, "-m", "pretrain", "--config", "configs/pretrain/tiny.yaml", f"data.shards={demo_shards}",
+         f"train.run_dir={run_dir}", "train.steps=3", "train.eval_every=0", "data.val_split=", "train.compile=true"],
+        cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    exported = load_file(run_dir / "export" / "encoder.safetensors")
+    cfg = json.loads((run_dir / "export" / "encoder.json").read_text())["model"]
+    expected = create_encoder(ModelConfig(**cfg)).state_dict()
+    assert exported.keys() == {k for k in expected if not k.startswith("head.")}
+    trained = load_file(run_dir / "checkpoints" / "step_000003" / "model.safetensors")
+    torch.testing.assert_close(exported["blocks.0.attn.qkv.weight"], trained["encoder.blocks.0.attn.qkv.weight"])
