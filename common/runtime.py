@@ -58,6 +58,10 @@ def make_accelerator(train: TrainConfig) -> tuple[Accelerator, BatchPlan]:
         project_config=project,
         step_scheduler_with_optimizer=False,  # the LR is set by hand from the step (see common/schedule.py)
     )
+    if cpu and os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and accelerator.is_main_process:
+        # accelerate silently drops FSDP for CPU processes; say so rather than let a user believe it sharded
+        print("warning: FSDP needs CUDA devices; these CPU processes run as plain data parallel (gloo), each "
+              "holding the whole model")
     return accelerator, plan
 
 
