@@ -250,7 +250,7 @@ def build(args: argparse.Namespace) -> dict:
     rate = (total - resumed) / max(elapsed, 1e-9)
     print(f"wrote {written} samples in {shards} shards to {out_dir} ({per_split}); "
           f"skipped {len(failures)}{f' ({reasons}; see {FAILURES_NAME})' if failures else ''}")
-    print(f"throughput: {rate:,.0f} img/s with {args.workers} worker(s) ({rate / args.workers:,.0f} img/s per worker)"
+    print(f"throughput: {rate:,.0f} img/s with {workers} worker(s) ({rate / workers:,.0f} img/s per worker)"
           f", {elapsed:.1f} s")
     return info
 

@@ -17,6 +17,9 @@ class InitConfig:
     grid: list[int] | None = opt(None, "the checkpoint's patch grid [rows, cols] for timm/npz checkpoints "
                                        "(default: inferred from pos_embed, assumed square)")
     posemb_interp: Literal["bilinear", "bicubic"] = opt("bilinear", "position-embedding resize (paper: bilinear)")
+    mean: list[float] | None = opt(None, "input normalisation mean [r, g, b] the checkpoint was trained with "
+                                         "(default: the export's, else the timm model's)")
+    std: list[float] | None = opt(None, "input normalisation std [r, g, b] (default: as for mean)")
 
 
 @dataclass

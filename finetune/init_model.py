@@ -6,7 +6,7 @@ import dataclasses
 
 from timm.models.vision_transformer import VisionTransformer
 
-from common.config import ModelConfig
+from common.config import ConfigError, ModelConfig
 from common.models import ARCH_KEYS, create_encoder, norm_stats
 from finetune.checkpoints import checkpoint_kind, export_grid, read_export, read_npz, read_state_dict, state_dict_grid
 from finetune.config import InitConfig
@@ -24,7 +24,7 @@ def build_classifier(init: InitConfig, model_cfg: ModelConfig, num_classes: int,
     if not init.checkpoint:  # from scratch
         model = create_encoder(model_cfg)
         attach_zero_head(model, num_classes)
-        mean, std = norm_stats(model)
+        mean, std = _chosen_stats(init, *norm_stats(model))
         return model, mean, std, model_cfg
     detected = checkpoint_kind(init.checkpoint)  # also fails clearly when the path does not exist
     kind = detected if init.kind == "auto" else init.kind
@@ -46,4 +46,15 @@ def build_classifier(init: InitConfig, model_cfg: ModelConfig, num_classes: int,
     mean, std = norm_stats(model)
     if meta is not None:  # the normalisation the encoder was pretrained with
         mean, std = tuple(meta.get("mean", mean)), tuple(meta.get("std", std))
+    mean, std = _chosen_stats(init, mean, std)
     return model, mean, std, model_cfg
+
+
+def _chosen_stats(init: InitConfig, mean: tuple[float, ...], std: tuple[float, ...],
+                  ) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """`init.mean` / `init.std` when given (checked: three values, std > 0), else the defaults passed in."""
+    for name, values in (("mean", init.mean), ("std", init.std)):
+        if values is not None and (len(values) != 3 or (name == "std" and min(values) <= 0)):
+            raise ConfigError(f"init.{name} must be three numbers [r, g, b]{' > 0' if name == 'std' else ''}, "
+                              f"got {values}")
+    return (tuple(init.mean) if init.mean is not None else mean), (tuple(init.std) if init.std is not None else std)

@@ -8,10 +8,10 @@ import torch
 from safetensors.torch import save_file
 
 from common.checkpoint import CheckpointError, export_encoder
-from common.config import ModelConfig, to_dict
+from common.config import ConfigError, ModelConfig, load_config, to_dict
 from common.models import create_encoder
 from finetune.checkpoints import checkpoint_kind, read_state_dict
-from finetune.config import InitConfig
+from finetune.config import FinetuneConfig, InitConfig
 from finetune.init_model import build_classifier
 from finetune.surgery import resize_pos_embed
 
@@ -133,3 +133,16 @@ def test_mismatched_checkpoints_are_one_line_errors(tmp_path, encoder):
     assert "\n" not in str(err.value)
     with pytest.raises(CheckpointError, match="checkpoint not found"):
         build_classifier(InitConfig(checkpoint=str(tmp_path / "nothing.pth")), deeper, 3)
+
+
+def test_normalisation_override(tmp_path, encoder):
+    export_encoder(encoder.state_dict(), to_dict(ModelConfig(img_size=16, **SMALL)), tmp_path, extra={
+        "mean": [0.1, 0.2, 0.3], "std": [0.4, 0.5, 0.6]})
+    _, mean, std, _ = build_classifier(InitConfig(checkpoint=str(tmp_path)), ModelConfig(img_size=16), 3)
+    assert (mean, std) == ((0.1, 0.2, 0.3), (0.4, 0.5, 0.6))  # the export's own
+    cfg = load_config(FinetuneConfig, "configs/finetune/tiny.yaml", [
+        f"init.checkpoint={tmp_path}", "init.mean=[0.485,0.456,0.406]", "init.std=[0.229,0.224,0.225]"])
+    _, mean, std, _ = build_classifier(cfg.init, ModelConfig(img_size=16), 3)
+    assert (mean, std) == ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
+    with pytest.raises(ConfigError, match=r"init.std must be three numbers \[r, g, b\] > 0"):
+        build_classifier(InitConfig(checkpoint=str(tmp_path), std=[0.2, 0.0, 0.2]), ModelConfig(img_size=16), 3)
