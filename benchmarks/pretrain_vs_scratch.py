@@ -22,8 +22,9 @@ What it does, with the real commands as subprocesses (so it measures the product
    mpp.target and mpp.mask_ratio ablations (pretrained for --ablation-steps, then fine-tuned like the main runs).
 
 Runs go to runs/experiments/digits/ (gitignored); each run directory is removed before its run, so numbers are
-always fresh. --jobs runs that many processes at once, each with cores / jobs threads: on 2 cores two
-single-threaded runs of a model this small get more done than one two-threaded run.
+always fresh, unless --reuse keeps the finished ones (to add seeds or arms to an earlier run). --jobs runs that
+many processes at once, each with cores / jobs threads: on 2 cores two single-threaded runs of a model this small
+get more done than one two-threaded run.
 """
 
 from __future__ import annotations
@@ -152,8 +153,15 @@ class Run:
     then: list[Run] = field(default_factory=list)  # runs that need this one's export; started after it
 
 
-def execute(run: Run, threads: int, log_dir: Path) -> None:
-    """Run `python -m <module>` (fresh run directory), then the runs that depend on it."""
+def execute(run: Run, threads: int, log_dir: Path, reuse: bool = False) -> None:
+    """Run `python -m <module>` (fresh run directory), then the runs that depend on it. With `reuse`, a run whose
+    directory holds a finished run (its wall-time file) is kept, not run again."""
+    if reuse and (run.run_dir / WALL_FILE).is_file():
+        run.minutes = json.loads((run.run_dir / WALL_FILE).read_text())["minutes"]
+        print(f"  {run.name}: reused ({run.minutes:.1f} min when it ran)", flush=True)
+        for child in run.then:
+            execute(child, threads, log_dir, reuse)
+        return
     shutil.rmtree(run.run_dir, ignore_errors=True)
     cmd = [sys.executable, "-m", run.module, "--config", run.config, f"train.run_dir={run.run_dir}", *run.overrides]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
@@ -169,7 +177,7 @@ def execute(run: Run, threads: int, log_dir: Path) -> None:
     if proc.returncode != 0:
         raise RuntimeError(f"{run.name} failed with status {proc.returncode}: see {log_path}")
     for child in run.then:
-        execute(child, threads, log_dir)
+        execute(child, threads, log_dir, reuse)
 
 
 def records(run: Run, key: str) -> list[dict]:
@@ -359,6 +367,8 @@ def main() -> None:
     p.add_argument("--report-only", action="store_true",
                    help="run nothing: print the tables from the run directories of an earlier run with these flags")
     p.add_argument("--jobs", type=int, default=2, help="runs at a time")
+    p.add_argument("--reuse", action="store_true",
+                   help="keep finished runs found in --out instead of running them again (e.g. to add seeds)")
     p.add_argument("--threads", type=int, default=None, help="threads per run (default: cores / jobs)")
     args = p.parse_args()
     args.extra_seeds = [k for k in args.extra_seeds if k in args.seeds]
@@ -392,7 +402,7 @@ def main() -> None:
         print(f"== {len(plan.chains)} chains of runs, {args.jobs} at a time, {threads} thread(s) each; logs in "
               f"{log_dir}", flush=True)
         with ThreadPoolExecutor(args.jobs) as pool:
-            for future in [pool.submit(execute, chain, threads, log_dir) for chain in plan.chains]:
+            for future in [pool.submit(execute, chain, threads, log_dir, args.reuse) for chain in plan.chains]:
                 future.result()
         total_minutes = (time.perf_counter() - started) / 60
         text = report(plan, args, baseline) + (

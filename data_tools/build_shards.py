@@ -120,16 +120,17 @@ class SpeedColumn(ProgressColumn):
         return Text(f"{task.speed or 0:,.0f} img/s")
 
 
-def range_tasks(splits: dict[str, list[Item]], done: dict[str, list[dict]], args: argparse.Namespace) -> list:
-    """The ranges still to write, split by split; `done` (per split, the journal's records) is cut back to whole
-    ranges, in place."""
-    tasks = []
+def ranges_to_write(splits: dict[str, list[Item]], done: dict[str, list[dict]], shard_size: int,
+                    ) -> list[tuple[str, int, int]]:
+    """(split, start, end) of the ranges still to write, split by split; `done` (per split, the journal's records)
+    is cut back to whole ranges, in place."""
+    todo = []
     for name, items in splits.items():
-        ranges = plan_ranges(len(items), args.shard_size)
+        ranges = plan_ranges(len(items), shard_size)
         done[name] = whole_ranges(done[name], ranges)
         covered = done[name][-1]["end"] if done[name] else 0
-        tasks += [RangeTask(name, a, items[a:b], args.shard_bytes) for a, b in ranges if a >= covered]
-    return tasks
+        todo += [(name, a, b) for a, b in ranges if a >= covered]
+    return todo
 
 
 def commit_range(parts: list[dict], records: list[dict], out_dir: Path, journal: Journal) -> None:
@@ -187,7 +188,7 @@ def build(args: argparse.Namespace) -> dict:
     done: dict[str, list[dict]] = collections.defaultdict(list)
     for rec in verified_records(out_dir, records):
         done[rec["split"]].append(rec)
-    tasks = range_tasks(splits, done, args)
+    todo = ranges_to_write(splits, done, args.shard_size)
     records = [r for name in splits for r in done[name]]
     journal.start(build_id, records)
     for tmp in out_dir.glob("*.tar.tmp"):  # shards that were being written when the last run stopped
@@ -197,8 +198,8 @@ def build(args: argparse.Namespace) -> dict:
     if resumed:
         print(f"resuming: {resumed} of {total} inputs are in {sum(r['filename'] is not None for r in records)} "
               "finished shards")
-    if 1 < len(tasks) < 2 * args.workers and total - resumed >= 5000:
-        print(f"note: {len(tasks)} shards to write with {args.workers} workers; a smaller --shard-size gives the "
+    if 1 < len(todo) < 2 * args.workers and total - resumed >= 5000:
+        print(f"note: {len(todo)} shards to write with {args.workers} workers; a smaller --shard-size gives the "
               "workers more equal shares")
 
     start = time.perf_counter()
@@ -206,12 +207,15 @@ def build(args: argparse.Namespace) -> dict:
                TimeRemainingColumn())
     ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
     processed = ctx.Value("q", 0)  # inputs processed by the workers, for the progress bar
-    workers = max(1, min(args.workers, len(tasks)))
+    workers = max(1, min(args.workers, len(todo)))
     with ctx.Pool(workers, init_worker, (source.reader, settings, out_dir, processed, os.getpid())) as pool, \
             Progress(*columns, refresh_per_second=4, transient=not sys.stderr.isatty()) as progress:
         bar = progress.add_task("building shards", total=total, completed=resumed)
-        finished = pool.imap(write_range, tasks)  # in order: shard names and the journal follow the ranges
-        for _ in tasks:
+        # A generator: the pool takes tasks as the workers need them, so only a few ranges' item lists are ever
+        # copied and pickled at once. imap returns results in order: shard names and the journal follow the ranges.
+        tasks = (RangeTask(name, a, splits[name][a:b], args.shard_bytes) for name, a, b in todo)
+        finished = pool.imap(write_range, tasks)
+        for _ in todo:
             while True:
                 try:
                     parts = finished.next(timeout=0.25)
