@@ -21,6 +21,10 @@ import os
 import random
 import sys
 import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import TimeoutError as FuturesTimeout
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeRemainingColumn
@@ -133,6 +137,42 @@ def ranges_to_write(splits: dict[str, list[Item]], done: dict[str, list[dict]], 
     return todo
 
 
+class WorkerDied(RuntimeError):
+    """A worker process ended abruptly (killed, out of memory, a crash in a decoder)."""
+
+
+def written_in_order(pool: ProcessPoolExecutor, tasks: Iterator[RangeTask], window: int,
+                     idle: Callable[[], None]) -> Iterator[list[dict]]:
+    """`write_range` results for `tasks`, in task order (shard names and the journal follow the ranges).
+
+    At most `window` ranges are submitted ahead, so only a few ranges' item lists are copied and pickled at a
+    time; `idle` runs every quarter second while the next result is awaited. A worker that dies raises
+    `WorkerDied` instead of leaving the build waiting forever (what multiprocessing.Pool does).
+    """
+    tasks = iter(tasks)
+    pending: collections.deque[tuple[RangeTask, Future]] = collections.deque()
+    while True:
+        while len(pending) < window and (task := next(tasks, None)) is not None:
+            pending.append((task, pool.submit(write_range, task)))
+        if not pending:
+            return
+        task, future = pending[0]
+        try:
+            while True:
+                try:
+                    parts = future.result(timeout=0.25)
+                    break
+                except FuturesTimeout:
+                    idle()
+        except BrokenProcessPool:
+            raise WorkerDied(
+                f"a worker process died while writing one of {len(pending)} ranges in flight (the first: "
+                f"{task.split} inputs {task.start}-{task.end - 1}); killed for memory, or a crash in an image decoder. "
+                "Finished shards are kept: re-run the same command to continue") from None
+        pending.popleft()
+        yield parts
+
+
 def commit_range(parts: list[dict], records: list[dict], out_dir: Path, journal: Journal) -> None:
     """Give a finished range's tars their final names (next in the split's numbering) and journal them."""
     index = sum(1 for r in records if r["filename"] is not None)
@@ -208,22 +248,21 @@ def build(args: argparse.Namespace) -> dict:
     ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
     processed = ctx.Value("q", 0)  # inputs processed by the workers, for the progress bar
     workers = max(1, min(args.workers, len(todo)))
-    with ctx.Pool(workers, init_worker, (source.reader, settings, out_dir, processed, os.getpid())) as pool, \
-            Progress(*columns, refresh_per_second=4, transient=not sys.stderr.isatty()) as progress:
-        bar = progress.add_task("building shards", total=total, completed=resumed)
-        # A generator: the pool takes tasks as the workers need them, so only a few ranges' item lists are ever
-        # copied and pickled at once. imap returns results in order: shard names and the journal follow the ranges.
-        tasks = (RangeTask(name, a, splits[name][a:b], args.shard_bytes) for name, a, b in todo)
-        finished = pool.imap(write_range, tasks)
-        for _ in todo:
-            while True:
-                try:
-                    parts = finished.next(timeout=0.25)
-                    break
-                except mp.TimeoutError:
-                    progress.update(bar, completed=resumed + processed.value)
-            commit_range(parts, done[parts[0]["split"]], out_dir, journal)
-        progress.update(bar, completed=resumed + processed.value)
+    pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=init_worker,
+                               initargs=(source.reader, settings, out_dir, processed, os.getpid()))
+    try:
+        with Progress(*columns, refresh_per_second=4, transient=not sys.stderr.isatty()) as progress:
+            bar = progress.add_task("building shards", total=total, completed=resumed)
+
+            def show_progress() -> None:
+                progress.update(bar, completed=resumed + processed.value)
+
+            tasks = (RangeTask(name, a, splits[name][a:b], args.shard_bytes) for name, a, b in todo)
+            for parts in written_in_order(pool, tasks, window=2 * workers, idle=show_progress):
+                commit_range(parts, done[parts[0]["split"]], out_dir, journal)
+            show_progress()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)  # on an error or Ctrl-C: no new ranges, running ones end
     all_records = {name: done[name] for name in splits}
     elapsed = time.perf_counter() - start
 
@@ -270,6 +309,9 @@ def main(argv: list[str] | None = None) -> None:
     except (FileNotFoundError, FileExistsError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except WorkerDied as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

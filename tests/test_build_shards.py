@@ -20,6 +20,7 @@ import webdataset as wds
 from PIL import Image
 
 from common.manifest import load_split
+from data_tools import shard_ranges
 from data_tools.build_shards import main as build_main
 from data_tools.shard_ranges import plan_ranges, whole_ranges
 from tests.conftest import REPO, run_module, subprocess_env
@@ -337,6 +338,40 @@ def test_kill_9_at_a_random_moment_then_rerun_finishes_the_build(tmp_path, limit
     assert not list((tmp_path / "out").glob("*.tmp"))
     build_main([*args[:1], str(tmp_path / "clean"), *args[2:]])  # an uninterrupted build: the very same bytes
     assert shard_bytes(tmp_path / "clean") == shard_bytes(tmp_path / "out")
+
+
+def test_a_worker_that_dies_stops_the_build_with_an_error_instead_of_a_hang(tmp_path, monkeypatch, capsys):
+    # A decoder crash or the OOM killer takes a worker down mid-range; multiprocessing.Pool would wait forever.
+    files = make_tree(tmp_path / "src", {"a": 30, "b": 30})
+    fatal = files["b/img007.jpg"]
+    real_prepare = shard_ranges.prepare_image
+
+    def prepare_or_die(data, settings):
+        if data == fatal:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real_prepare(data, settings)
+
+    monkeypatch.setattr(shard_ranges, "prepare_image", prepare_or_die)  # forked workers inherit it
+    args = [str(tmp_path / "src"), str(tmp_path / "out"), "--workers", "2", "--shard-size", "5"]
+    def hung(*_):
+        raise TimeoutError("the build hung after its worker died")
+
+    previous = signal.signal(signal.SIGALRM, hung)  # a hang fails this test instead of blocking the suite
+    signal.alarm(120)
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            build_main(args)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: a worker process died") and "re-run the same command" in err
+    assert not (tmp_path / "out" / "_info.json").exists()
+
+    monkeypatch.setattr(shard_ranges, "prepare_image", real_prepare)  # the cause is gone: the re-run finishes
+    build_main(args)
+    assert sorted(json.loads(s["json"])["source"] for s in all_samples(tmp_path / "out")) == sorted(files)
 
 
 # ---------------------------------------------------------------- readers and inspect
