@@ -251,6 +251,7 @@ def build(args: argparse.Namespace) -> dict:
     pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=init_worker,
                                initargs=(source.reader, settings, out_dir, processed, os.getpid()))
     try:
+        pool.submit(os.getpid).result()  # fork the workers now, before the progress bar starts its thread
         with Progress(*columns, refresh_per_second=4, transient=not sys.stderr.isatty()) as progress:
             bar = progress.add_task("building shards", total=total, completed=resumed)
 
