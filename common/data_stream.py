@@ -26,11 +26,14 @@ accelerate would either re-split it or make rank 0 decode for everyone.
 
 from __future__ import annotations
 
+import http.client
 import io
 import math
 import random
 import shutil
 import sys
+import tarfile
+import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -98,27 +101,68 @@ def open_url(url: str):
     return fsspec.open(url, "rb").open()
 
 
-def read_segment(seg: Segment) -> Iterator[dict[str, Any]]:
+def is_remote(url: str) -> bool:
+    """Whether a shard is read over a network (http, s3, gs, ...) rather than from a path or a `pipe:`."""
+    scheme = urlparse(url).scheme
+    return len(scheme) > 1 and scheme not in ("file", "pipe")
+
+
+# A remote stream that breaks mid-shard (connection reset, truncated body, a curl error) is reopened this many times,
+# after REMOTE_WAIT_S, then twice that, and so on; the samples already yielded are skipped, not repeated.
+REMOTE_RETRIES = 3
+REMOTE_WAIT_S = 1.0
+STREAM_ERRORS = (OSError, tarfile.TarError, http.client.HTTPException)
+
+
+def read_segment(seg: Segment, retries: int = REMOTE_RETRIES, wait_s: float = REMOTE_WAIT_S,
+                 ) -> Iterator[dict[str, Any]]:
     """Raw samples (dicts of extension -> bytes, plus `__key__`) of one shard segment; nothing is decoded.
 
-    A shard that ends before the segment does (truncated download, manifest out of date) is a DataError: yielding
-    fewer samples would leave this rank with fewer steps than the others, and the run would hang in a collective.
+    A remote shard whose stream breaks is reopened (`retries` times) and read on from the next sample. A shard that
+    still ends before the segment does (truncated, manifest out of date) is a DataError: yielding fewer samples
+    would leave this rank with fewer steps than the others, and the run would hang in a collective.
     """
-    stream = open_url(seg.url)
-    count = 0
+    position, count, attempt = seg.start, 0, 0  # position: the next sample to yield
+    while True:
+        error: Exception | None = None
+        samples = _samples(seg.url)
+        try:
+            count = 0
+            for sample in samples:
+                if count >= seg.stop:
+                    break
+                if count >= position:
+                    yield sample
+                    position += 1
+                count += 1
+            samples.close()  # now, not when collected: closing the stream can fail too (a curl exit status)
+        except STREAM_ERRORS as e:
+            error = e
+        finally:
+            samples.close()
+        if position >= seg.stop:
+            return
+        if attempt >= retries or not is_remote(seg.url):
+            if error is not None and not is_remote(seg.url):
+                raise error
+            tries = f" ({attempt + 1} attempts)" if attempt else ""
+            if error is not None:
+                raise DataError(f"shard {seg.url}: the stream broke after sample {position} of {seg.stop}{tries}: "
+                                f"{type(error).__name__}: {error}")
+            raise DataError(f"shard {seg.url} holds only {position} samples but the manifest says at least "
+                            f"{seg.stop}{tries}: the shard is truncated or the manifest is out of date")
+        time.sleep(wait_s * 2**attempt)
+        attempt += 1
+
+
+def _samples(url: str) -> Iterator[dict[str, Any]]:
+    """Every raw sample of one shard, in order."""
+    stream = open_url(url)
     try:
-        files = wds.tariterators.tar_file_expander([{"url": seg.url, "stream": stream}])
-        for sample in wds.tariterators.group_by_keys(files):
-            if count >= seg.stop:
-                break
-            if count >= seg.start:
-                yield sample
-            count += 1
+        files = wds.tariterators.tar_file_expander([{"url": url, "stream": stream}])
+        yield from wds.tariterators.group_by_keys(files)
     finally:
         stream.close()
-    if count < seg.stop:
-        raise DataError(f"shard {seg.url} holds only {count} samples but the manifest says at least {seg.stop}: "
-                        "the shard is truncated or the manifest is out of date")
 
 
 def shuffled(samples: Iterator[dict[str, Any]], size: int, rng: random.Random) -> Iterator[dict[str, Any]]:
