@@ -15,6 +15,7 @@ from timm.optim import param_groups_layer_decay, param_groups_weight_decay
 from common.checkpoint import latest_checkpoint, load_checkpoint
 from common.config import ConfigError, OptimConfig, TrainConfig
 from common.data_stream import to_device
+from common.run_dir import MetricsLog
 
 
 @dataclass(frozen=True)
@@ -126,15 +127,32 @@ def mean_across_processes(accelerator: Accelerator, values: dict[str, float | to
     return {k: float(v) for k, v in zip(keys, t.tolist())}
 
 
-def resume_latest(accelerator: Accelerator, run_dir: str | Path, changed: list[str]) -> dict[str, Any]:
+def prepare_model(accelerator: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                  compile: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """`accelerator.prepare` the model and optimizer, then (with `compile`) torch.compile the model in place.
+
+    In place (nn.Module.compile): `torch.compile(model)` would return a wrapper whose state dict keys start with
+    `_orig_mod.`, and the exports would then find no encoder keys.
+    """
+    model, optimizer = accelerator.prepare(model, optimizer)
+    if compile:
+        model.compile()
+    return model, optimizer
+
+
+def resume_latest(accelerator: Accelerator, run_dir: str | Path, changed: list[str], log: MetricsLog,
+                  ) -> dict[str, Any]:
     """Restore the newest complete checkpoint of `run_dir`, if any; returns its trainer state ({} for a new run).
 
     `changed` lists the config keys that differ from the run directory's previous config, printed as a note.
+    `log` is cut back to the resumed step: the steps it holds after it are about to be run again.
     """
     ckpt = latest_checkpoint(run_dir)
     if ckpt is None:
+        log.rewind(0)
         return {}
     state = load_checkpoint(accelerator, ckpt)
+    log.rewind(state["step"])
     accelerator.print(f"resuming from {ckpt} (step {state['step']})")
     if changed:
         accelerator.print(f"note: config differs from the previous run in: {', '.join(changed)}")

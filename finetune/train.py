@@ -28,6 +28,7 @@ from common.runtime import (
     make_accelerator,
     mean_across_processes,
     optimizer_step,
+    prepare_model,
     resume_latest,
     set_lr,
 )
@@ -69,18 +70,13 @@ def main(argv: list[str] | None = None) -> None:
     model.to(accelerator.device)
     peak_lr = scaled_lr(cfg.optim, tc.batch_size)
     optimizer = build_optimizer(model, cfg.optim, peak_lr, layer_decay=cfg.optim.layer_decay)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    if tc.compile:
-        # In place (nn.Module.compile): `torch.compile(model)` would return a wrapper whose state dict keys start
-        # with `_orig_mod.`, and the export would then find no encoder keys.
-        model.compile()
+    model, optimizer = prepare_model(accelerator, model, optimizer, tc.compile)
     mixup = build_mixup(cfg.augment, num_classes, tc.label_smoothing, plan.micro_batch)
     soft_ce = SoftTargetCrossEntropy()
 
     # Resume from the newest complete checkpoint of this run directory, if any.
-    resumed = resume_latest(accelerator, tc.run_dir, changed)
+    resumed = resume_latest(accelerator, tc.run_dir, changed, log)
     start_step, best_top1 = resumed.get("step", 0), resumed.get("best_top1", -1.0)
-    log.rewind(start_step)  # steps logged after that checkpoint are about to be run again
 
     # The loader splits itself across processes and workers, so it is NOT passed to accelerator.prepare
     # (which would re-split it, or make rank 0 decode for everyone); batches are moved to the device by hand.

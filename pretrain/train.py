@@ -25,6 +25,7 @@ from common.runtime import (
     make_accelerator,
     mean_across_processes,
     optimizer_step,
+    prepare_model,
     resume_latest,
     set_lr,
 )
@@ -78,15 +79,10 @@ def main(argv: list[str] | None = None) -> None:
     peak_lr = scaled_lr(cfg.optim, tc.batch_size)
     warmup = warmup_steps(cfg.optim, tc.steps)
     optimizer = build_optimizer(model, cfg.optim, peak_lr)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    if tc.compile:
-        # In place (nn.Module.compile): `torch.compile(model)` would return a wrapper whose state dict keys start
-        # with `_orig_mod.`, and the export would then find no encoder keys.
-        model.compile()
+    model, optimizer = prepare_model(accelerator, model, optimizer, tc.compile)
 
     # Resume from the newest complete checkpoint of this run directory, if any.
-    start_step = resume_latest(accelerator, tc.run_dir, changed).get("step", 0)
-    log.rewind(start_step)  # steps logged after that checkpoint are about to be run again
+    start_step = resume_latest(accelerator, tc.run_dir, changed, log).get("step", 0)
 
     # The loader splits itself across processes and workers, so it is NOT passed to accelerator.prepare
     # (which would re-split it, or make rank 0 decode for everyone); batches are moved to the device by hand.
