@@ -122,7 +122,7 @@ def read_segment(seg: Segment, retries: int = REMOTE_RETRIES, wait_s: float = RE
     still ends before the segment does (truncated, manifest out of date) is a DataError: yielding fewer samples
     would leave this rank with fewer steps than the others, and the run would hang in a collective.
     """
-    position, count, attempt = seg.start, 0, 0  # position: the next sample to yield
+    position, attempt = seg.start, 0  # position: the next sample to yield
     while True:
         error: Exception | None = None
         samples = _samples(seg.url)
