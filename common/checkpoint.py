@@ -22,10 +22,12 @@ import torch
 from accelerate import Accelerator
 from safetensors.torch import save_file
 
+from common.errors import UserError
+
 TRAINER_STATE = "trainer_state.json"  # written last: a checkpoint without it is incomplete and ignored
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
     """A checkpoint or export is missing or does not fit; one-line message."""
 
 

@@ -1,25 +1,42 @@
-"""Entry-point plumbing: user errors (bad config, missing shards or checkpoint, bad data) become one line, exit 2."""
+"""Entry-point plumbing: a user error (bad config, path, file or data) becomes one line, `error: ...`, and exit 2.
+
+Under a launcher (`accelerate launch`, torchrun: several processes) every rank usually meets the same error: the
+main process prints it and the others stay silent, so it appears once. An error from a rank's own data (a bad
+shard in its range) is printed by that rank, with its rank named. Every rank exits with status 2. The launcher
+itself then reports the failed ranks and exits with its own status (torch elastic: 1); that part is its own.
+"""
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 
-from common.checkpoint import CheckpointError
-from common.config import ConfigError
-from common.data_stream import DataError
-from common.manifest import ManifestError
-
-USER_ERRORS = (ConfigError, ManifestError, CheckpointError, DataError)
+from common.errors import UserError
 
 
-def run_main(main: Callable[[list[str] | None], None], argv: list[str] | None = None) -> None:
-    """Call `main(argv)`; print a user error as `error: ...` on one line and exit with status 2."""
+def process_rank() -> int:
+    """This process's global rank under a launcher (0 without one), read from the environment the launcher sets."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def error_line(error: BaseException) -> str:
+    """The user-facing line of an error. An error raised in a data-loader worker arrives wrapped with the worker's
+    traceback; its last line holds the message."""
+    lines = [ln for ln in str(error).strip().splitlines() if ln.strip()]
+    if len(lines) > 1:
+        return lines[-1].split(": ", 1)[-1]
+    return lines[0] if lines else type(error).__name__
+
+
+def run_main(main: Callable[[list[str] | None], object], argv: list[str] | None = None) -> None:
+    """Call `main(argv)`; print a user error as `error: ...` on one line (once per run) and exit with status 2."""
     try:
         main(argv)
-    except USER_ERRORS as e:
-        # An error raised in a data-loader worker arrives wrapped with the worker's traceback: keep its last line.
-        lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
-        message = lines[-1].split(": ", 1)[-1] if len(lines) > 1 else (lines[0] if lines else type(e).__name__)
-        print(f"error: {message}", file=sys.stderr, flush=True)
+    except UserError as e:
+        rank = process_rank()
+        if e.rank_local and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            print(f"error: [rank {rank}] {error_line(e)}", file=sys.stderr, flush=True)
+        elif rank == 0:
+            print(f"error: {error_line(e)}", file=sys.stderr, flush=True)
         sys.exit(2)

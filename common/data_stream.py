@@ -30,15 +30,12 @@ import http.client
 import io
 import math
 import random
-import shutil
 import sys
 import tarfile
 import time
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlparse
 
 import torch
 import webdataset as wds
@@ -48,14 +45,22 @@ from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms import v2 as T
 from torchvision.transforms.v2.functional import pil_to_tensor
 
+from common import urls
 from common.config import DataConfig
+from common.errors import UserError
 from common.manifest import Split
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
 
 
-class DataError(RuntimeError):
+class DataError(UserError):
     """The data cannot feed training as configured (too few samples, too many bad ones); one-line message."""
+
+
+class ShardError(DataError):
+    """A shard in this rank's own range is unreadable, shorter than the manifest says, or too often undecodable."""
+
+    rank_local = True
 
 
 @dataclass(frozen=True)
@@ -88,33 +93,13 @@ def range_segments(split: Split, order: list[int], start: int, stop: int) -> lis
     return segments
 
 
-def open_url(url: str):
-    """Open a shard for reading: local paths and `pipe:` via webdataset's gopen; http(s) with curl (retries) or,
-    without curl, the standard library; s3://, gs:// etc. via fsspec."""
-    scheme = urlparse(url).scheme
-    if scheme in ("http", "https") and shutil.which("curl") is None:
-        return urllib.request.urlopen(url, timeout=60)
-    if scheme in ("", "file", "pipe", "http", "https") or len(scheme) == 1:  # len 1: a Windows drive letter
-        return wds.gopen(url, "rb")
-    import fsspec
-
-    return fsspec.open(url, "rb").open()
-
-
-def is_remote(url: str) -> bool:
-    """Whether a shard is read over a network (http, s3, gs, ...) rather than from a path or a `pipe:`."""
-    scheme = urlparse(url).scheme
-    return len(scheme) > 1 and scheme not in ("file", "pipe")
-
-
-# A remote stream that breaks mid-shard (connection reset, truncated body, a curl error) is reopened this many times,
-# after REMOTE_WAIT_S, then twice that, and so on; the samples already yielded are skipped, not repeated.
-REMOTE_RETRIES = 3
-REMOTE_WAIT_S = 1.0
+# A remote stream that breaks mid-shard (connection reset, truncated body, a stall past its deadline, a failed
+# command) is reopened `urls.RETRIES` times, after `urls.WAIT_S`, then twice that, and so on; the samples already
+# yielded are skipped, not repeated.
 STREAM_ERRORS = (OSError, tarfile.TarError, http.client.HTTPException)
 
 
-def read_segment(seg: Segment, retries: int = REMOTE_RETRIES, wait_s: float = REMOTE_WAIT_S,
+def read_segment(seg: Segment, retries: int = urls.RETRIES, wait_s: float = urls.WAIT_S,
                  ) -> Iterator[dict[str, Any]]:
     """Raw samples (dicts of extension -> bytes, plus `__key__`) of one shard segment; nothing is decoded.
 
@@ -142,14 +127,13 @@ def read_segment(seg: Segment, retries: int = REMOTE_RETRIES, wait_s: float = RE
             samples.close()
         if position >= seg.stop:
             return
-        if attempt >= retries or not is_remote(seg.url):
-            if error is not None and not is_remote(seg.url):
-                raise error
+        if attempt >= retries or urls.is_local(seg.url) or (error is not None and urls.is_permanent(error)):
             tries = f" ({attempt + 1} attempts)" if attempt else ""
             if error is not None:
-                raise DataError(f"shard {seg.url}: the stream broke after sample {position} of {seg.stop}{tries}: "
-                                f"{type(error).__name__}: {error}")
-            raise DataError(f"shard {seg.url} holds only {position} samples but the manifest says at least "
+                what = "cannot be read" if urls.is_local(seg.url) else "the stream broke"
+                reason = " ".join(f"{type(error).__name__}: {error}".split())  # one line
+                raise ShardError(f"shard {seg.url}: {what} after sample {position} of {seg.stop}{tries}: {reason}")
+            raise ShardError(f"shard {seg.url} holds only {position} samples but the manifest says at least "
                             f"{seg.stop}{tries}: the shard is truncated or the manifest is out of date")
         time.sleep(wait_s * 2**attempt)
         attempt += 1
@@ -157,7 +141,7 @@ def read_segment(seg: Segment, retries: int = REMOTE_RETRIES, wait_s: float = RE
 
 def _samples(url: str) -> Iterator[dict[str, Any]]:
     """Every raw sample of one shard, in order."""
-    stream = open_url(url)
+    stream = urls.open_url(url)
     try:
         files = wds.tariterators.tar_file_expander([{"url": url, "stream": stream}])
         yield from wds.tariterators.group_by_keys(files)
@@ -327,7 +311,7 @@ class ShardStream(IterableDataset):
                 bad += 1
                 batcher.bad += 1
                 if seen >= 100 and bad > self.max_bad_fraction * seen:
-                    raise DataError(f"{bad} of {seen} samples undecodable in split '{self.split.name}' (worker "
+                    raise ShardError(f"{bad} of {seen} samples undecodable in split '{self.split.name}' (worker "
                                     f"{part}), above data.max_bad_fraction={self.max_bad_fraction}") from None
                 if not self.train:  # eval: the sample still occupies its place, but does not count
                     yield from batcher.add(blank, 0, False, sample["__key__"])
@@ -340,7 +324,7 @@ class ShardStream(IterableDataset):
                 yield from batcher.add(item[0], item[1], True, item[2])
             waiting, last_good = 0, item
         if waiting:
-            raise DataError(f"every sample of worker {part}'s range in split '{self.split.name}' is undecodable")
+            raise ShardError(f"every sample of worker {part}'s range in split '{self.split.name}' is undecodable")
         while batcher.emitted < self.per_worker:  # eval ranges are padded to equal length with blanks
             yield from batcher.add(blank, 0, False, "")
         yield from batcher.flush()

@@ -14,15 +14,17 @@ from __future__ import annotations
 import json
 import os
 import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from common.errors import UserError
+from common.urls import is_local, join, local_path, read_url
+
 MANIFEST_NAME = "_info.json"
 
 
-class ManifestError(ValueError):
+class ManifestError(UserError):
     """The shard directory or its manifest is missing or unusable; the message is one line."""
 
 
@@ -39,36 +41,27 @@ class Split:
         return sum(self.lengths)
 
 
-def _join(location: str, filename: str) -> str:
-    return location.rstrip("/") + "/" + filename if "://" in location else os.path.join(location, filename)
-
-
 def read_manifest(location: str | Path) -> dict[str, Any]:
-    """Read `_info.json` from a shard directory (local path, or any URL fsspec can open)."""
+    """Read `_info.json` from a shard directory (local path, or a URL: http(s), s3://, ... see common/urls.py)."""
     location = str(location)
-    path = _join(location, MANIFEST_NAME)
+    path = join(location, MANIFEST_NAME)
+    if is_local(location) and not os.path.isdir(local_path(location)):
+        raise ManifestError(f"shard directory not found: {location} (build it with `build-shards SOURCE OUT_DIR`)")
     try:
-        if location.startswith(("http://", "https://")):
-            # The standard library, not fsspec: fsspec's http needs aiohttp, which is not a dependency.
-            with urllib.request.urlopen(path, timeout=60) as f:
-                return json.load(f)
-        if "://" in location:
-            import fsspec  # installed with `datasets`; only needed for remote shards
-
-            with fsspec.open(path, "r") as f:
-                return json.load(f)
-        if not os.path.isdir(location):
-            raise ManifestError(f"shard directory not found: {location} (build it with `build-shards SOURCE OUT_DIR`)")
-        with open(path) as f:
-            return json.load(f)
+        info = json.loads(read_url(path))
     except urllib.error.HTTPError as e:
         raise ManifestError(f"cannot read {path}: HTTP {e.code} {e.reason}") from None
     except urllib.error.URLError as e:
         raise ManifestError(f"cannot reach {path}: {e.reason}") from None
     except FileNotFoundError:
         raise ManifestError(f"no {MANIFEST_NAME} in {location}: not a complete build-shards output") from None
-    except json.JSONDecodeError as e:
+    except OSError as e:
+        raise ManifestError(f"cannot read {path}: {type(e).__name__}: {e}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ManifestError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(info, dict):
+        raise ManifestError(f"{path} is not a build-shards manifest (a JSON object)")
+    return info
 
 
 def load_split(location: str | Path, split: str) -> tuple[Split, dict[str, Any]]:
@@ -76,9 +69,9 @@ def load_split(location: str | Path, split: str) -> tuple[Split, dict[str, Any]]
     info = read_manifest(location)
     splits = info.get("splits", {})
     if split not in splits:
-        raise ManifestError(f"split '{split}' not in {_join(str(location), MANIFEST_NAME)} (has: {', '.join(splits)})")
+        raise ManifestError(f"split '{split}' not in {join(str(location), MANIFEST_NAME)} (has: {', '.join(splits)})")
     s = splits[split]
-    urls = [_join(str(location), f) for f in s["filenames"]]
+    urls = [join(str(location), f) for f in s["filenames"]]
     lengths = [int(n) for n in s["shard_lengths"]]
     if len(urls) != len(lengths) or sum(lengths) != int(s["num_samples"]):
         raise ManifestError(f"manifest split '{split}' is inconsistent: filenames, shard_lengths, num_samples differ")

@@ -30,6 +30,7 @@ from pathlib import Path
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeRemainingColumn
 from rich.text import Text
 
+from common.errors import UserError
 from common.manifest import MANIFEST_NAME, write_manifest
 from data_tools.images import EncodeSettings
 from data_tools.journal import JOURNAL_NAME, Journal, fingerprint, verified_records
@@ -307,7 +308,7 @@ def main(argv: list[str] | None = None) -> None:
 
             sys.exit(inspect_main(argv[1:]))
         build(parse_args(argv))
-    except (FileNotFoundError, FileExistsError, ValueError) as e:
+    except (FileNotFoundError, FileExistsError, ValueError, UserError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except WorkerDied as e:

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from common.errors import UserError
+
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
 SPLIT_NAME = re.compile(r"^[A-Za-z0-9_]+$")  # split names end up in shard names and sample keys
 HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
@@ -30,7 +32,7 @@ SPLIT_LIKE = {"train", "val", "valid", "validation", "test"}
 KINDS = ("auto", "folder", "unlabelled", "list", "hf")
 
 
-class SourceError(ValueError):
+class SourceError(UserError):
     """SOURCE cannot be read as asked; the message is one line."""
 
 

@@ -29,11 +29,8 @@ def served(tmp_path):
         yield url, shards
 
 
-@pytest.mark.parametrize("curl", [True, False])
-def test_http_shards_through_the_manifest(served, monkeypatch, curl):
+def test_http_shards_through_the_manifest(served):
     url, _ = served
-    if not curl:  # a machine without curl falls back to the standard library
-        monkeypatch.setattr(data_stream.shutil, "which", lambda name: None)
     split, info = load_split(url, "train")
     assert split.urls[0] == f"{url}/train-000000.tar" and info["num_classes"] == 3
     _, loader = build_loader(split, DataConfig(num_workers=0, shuffle_buffer=1), 8, 3, rank=0, world_size=1,
@@ -153,10 +150,7 @@ def flaky(tmp_path):
     server.server_close()
 
 
-@pytest.mark.parametrize("curl", [True, False])
-def test_a_remote_shard_cut_mid_stream_is_reopened_and_read_on(flaky, monkeypatch, curl):
-    if not curl:
-        monkeypatch.setattr(data_stream.shutil, "which", lambda name: None)
+def test_a_remote_shard_cut_mid_stream_is_reopened_and_read_on(flaky):
     _FlakyHandler.cuts["/train-000000.tar"] = 2
     samples = list(data_stream.read_segment(data_stream.Segment(f"{flaky}/train-000000.tar", 5, 40), wait_s=0))
     assert [s["__key__"] for s in samples] == [f"train_{i:06d}" for i in range(5, 40)]  # each once, in order

@@ -1,0 +1,19 @@
+"""The one base class of user errors: a mistake in what the user gave (a config value, a path, a file, the data).
+
+Every stage's entry point (`common.cli.run_main`) turns a `UserError` into one line, `error: ...`, and exit status 2.
+Anything else is a bug and keeps its traceback. Subclasses live beside the code that raises them (ConfigError in
+common/config.py, ManifestError in common/manifest.py, ...), so a module never needs the CLI to raise one.
+"""
+
+from __future__ import annotations
+
+
+class UserError(Exception):
+    """A mistake in the user's input, reported as one line; the message must be a single line meant for a user.
+
+    `rank_local` (a class attribute, so it survives the re-raise of an error from a data-loader worker): only this
+    rank met the error (a bad sample in its own range), so this rank reports it; otherwise every rank meets the
+    same error and the main process alone reports it.
+    """
+
+    rank_local = False

@@ -1,0 +1,201 @@
+"""Reading bytes by path or URL, with deadlines: shards, manifests and list files are all opened here.
+
+Local paths (and `file://` URLs) are opened directly. Everything else is remote, and every remote read has a
+deadline, so a server that stops sending can never hang a run:
+
+* `http(s)://`: the standard library (urllib); the socket timeout bounds connecting and each wait for data;
+* `pipe:CMD`: the standard output of a shell command (webdataset's convention, e.g. `pipe:aws s3 cp s3://b/x.tar -`);
+  a command that exits with an error status is an error, not a short stream;
+* any other scheme (`s3://`, `gs://`, `hf://`, ...): fsspec, with the backend package it names (s3fs, gcsfs, ...).
+
+On top of each, opening and every read run under an idle deadline (`timeout`, default `READ_TIMEOUT_S`): when no
+byte arrives in that time, the stream is aborted (socket closed, command killed) and `StreamStalled` (an OSError)
+is raised. Callers retry a bounded number of times (`common.data_stream.read_segment`, `read_url`), then fail with
+one line. Local files have no deadline: a read from a hung network mount cannot be interrupted from Python.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import http.client
+import io
+import os
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from typing import Any, BinaryIO
+from urllib.parse import urlparse
+
+from common.errors import UserError
+
+READ_TIMEOUT_S = 60.0  # no byte for this long: the stream is stalled
+BUFFER = 1 << 20  # remote reads are buffered in 1 MiB pieces: few deadline round trips per shard
+RETRIES = 3  # a failed remote read is retried this many times, after WAIT_S, then twice that, ...
+WAIT_S = 1.0
+
+
+class StreamStalled(OSError):
+    """A remote stream brought no data within its deadline; it has been aborted."""
+
+
+class RemoteError(UserError):
+    """A URL that cannot be read as asked (no backend for its scheme, refused for good)."""
+
+
+def is_local(url: str) -> bool:
+    """Whether `url` is a local path (no scheme, `file://`, or a Windows drive letter)."""
+    scheme = urlparse(url).scheme
+    return scheme in ("", "file") or len(scheme) == 1
+
+
+def local_path(url: str) -> str:
+    """The filesystem path of a local `url`."""
+    return urlparse(url).path if url.startswith("file://") else url
+
+
+def join(location: str, name: str) -> str:
+    """`name` inside `location`, a folder path or a URL."""
+    if is_local(location) and not location.startswith("file://"):
+        return os.path.join(location, name)
+    return location.rstrip("/") + "/" + name
+
+
+def is_permanent(error: BaseException) -> bool:
+    """Whether retrying cannot help: a missing file, or an HTTP status that will not change (4xx but 408/429)."""
+    if isinstance(error, urllib.error.HTTPError):
+        return 400 <= error.code < 500 and error.code not in (408, 429)
+    return isinstance(error, (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError))
+
+
+class _Command:
+    """The standard output of a `pipe:` command; closing it checks the command's exit status."""
+
+    def __init__(self, command: str) -> None:
+        self.command = command
+        self.proc = subprocess.Popen(command, shell=True, stdout=subprocess.PIPE, bufsize=BUFFER)
+
+    def read1(self, n: int) -> bytes:
+        return self.proc.stdout.read1(n)
+
+    def kill(self) -> None:
+        self.proc.kill()
+
+    def close(self) -> None:
+        self.proc.stdout.close()
+        status = self.proc.wait()
+        # A reader that stops early closes the pipe: the command then dies of SIGPIPE, which is not a failure.
+        if status not in (0, -13, 141):
+            raise OSError(f"command {self.command!r} exited with status {status}")
+
+
+def _open_raw(url: str, timeout: float) -> Any:
+    """The undeadlined stream of a remote `url` (called under the deadline)."""
+    scheme = urlparse(url).scheme
+    if scheme in ("http", "https"):
+        return urllib.request.urlopen(url, timeout=timeout)
+    if scheme == "pipe":
+        return _Command(url[len("pipe:"):])
+    try:
+        import fsspec
+
+        return fsspec.open(url, "rb").open()
+    except ImportError as e:
+        raise RemoteError(f"cannot read {url}: {e}") from None
+    except ValueError as e:  # fsspec: unknown protocol
+        raise RemoteError(f"cannot read {url}: {e}") from None
+
+
+def _read_some(stream: Any, n: int) -> bytes:
+    """Up to `n` bytes, as soon as some have arrived. An HTTP body that ends before its Content-Length is an error
+    (http.client's read1 would return b"" there, which looks like a normal end)."""
+    data = stream.read1(n) if hasattr(stream, "read1") else stream.read(n)
+    if not data and isinstance(stream, http.client.HTTPResponse) and stream.length:
+        raise http.client.IncompleteRead(b"", stream.length)
+    return data
+
+
+def _abort(stream: Any) -> None:
+    """Stop a stream that another thread may be blocked on: kill its command, or close it."""
+    if stream is None:
+        return
+    try:
+        if isinstance(stream, _Command):
+            stream.kill()
+        else:
+            stream.close()
+    except Exception:  # already broken: nothing more to stop
+        pass
+
+
+class _DeadlineReader(io.RawIOBase):
+    """A remote stream whose opening and every read must finish within `timeout` seconds.
+
+    The calls run in one helper thread; the caller waits on them with a timeout. On a timeout the stream is aborted
+    from another thread (which unblocks the helper) and `StreamStalled` is raised.
+    """
+
+    def __init__(self, url: str, timeout: float) -> None:
+        super().__init__()
+        self.url, self.timeout = url, timeout
+        self._stream: Any = None
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="url-read")
+        self._stream = self._call(lambda: _open_raw(url, timeout), "connecting")
+
+    def _call(self, fn: Callable[[], Any], doing: str) -> Any:
+        future = self._pool.submit(fn)
+        try:
+            return future.result(timeout=self.timeout)
+        except concurrent.futures.TimeoutError:
+            threading.Thread(target=_abort, args=(self._stream,), daemon=True).start()
+            self._pool.shutdown(wait=False)
+            self._stream = None
+            raise StreamStalled(f"{self.url}: no data for {self.timeout:g} s while {doing}") from None
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        if self._stream is None:
+            raise StreamStalled(f"{self.url}: the stream was aborted")
+        stream = self._stream
+        data = self._call(lambda: _read_some(stream, len(buffer)), "reading")
+        buffer[: len(data)] = data
+        return len(data)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        try:
+            if self._stream is not None:
+                self._call(self._stream.close, "closing")
+        finally:
+            self._stream = None
+            self._pool.shutdown(wait=False)
+            super().close()
+
+
+def open_url(url: str, timeout: float = READ_TIMEOUT_S) -> BinaryIO:
+    """A binary stream of `url`: a local file, or a buffered remote stream whose every read has a deadline."""
+    if is_local(url):
+        return open(local_path(url), "rb", buffering=BUFFER)
+    return io.BufferedReader(_DeadlineReader(url, timeout), buffer_size=BUFFER)
+
+
+def read_url(url: str, timeout: float = READ_TIMEOUT_S, retries: int = RETRIES, wait_s: float = WAIT_S) -> bytes:
+    """The whole content of a (small) file at `url`; remote reads are retried `retries` times with backoff.
+
+    Raises the last OSError when every attempt failed (FileNotFoundError and HTTP 4xx are not retried).
+    """
+    attempt = 0
+    while True:
+        try:
+            with open_url(url, timeout) as f:
+                return f.read()
+        except OSError as e:
+            if is_local(url) or is_permanent(e) or attempt >= retries:
+                raise
+        time.sleep(wait_s * 2**attempt)
+        attempt += 1
