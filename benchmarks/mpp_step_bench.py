@@ -22,7 +22,8 @@ import torch.nn.functional as F
 
 from common.config import ModelConfig
 from common.models import create_encoder
-from pretrain.mpp import MaskedPatchPrediction, MPPConfig
+from pretrain.config import MPPConfig
+from pretrain.mpp import MaskedPatchPrediction
 
 
 def timed_steps(step, steps: int, device: str) -> list[float]:

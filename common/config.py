@@ -11,11 +11,13 @@ import argparse
 import dataclasses
 import types
 import typing
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 
 import yaml
 
+from common import urls
 from common.errors import UserError
 
 T = TypeVar("T")
@@ -25,11 +27,50 @@ class ConfigError(UserError):
     """A bad config file, key or value; the message is one line meant for the user."""
 
 
-def opt(default: Any, help: str) -> Any:  # noqa: A002 - mirrors argparse's vocabulary
-    """A dataclass field with a default and a help string shown by `--help`."""
+@dataclasses.dataclass(frozen=True)
+class Check:
+    """A rule a config value must follow (checked on load); `text` completes "must be ..." in errors and --help."""
+
+    test: Callable[[Any], bool]
+    text: str
+
+    def __call__(self, value: Any) -> bool:
+        if value is None:  # null means "the default" wherever a field allows it; the type check covers the rest
+            return True
+        try:
+            return bool(self.test(value))
+        except (TypeError, ValueError):
+            return False
+
+
+def at_least(n: float) -> Check:
+    return Check(lambda v: v >= n, f">= {n:g}")
+
+
+def above(n: float) -> Check:
+    return Check(lambda v: v > n, f"> {n:g}")
+
+
+def between(lo: float, hi: float, lo_open: bool = False, hi_open: bool = False) -> Check:
+    """lo <= v <= hi, either end open."""
+    text = f"in {'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
+    return Check(lambda v: (lo < v if lo_open else lo <= v) and (v < hi if hi_open else v <= hi), text)
+
+
+def items(check: Check, length: int) -> Check:
+    """A list of exactly `length` values, each following `check`."""
+    return Check(lambda v: len(v) == length and all(check(x) for x in v), f"{length} values, each {check.text}")
+
+
+NOT_EMPTY = Check(lambda v: bool(str(v).strip()), "a non-empty string")
+
+
+def opt(default: Any, help: str, check: Check | None = None) -> Any:  # noqa: A002 - mirrors argparse's vocabulary
+    """A dataclass field with a default, a help string shown by `--help`, and the rule its value must follow."""
+    metadata = {"help": help, "check": check}
     if isinstance(default, (list, dict)):
-        return dataclasses.field(default_factory=lambda: type(default)(default), metadata={"help": help})
-    return dataclasses.field(default=default, metadata={"help": help})
+        return dataclasses.field(default_factory=lambda: type(default)(default), metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
 
 
 def section(cls: type) -> Any:
@@ -118,7 +159,31 @@ def _fill(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
         if k not in names:
             raise ConfigError(f"unknown config key '{prefix}{k}' (known in this section: {', '.join(sorted(names))})")
     kwargs = {k: _coerce(v, hints[k], f"{prefix}{k}") for k, v in data.items()}
-    return cls(**kwargs)
+    obj = cls(**kwargs)
+    for f in dataclasses.fields(cls):  # defaults too: every field of a loaded config follows its rule
+        check = _check_of(cls, f.name)
+        value = getattr(obj, f.name)
+        if check is not None and not check(value):
+            raise ConfigError(f"config key '{prefix}{f.name}' must be {check.text}, got {value!r}")
+    for key, problem in getattr(obj, "problems", lambda: [])():  # rules that join several fields
+        raise ConfigError(f"config key '{prefix}{key}' {problem}")
+    return obj
+
+
+def from_dict(cls: type[T], data: dict[str, Any]) -> T:
+    """`cls` filled from plain data (as `to_dict` writes it), every key and type checked (ConfigError)."""
+    return _fill(cls, data)
+
+
+def _check_of(cls: type, name: str) -> Check | None:
+    """The rule of field `name`: its own, or that of the base class whose field it overrides (a stage's section
+    changes a default, not the rule)."""
+    for klass in cls.__mro__:
+        if dataclasses.is_dataclass(klass):
+            for f in dataclasses.fields(klass):
+                if f.name == name and f.metadata.get("check") is not None:
+                    return f.metadata["check"]
+    return None
 
 
 def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
@@ -187,7 +252,9 @@ def describe(cls: type, prefix: str = "") -> list[str]:
             lines.extend(describe(tp, prefix=f"{prefix}{f.name}."))
             continue
         default = getattr(instance, f.name)
-        lines.append(f"  {prefix}{f.name} ({_type_name(tp)}, default {default!r}): {f.metadata.get('help', '')}")
+        check = _check_of(cls, f.name)
+        rule = f"; must be {check.text}" if check is not None else ""
+        lines.append(f"  {prefix}{f.name} ({_type_name(tp)}, default {default!r}): {f.metadata.get('help', '')}{rule}")
     return lines
 
 
@@ -200,12 +267,17 @@ def parse_args(cls: type[T], argv: list[str] | None, prog: str, description: str
         epilog="config keys (set in the YAML file or as key=value overrides):\n" + "\n".join(describe(cls)),
     )
     parser.add_argument("--config", help="YAML config file (see configs/); keys not given keep their defaults")
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="overrides, e.g. optim.lr=1e-3")
+    parser.add_argument("overrides", nargs="*", metavar="key=value",
+                        help="overrides, e.g. train.batch_size=256 optim.base_lr=1e-3")
     args = parser.parse_args(argv)
     return load_config(cls, args.config, args.overrides)
 
 
 # --- Sections shared by both stages -----------------------------------------------------------------------------
+
+ARCH_KEYS = ("name", "patch_size", "embed_dim", "depth", "num_heads", "mlp_ratio")  # what a checkpoint fixes
+# The experiment trackers Accelerate integrates (accelerate.tracking); each needs its own package installed.
+TRACKERS = ("tensorboard", "wandb", "comet_ml", "aim", "mlflow", "clearml", "dvclive", "swanlab", "trackio")
 
 
 @dataclasses.dataclass
@@ -213,16 +285,26 @@ class ModelConfig:
     """Which timm VisionTransformer to build; `None` keeps the value of the timm model named."""
 
     name: str = opt("vit_tiny_patch16_224", "any timm VisionTransformer name (vit_tiny/small/base/large/huge_...)")
-    img_size: int | list[int] = opt(224, "input size: an int or [height, width], divisible by the patch size")
-    patch_size: int | None = opt(None, "patch size P (default: the named model's)")
-    embed_dim: int | None = opt(None, "width D (custom sizes; default: the named model's)")
-    depth: int | None = opt(None, "number of blocks L (default: the named model's)")
-    num_heads: int | None = opt(None, "attention heads (default: the named model's)")
-    mlp_ratio: float | None = opt(None, "MLP hidden size / D (default: the named model's, 4 for ViT)")
+    img_size: int | list[int] = opt(224, "input size: an int or [height, width], divisible by the patch size",
+                                    Check(lambda v: (v > 0) if isinstance(v, int) else (len(v) == 2 and min(v) > 0),
+                                          "a positive int or [height, width] of positive ints"))
+    patch_size: int | None = opt(None, "patch size P (default: the named model's)", at_least(1))
+    embed_dim: int | None = opt(None, "width D (custom sizes; default: the named model's)", at_least(1))
+    depth: int | None = opt(None, "number of blocks L (default: the named model's)", at_least(1))
+    num_heads: int | None = opt(None, "attention heads (default: the named model's)", at_least(1))
+    mlp_ratio: float | None = opt(None, "MLP hidden size / D (default: the named model's, 4 for ViT)", above(0))
     global_pool: Literal["token", "avg"] = opt("token", "what the classifier head reads (fine-tuning): token (the "
                                                "[class] token, as in the paper) or avg (mean of the patch tokens)")
-    drop_path_rate: float = opt(0.0, "stochastic depth rate")
+    drop_path_rate: float = opt(0.0, "stochastic depth rate", between(0, 1, hi_open=True))
     grad_checkpointing: bool = opt(False, "recompute block activations in the backward pass (saves memory)")
+
+    def problems(self) -> Iterator[tuple[str, str]]:
+        """Rules across fields; sizes left to the named model are checked when the model is built."""
+        sizes = [self.img_size] * 2 if isinstance(self.img_size, int) else list(self.img_size)
+        if self.patch_size and any(s % self.patch_size for s in sizes):
+            yield "img_size", f"{self.img_size} must be divisible by model.patch_size={self.patch_size}"
+        if self.embed_dim and self.num_heads and self.embed_dim % self.num_heads:
+            yield "embed_dim", f"{self.embed_dim} must be divisible by model.num_heads={self.num_heads}"
 
 
 @dataclasses.dataclass
@@ -232,45 +314,68 @@ class DataConfig:
     shards: str = opt("", "directory or URL holding the shards and their _info.json (from build-shards)")
     train_split: str = opt("train", "split used for training")
     val_split: str = opt("val", "split used for evaluation ('' for none)")
-    num_workers: int = opt(2, "data-loader worker processes per training process")
-    prefetch_factor: int = opt(2, "batches prefetched per worker")
+    num_workers: int = opt(2, "data-loader worker processes per training process", at_least(0))
+    prefetch_factor: int = opt(2, "batches prefetched per worker", at_least(1))
     pin_memory: bool = opt(True, "pin host memory (CUDA only)")
     persistent_workers: bool = opt(True, "keep workers alive between epochs")
-    shuffle_buffer: int = opt(1000, "per-worker shuffle buffer of encoded samples")
-    crop_scale: list[float] = opt([0.35, 1.0], "RandomResizedCrop area range for training")
+    shuffle_buffer: int = opt(1000, "per-worker shuffle buffer of encoded samples (0 or 1: no shuffle buffer)",
+                              at_least(0))
+    crop_scale: list[float] = opt([0.35, 1.0], "RandomResizedCrop area range [min, max] for training",
+                                  items(between(0, 1, lo_open=True), 2))
     hflip: bool = opt(True, "random horizontal flips for training")
-    eval_crop_pct: float = opt(0.875, "evaluation: resize to size / crop_pct, then center-crop")
-    max_bad_fraction: float = opt(0.01, "stop when more than this fraction of samples cannot be decoded")
+    eval_crop_pct: float = opt(0.875, "evaluation: resize to size / crop_pct, then center-crop",
+                               between(0, 1, lo_open=True))
+    max_bad_fraction: float = opt(0.01, "stop when more than this fraction of samples cannot be decoded",
+                                  between(0, 1))
+    read_timeout_s: float = opt(urls.READ_TIMEOUT_S, "remote shards: a read that brings no byte for this long is a "
+                                "stall; the stream is aborted and reopened", above(0))
+    read_retries: int = opt(urls.RETRIES, "remote shards: reopen a broken or stalled stream this many times "
+                            "(backoff 1, 2, 4 s ...), then stop with an error", at_least(0))
+
+    def problems(self) -> Iterator[tuple[str, str]]:
+        if self.crop_scale[0] > self.crop_scale[1]:
+            yield "crop_scale", f"must be [min, max] with min <= max, got {self.crop_scale}"
 
 
 @dataclasses.dataclass
 class OptimConfig:
-    """Optimizer and learning-rate schedule; lr = base_lr * batch_size / base_batch_size (linear scaling)."""
+    """Optimizer and learning-rate schedule; peak lr = `lr`, or base_lr * batch_size / base_batch_size (linear)."""
 
     name: Literal["adamw", "adam", "sgd"] = opt("adamw", "optimizer")
-    base_lr: float = opt(2e-4, "learning rate at base_batch_size")
-    base_batch_size: int = opt(4096, "batch size at which base_lr applies")
-    weight_decay: float = opt(0.0, "decoupled weight decay (not applied to biases, norms, embeddings, tokens)")
-    betas: list[float] = opt([0.9, 0.999], "Adam betas")
-    momentum: float = opt(0.9, "SGD momentum")
-    warmup_steps: int = opt(10000, "linear warmup steps")
-    warmup_max_fraction: float = opt(0.1, "warmup is capped at this fraction of the run, so short runs decay too")
-    min_lr_ratio: float = opt(0.0, "cosine decays to base lr x this ratio")
-    clip_grad_norm: float = opt(1.0, "clip gradients at this global norm (0 disables)")
+    lr: float | None = opt(None, "peak learning rate, used as is (null: base_lr scaled to train.batch_size)",
+                           above(0))
+    base_lr: float = opt(2e-4, "learning rate at base_batch_size", above(0))
+    base_batch_size: int = opt(4096, "batch size at which base_lr applies", at_least(1))
+    weight_decay: float = opt(0.0, "decoupled weight decay (not applied to biases, norms, embeddings, tokens)",
+                              at_least(0))
+    betas: list[float] = opt([0.9, 0.999], "Adam betas", items(between(0, 1, hi_open=True), 2))
+    momentum: float = opt(0.9, "SGD momentum", between(0, 1, hi_open=True))
+    warmup_steps: int = opt(10000, "linear warmup steps", at_least(0))
+    warmup_max_fraction: float = opt(0.1, "warmup is capped at this fraction of the run, so short runs decay too",
+                                     between(0, 1))
+    min_lr_ratio: float = opt(0.0, "cosine decays to base lr x this ratio", between(0, 1))
+    clip_grad_norm: float = opt(1.0, "clip gradients at this global norm (0 disables)", at_least(0))
     impl: Literal["auto", "fused", "foreach", "single"] = opt("auto", "optimizer kernel (auto: fused on CUDA)")
+
+    def problems(self) -> Iterator[tuple[str, str]]:
+        if self.name == "adam" and self.weight_decay:
+            yield "weight_decay", "must be 0 with optim.name=adam (it would be L2 in the gradient); use adamw"
 
 
 @dataclasses.dataclass
 class TrainConfig:
     """Run-level settings common to both stages."""
 
-    run_dir: str = opt("runs/run", "run directory (config, metrics, checkpoints); re-running it resumes")
-    seed: int = opt(0, "random seed")
-    batch_size: int = opt(4096, "global batch size (all processes, after accumulation)")
-    micro_batch_size: int | None = opt(None, "per-device batch per forward (default: batch_size / processes)")
+    run_dir: str = opt("runs/run", "run directory (config, metrics, checkpoints); re-running it resumes",
+                       NOT_EMPTY)
+    seed: int = opt(0, "random seed", between(0, 2**32 - 1))
+    batch_size: int = opt(4096, "global batch size (all processes, after accumulation)", at_least(1))
+    micro_batch_size: int | None = opt(None, "per-device batch per forward (default: batch_size / processes)",
+                                       at_least(1))
     mixed_precision: Literal["no", "bf16", "fp16"] = opt("no", "mixed precision")
     compile: bool = opt(False, "torch.compile the model")
-    log_every: int = opt(10, "log every N optimizer steps")
-    ckpt_every: int = opt(500, "save the full training state every N optimizer steps")
-    keep_last: int = opt(2, "checkpoints to keep")
-    trackers: list[str] = opt([], "extra Accelerate trackers: tensorboard, wandb, ...")
+    log_every: int = opt(10, "log every N optimizer steps", at_least(1))
+    ckpt_every: int = opt(500, "save the full training state every N optimizer steps", at_least(1))
+    keep_last: int = opt(2, "checkpoints to keep", at_least(1))
+    trackers: list[str] = opt([], "experiment trackers (Accelerate's): " + ", ".join(TRACKERS), Check(
+        lambda v: all(t in TRACKERS for t in v), "a list of tracker names from: " + ", ".join(TRACKERS)))

@@ -16,7 +16,8 @@ How the work is split (the part that keeps many processes in step):
 * A shard that holds fewer samples than the manifest says is a DataError, never a short range: one rank with
   fewer steps than the others would hang the run in a collective. Undecodable samples are replaced (training) or
   marked invalid (evaluation) in place, so they cannot desynchronise the ranks either; more than
-  `max_bad_fraction` of them (checked from the 100th sample of a worker's range) is a DataError.
+  `max_bad_fraction` of them (checked from the 100th sample of a worker's range, and at its end) is a DataError.
+* Remote reads have deadlines (common/urls.py): a stalled stream is aborted and reopened, then a ShardError.
 
 Batches leave the workers as uint8 images (B, 3, H, W); `to_device` moves them (non-blocking) and
 `normalize` turns them into float on the device, so the MPP targets can be computed from the raw pixels.
@@ -49,6 +50,7 @@ from common import urls
 from common.config import DataConfig
 from common.errors import UserError
 from common.manifest import Split
+from common.models import img_hw
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
 
@@ -65,11 +67,12 @@ class ShardError(DataError):
 
 @dataclass(frozen=True)
 class Segment:
-    """Samples [start, stop) of one shard."""
+    """Samples [start, stop) of one shard, which the manifest says holds `length` samples."""
 
     url: str
     start: int
     stop: int
+    length: int
 
 
 def epoch_order(num_shards: int, seed: int, epoch: int) -> list[int]:
@@ -86,7 +89,7 @@ def range_segments(split: Split, order: list[int], start: int, stop: int) -> lis
         n = split.lengths[i]
         lo, hi = max(start, offset), min(stop, offset + n)
         if lo < hi:
-            segments.append(Segment(split.urls[i], lo - offset, hi - offset))
+            segments.append(Segment(split.urls[i], lo - offset, hi - offset, n))
         offset += n
         if offset >= stop:
             break
@@ -100,21 +103,27 @@ STREAM_ERRORS = (OSError, tarfile.TarError, http.client.HTTPException)
 
 
 def read_segment(seg: Segment, retries: int = urls.RETRIES, wait_s: float = urls.WAIT_S,
-                 ) -> Iterator[dict[str, Any]]:
+                 timeout: float = urls.READ_TIMEOUT_S) -> Iterator[dict[str, Any]]:
     """Raw samples (dicts of extension -> bytes, plus `__key__`) of one shard segment; nothing is decoded.
 
-    A remote shard whose stream breaks is reopened (`retries` times) and read on from the next sample. A shard that
-    still ends before the segment does (truncated, manifest out of date) is a DataError: yielding fewer samples
-    would leave this rank with fewer steps than the others, and the run would hang in a collective.
+    A remote shard whose stream breaks or stalls (no byte for `timeout` seconds) is reopened (`retries` times) and
+    read on from the next sample. A shard that still ends before the segment does (truncated, manifest out of date)
+    is a ShardError: yielding fewer samples would leave this rank with fewer steps than the others, and the run would
+    hang in a collective. A shard with more samples than the manifest says is read up to the manifest's count, with
+    a warning.
     """
     position, attempt = seg.start, 0  # position: the next sample to yield
     while True:
         error: Exception | None = None
-        samples = _samples(seg.url)
+        samples = _samples(seg.url, timeout)
         try:
             count = 0
             for sample in samples:
                 if count >= seg.stop:
+                    if seg.stop == seg.length:  # a sample past the manifest's count: say so, once per shard
+                        _warn_once(seg.url, f"warning: shard {seg.url} holds more samples than the manifest's "
+                                            f"{seg.length}; the extra ones are not read (rebuild the manifest with "
+                                            "build-shards to use them)")
                     break
                 if count >= position:
                     yield sample
@@ -131,7 +140,9 @@ def read_segment(seg: Segment, retries: int = urls.RETRIES, wait_s: float = urls
             tries = f" ({attempt + 1} attempts)" if attempt else ""
             if error is not None:
                 what = "cannot be read" if urls.is_local(seg.url) else "the stream broke"
-                reason = " ".join(f"{type(error).__name__}: {error}".split())  # one line
+                # webdataset's errors carry (message, stream, url): the message is what a user needs
+                text = error.args[0] if error.args and isinstance(error.args[0], str) else str(error)
+                reason = " ".join(f"{type(error).__name__}: {text}".split())  # one line
                 raise ShardError(f"shard {seg.url}: {what} after sample {position} of {seg.stop}{tries}: {reason}")
             raise ShardError(f"shard {seg.url} holds only {position} samples but the manifest says at least "
                             f"{seg.stop}{tries}: the shard is truncated or the manifest is out of date")
@@ -139,9 +150,18 @@ def read_segment(seg: Segment, retries: int = urls.RETRIES, wait_s: float = urls
         attempt += 1
 
 
-def _samples(url: str) -> Iterator[dict[str, Any]]:
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        print(message, file=sys.stderr, flush=True)
+
+
+def _samples(url: str, timeout: float = urls.READ_TIMEOUT_S) -> Iterator[dict[str, Any]]:
     """Every raw sample of one shard, in order."""
-    stream = urls.open_url(url)
+    stream = urls.open_url(url, timeout)
     try:
         files = wds.tariterators.tar_file_expander([{"url": url, "stream": stream}])
         yield from wds.tariterators.group_by_keys(files)
@@ -174,12 +194,9 @@ def image_bytes(sample: dict[str, Any]) -> bytes:
 
 
 def sample_label(sample: dict[str, Any]) -> int:
+    """The integer label of a sample's `.cls` file, -1 without one (a `.cls` that is not an integer raises)."""
     raw = sample.get("cls")
     return int(raw) if raw is not None else -1
-
-
-def _pair(size: int | tuple[int, int] | list[int]) -> tuple[int, int]:
-    return (size, size) if isinstance(size, int) else (int(size[0]), int(size[1]))
 
 
 class ImageDecoder:
@@ -194,7 +211,7 @@ class ImageDecoder:
 
     def __init__(self, img_size: int | tuple[int, int], train: bool, crop_scale: tuple[float, float] = (0.35, 1.0),
                  hflip: bool = True, eval_crop_pct: float = 0.875) -> None:
-        h, w = _pair(img_size)
+        h, w = img_hw(img_size)
         self.size = (h, w)
         if train:
             ops = [T.RandomResizedCrop((h, w), scale=tuple(crop_scale), antialias=True)]
@@ -230,12 +247,14 @@ class ShardStream(IterableDataset):
 
     def __init__(self, split: Split, decoder: ImageDecoder, batch_size: int, *, rank: int, world_size: int,
                  num_workers: int, train: bool, seed: int = 0, shuffle_buffer: int = 1000, endless: bool = False,
-                 start_batch: int = 0, max_bad_fraction: float = 0.01) -> None:
+                 start_batch: int = 0, max_bad_fraction: float = 0.01, num_classes: int | None = None,
+                 read_timeout_s: float = urls.READ_TIMEOUT_S, read_retries: int = urls.RETRIES) -> None:
         super().__init__()
         self.split, self.decoder, self.batch_size = split, decoder, batch_size
         self.rank, self.world_size, self.num_workers = rank, world_size, max(1, num_workers)
         self.train, self.seed, self.shuffle_buffer, self.endless = train, seed, shuffle_buffer, endless
-        self.start_batch, self.max_bad_fraction = start_batch, max_bad_fraction
+        self.start_batch, self.max_bad_fraction, self.num_classes = start_batch, max_bad_fraction, num_classes
+        self.read_timeout_s, self.read_retries = read_timeout_s, read_retries
         parts = world_size * self.num_workers
         n = split.num_samples
         if train:
@@ -292,8 +311,9 @@ class ShardStream(IterableDataset):
         order = epoch_order(len(self.split.urls), self.seed, epoch) if self.train else list(range(len(self.split.urls)))
         start = part * self.per_worker
         stop = min(start + self.per_worker, self.split.num_samples)
-        raw: Iterator[dict[str, Any]] = (s for seg in range_segments(self.split, order, start, stop)
-                                         for s in read_segment(seg))
+        raw: Iterator[dict[str, Any]] = (
+            s for seg in range_segments(self.split, order, start, stop)
+            for s in read_segment(seg, self.read_retries, timeout=self.read_timeout_s))
         if self.train:
             raw = shuffled(raw, self.shuffle_buffer, random.Random(f"{self.seed}-{epoch}-{part}"))
         batcher = _Batcher(self.batch_size, epoch)
@@ -308,11 +328,15 @@ class ShardStream(IterableDataset):
             try:
                 item = (self.decoder(image_bytes(sample)), sample_label(sample), sample["__key__"])
             except Exception:  # a bad sample must neither stop nor desynchronise the run: count and replace it
+                item = None
                 bad += 1
                 batcher.bad += 1
-                if seen >= 100 and bad > self.max_bad_fraction * seen:
-                    raise ShardError(f"{bad} of {seen} samples undecodable in split '{self.split.name}' (worker "
-                                    f"{part}), above data.max_bad_fraction={self.max_bad_fraction}") from None
+            # The rate is checked from the 100th sample on, and on the range's last sample whatever its size (before
+            # that sample's batch leaves: small data must not train on mostly broken images in silence).
+            if bad > self.max_bad_fraction * seen and (seen >= 100 or i + 1 == stop - start):
+                raise ShardError(f"{bad} of {seen} samples undecodable in split '{self.split.name}' (worker "
+                                 f"{part}), above data.max_bad_fraction={self.max_bad_fraction}")
+            if item is None:
                 if not self.train:  # eval: the sample still occupies its place, but does not count
                     yield from batcher.add(blank, 0, False, sample["__key__"])
                 elif last_good is not None:  # train: repeat the previous good sample so batches stay full
@@ -320,6 +344,7 @@ class ShardStream(IterableDataset):
                 else:
                     waiting += 1
                 continue
+            self._check_label(item[1], item[2])
             for _ in range(1 + waiting):
                 yield from batcher.add(item[0], item[1], True, item[2])
             waiting, last_good = 0, item
@@ -328,6 +353,18 @@ class ShardStream(IterableDataset):
         while batcher.emitted < self.per_worker:  # eval ranges are padded to equal length with blanks
             yield from batcher.add(blank, 0, False, "")
         yield from batcher.flush()
+
+
+    def _check_label(self, label: int, key: str) -> None:
+        """With `num_classes` (a classifier's), every label must be one of its classes."""
+        if self.num_classes is None or 0 <= label < self.num_classes:
+            return
+        if label < 0:
+            raise ShardError(f"sample {key} of split '{self.split.name}' has no label (no .cls, or a negative one): "
+                             "a classifier needs labelled shards")
+        raise ShardError(f"sample {key} of split '{self.split.name}' has label {label}, outside the "
+                         f"{self.num_classes} classes (0..{self.num_classes - 1}): num_classes is smaller than the "
+                         "shards' labels")
 
 
 class _Batcher:
@@ -382,13 +419,16 @@ def normalize(images: torch.Tensor, mean: tuple[float, ...], std: tuple[float, .
 
 
 def build_loader(split: Split, data: DataConfig, img_size: int | list[int], micro_batch: int, *, rank: int,
-                 world_size: int, train: bool, seed: int = 0, start_batch: int = 0) -> tuple[ShardStream, DataLoader]:
-    """The stream and its DataLoader for one rank: endless and shuffled for training, one ordered pass for eval."""
+                 world_size: int, train: bool, seed: int = 0, start_batch: int = 0, num_classes: int | None = None,
+                 ) -> tuple[ShardStream, DataLoader]:
+    """The stream and its DataLoader for one rank: endless and shuffled for training, one ordered pass for eval.
+    With `num_classes` every label must be one of the classes."""
     decoder = ImageDecoder(img_size, train=train, crop_scale=tuple(data.crop_scale), hflip=data.hflip,
                            eval_crop_pct=data.eval_crop_pct)
     stream = ShardStream(split, decoder, micro_batch, rank=rank, world_size=world_size, num_workers=data.num_workers,
                          train=train, seed=seed, shuffle_buffer=data.shuffle_buffer, endless=train,
-                         start_batch=start_batch, max_bad_fraction=data.max_bad_fraction)
+                         start_batch=start_batch, max_bad_fraction=data.max_bad_fraction, num_classes=num_classes,
+                         read_timeout_s=data.read_timeout_s, read_retries=data.read_retries)
     loader = make_loader(stream, data.num_workers, data.prefetch_factor, data.pin_memory,
                          data.persistent_workers and train)
     return stream, loader
@@ -396,12 +436,12 @@ def build_loader(split: Split, data: DataConfig, img_size: int | list[int], micr
 
 def build_loaders(train_split: Split, val_split: Split | None, data: DataConfig, img_size: int | list[int],
                   micro_batch: int, *, rank: int, world_size: int, seed: int, start_batch: int,
-                  ) -> tuple[ShardStream, DataLoader, DataLoader | None]:
+                  num_classes: int | None = None) -> tuple[ShardStream, DataLoader, DataLoader | None]:
     """The training stream and loader (resuming after `start_batch` batches) and the evaluation loader, if any."""
     stream, loader = build_loader(train_split, data, img_size, micro_batch, rank=rank, world_size=world_size,
-                                  train=True, seed=seed, start_batch=start_batch)
+                                  train=True, seed=seed, start_batch=start_batch, num_classes=num_classes)
     val_loader = None
     if val_split is not None:
         val_loader = build_loader(val_split, data, img_size, micro_batch, rank=rank, world_size=world_size,
-                                  train=False)[1]
+                                  train=False, num_classes=num_classes)[1]
     return stream, loader, val_loader

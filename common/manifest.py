@@ -66,15 +66,24 @@ def read_manifest(location: str | Path) -> dict[str, Any]:
 
 def load_split(location: str | Path, split: str) -> tuple[Split, dict[str, Any]]:
     """The named split of the shard set at `location`, with shard URLs resolved, plus the whole manifest."""
+    if not str(location).strip():
+        raise ManifestError("data.shards is not set: give the folder or URL of a build-shards output")
     info = read_manifest(location)
-    splits = info.get("splits", {})
+    where = join(str(location), MANIFEST_NAME)
+    splits = info.get("splits")
+    if not isinstance(splits, dict):
+        raise ManifestError(f"{where} has no 'splits' mapping: not a build-shards manifest")
     if split not in splits:
-        raise ManifestError(f"split '{split}' not in {join(str(location), MANIFEST_NAME)} (has: {', '.join(splits)})")
-    s = splits[split]
-    urls = [join(str(location), f) for f in s["filenames"]]
-    lengths = [int(n) for n in s["shard_lengths"]]
-    if len(urls) != len(lengths) or sum(lengths) != int(s["num_samples"]):
-        raise ManifestError(f"manifest split '{split}' is inconsistent: filenames, shard_lengths, num_samples differ")
+        raise ManifestError(f"split '{split}' not in {where} (has: {', '.join(splits)})")
+    s = splits[split] if isinstance(splits[split], dict) else {}
+    names, lengths = s.get("filenames"), s.get("shard_lengths")
+    if (not isinstance(names, list) or not isinstance(lengths, list) or len(names) != len(lengths)
+            or not all(isinstance(f, str) and f for f in names)
+            or not all(isinstance(n, int) and n >= 0 for n in lengths)
+            or s.get("num_samples") != sum(lengths)):
+        raise ManifestError(f"manifest split '{split}' of {where} is inconsistent: filenames, shard_lengths "
+                            "(counts >= 0) and num_samples must agree")
+    urls = [join(str(location), f) for f in names]
     return Split(name=split, urls=urls, lengths=lengths), info
 
 
@@ -84,3 +93,11 @@ def write_manifest(out_dir: str | Path, info: dict[str, Any]) -> None:
     tmp = out_dir / (MANIFEST_NAME + ".tmp")
     tmp.write_text(json.dumps(info, indent=1, sort_keys=False) + "\n")
     os.replace(tmp, out_dir / MANIFEST_NAME)
+
+
+def data_record(location: str | Path, info: dict[str, Any]) -> dict[str, Any]:
+    """What an export records about the shards it was trained on (for model cards, and for predict, which prepares
+    images with the same encoder settings)."""
+    return {"shards": str(location), "name": info.get("name"), "source": (info.get("source") or {}).get("kind"),
+            "splits": {k: v.get("num_samples") for k, v in (info.get("splits") or {}).items()},
+            "encoder": info.get("encoder"), "tool_version": info.get("tool_version")}

@@ -10,8 +10,6 @@ from timm.models.vision_transformer import VisionTransformer
 
 from common.config import ConfigError, ModelConfig
 
-ARCH_KEYS = ("name", "patch_size", "embed_dim", "depth", "num_heads", "mlp_ratio")
-
 
 def img_hw(img_size: int | list[int] | tuple[int, ...]) -> tuple[int, int]:
     """(height, width) from an int or a [height, width] pair."""
@@ -46,6 +44,15 @@ def create_encoder(cfg: ModelConfig, num_classes: int = 0) -> VisionTransformer:
         raise ConfigError(f"model.img_size {h}x{w} is not divisible by the patch size {ph}x{pw}")
     model.set_grad_checkpointing(cfg.grad_checkpointing)
     return model
+
+
+def architecture(cfg: ModelConfig) -> dict[str, Any]:
+    """The effective architecture sizes of `cfg` (the named model's values where `cfg` leaves them None)."""
+    with torch.device("meta"):  # shapes only: no memory, no initialisation
+        model = create_encoder(cfg)
+    block = model.blocks[0]
+    return {"name": cfg.name, "patch_size": patch_size(model), "embed_dim": model.embed_dim, "depth": len(model.blocks),
+            "num_heads": block.attn.num_heads, "mlp_ratio": block.mlp.fc1.out_features / model.embed_dim}
 
 
 def patch_size(model: VisionTransformer) -> int:

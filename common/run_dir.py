@@ -1,28 +1,108 @@
-"""Run directory bookkeeping: resolved config, metrics.jsonl, and the one-line progress report."""
+"""The run directory: owned by one run at a time (a lock), its resolved config.yaml, and its metrics.jsonl.
+
+    run_dir/.lock          held by the run's main process for its whole life (who holds it is written inside)
+    run_dir/config.yaml    the resolved config; a resumed run may change settings, but not its architecture
+    run_dir/metrics.jsonl  one JSON object per logged step or evaluation
+"""
 
 from __future__ import annotations
 
+import datetime
+import errno
+import fcntl
 import json
-import time
+import os
+import socket
+import sys
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from common.config import save_config, to_dict
+from common.checkpoint import latest_checkpoint
+from common.config import ConfigError, save_config, to_dict
+from common.errors import UserError
+
+LOCK_NAME = ".lock"
+_held: dict[str, int] = {}  # run dir -> descriptor of its lock, kept open (so held) until this process ends
+
+
+class RunDirBusy(UserError):
+    """Another live run holds the run directory."""
+
+
+def lock_run_dir(run_dir: Path) -> None:
+    """Hold an exclusive lock on `run_dir` until this process ends, or raise RunDirBusy naming the holder.
+
+    The lock is the kernel's (flock on run_dir/.lock): it goes with the process that holds it, however that process
+    ends (kill -9 included), so a lock is never left stale by a dead run. On NFSv4 and Lustre (flock mount option)
+    flock is a lock between machines too; on a filesystem without locks a warning says the run dir is unprotected.
+    """
+    key = str(run_dir.resolve())
+    if key in _held:
+        return
+    path = run_dir / LOCK_NAME
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise RunDirBusy(f"{run_dir} is in use by another run ({_describe(holder)}): wait for it to end, or use "
+                         "another train.run_dir") from None
+    except OSError as e:
+        if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            raise
+        print(f"warning: {run_dir} is on a filesystem without file locks ({e.strerror}): nothing stops a second run "
+              "from using it at the same time", file=sys.stderr, flush=True)
+    since = datetime.datetime.now().isoformat(" ", "seconds")
+    holder = {"host": socket.gethostname(), "pid": os.getpid(), "since": since, "command": " ".join(sys.argv)[:300]}
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps(holder).encode(), 0)
+    _held[key] = fd
+
+
+def _describe(holder: str) -> str:
+    try:
+        h = json.loads(holder)
+        return f"pid {h['pid']} on {h['host']} since {h['since']}: {h['command']}"
+    except (ValueError, KeyError, TypeError):
+        return holder[:200]
 
 
 def prepare_run_dir(run_dir: str | Path, cfg: Any, is_main: bool) -> list[str]:
-    """Create the run directory and write config.yaml; returns keys that differ from a previous run's config."""
+    """Take `run_dir` for this run and write its config.yaml; returns the keys that differ from the previous run's.
+
+    The main process locks the directory first (a second run gets RunDirBusy). When the directory holds a checkpoint
+    to resume from, a change to a key the config class lists in `FIXED_ON_RESUME` (the architecture, the target,
+    the optimizer) is refused with a ConfigError before anything is written.
+    """
     run_dir = Path(run_dir)
+    if is_main:
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):
+            raise ConfigError(f"train.run_dir {run_dir} is (or lies under) a file, not a folder") from None
+        except PermissionError:
+            raise ConfigError(f"train.run_dir {run_dir} cannot be created: permission denied") from None
+        if not os.access(run_dir, os.W_OK):
+            raise ConfigError(f"train.run_dir {run_dir} is not writable")
+        lock_run_dir(run_dir)
     changed: list[str] = []
+    old, new = {}, _flatten(to_dict(cfg))
     previous = run_dir / "config.yaml"
     if previous.is_file():
-        old = _flatten(yaml.safe_load(previous.read_text()) or {})
-        new = _flatten(to_dict(cfg))
+        try:
+            old = _flatten(yaml.safe_load(previous.read_text()) or {})
+        except yaml.YAMLError:
+            old = {}  # unreadable: nothing to compare with; it is rewritten below
         changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+    fixed = [k for k in changed if k in getattr(type(cfg), "FIXED_ON_RESUME", ()) and k in old]
+    if fixed and latest_checkpoint(run_dir) is not None:
+        listed = ", ".join(f"{k} ({old.get(k)!r} -> {new.get(k)!r})" for k in fixed)
+        raise ConfigError(f"{run_dir} holds a run to resume, and a resumed run cannot change {listed}: use another "
+                          "train.run_dir, or the same values")
     if is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, previous)
     return changed
 
@@ -35,13 +115,6 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             out[f"{prefix}{k}"] = v
     return out
-
-
-def format_duration(seconds: float) -> str:
-    seconds = int(max(0, seconds))
-    h, rem = divmod(seconds, 3600)
-    m, s = divmod(rem, 60)
-    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
 
 
 class MetricsLog:
@@ -70,34 +143,3 @@ class MetricsLog:
         if self.is_main:
             with self.path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
-
-
-class Throughput:
-    """Images per second and ETA over the steps since the last report."""
-
-    def __init__(self, start_step: int, total_steps: int) -> None:
-        self.total = total_steps
-        self.start_step = start_step
-        self.start_time = self.last_time = time.perf_counter()
-        self.images = 0
-
-    def add(self, images: int) -> None:
-        self.images += images
-
-    def report(self, step: int) -> tuple[float, float]:
-        """(images/s since the last report, seconds left at the average pace since start)."""
-        now = time.perf_counter()
-        rate = self.images / max(1e-9, now - self.last_time)
-        pace = (now - self.start_time) / max(1, step - self.start_step)
-        self.images, self.last_time = 0, now
-        return rate, pace * (self.total - step)
-
-
-def progress_line(step: int, total: int, metrics: dict[str, float], img_per_s: float, eta_s: float) -> str:
-    """`step 500/100000 | loss 0.731 | acc 0.42 | lr 1.5e-4 | 4830 img/s | eta 5h51m`."""
-    parts = [f"step {step}/{total}"]
-    for k, v in metrics.items():
-        parts.append(f"{k} {v:.2e}" if k == "lr" else f"{k} {v:.4g}")
-    parts.append(f"{img_per_s:.0f} img/s")
-    parts.append(f"eta {format_duration(eta_s)}")
-    return " | ".join(parts)

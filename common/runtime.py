@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import sys
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -12,7 +15,7 @@ from accelerate import Accelerator, PartialState
 from accelerate.utils import ProjectConfiguration
 from timm.optim import param_groups_layer_decay, param_groups_weight_decay
 
-from common.checkpoint import latest_checkpoint, load_checkpoint
+from common.checkpoint import CheckpointError, complete_checkpoints, load_checkpoint
 from common.config import ConfigError, OptimConfig, TrainConfig
 from common.data_stream import to_device
 from common.run_dir import MetricsLog
@@ -44,8 +47,32 @@ def plan_batches(global_batch: int, micro_batch: int | None, num_processes: int)
     return BatchPlan(global_batch, num_processes, micro, per_process // micro)
 
 
+LAUNCHER_POLL_S = 1.0
+
+
+def stop_with_launcher() -> None:
+    """Under a launcher (torchrun, `accelerate launch`), end this rank when its launcher is gone.
+
+    A launcher killed with -9 leaves its ranks running in their own sessions: they would train on, holding the run
+    directory, and a re-run would meet a run it cannot see. A thread watches the parent process instead.
+    """
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(LAUNCHER_POLL_S)
+        print(f"error: [rank {os.environ.get('RANK', '?')}] the launcher (pid {parent}) is gone; this rank stops",
+              file=sys.stderr, flush=True)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
+
+
 def make_accelerator(train: TrainConfig) -> tuple[Accelerator, BatchPlan]:
     """One Accelerator for the run, with gradient accumulation derived from the global batch size."""
+    stop_with_launcher()
     # Without CUDA, accelerate only sets up gloo for several processes (`accelerate launch --multi_gpu` on a CPU
     # machine) when told to use the CPU; the first PartialState fixes the process group for the whole run.
     cpu = not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1
@@ -82,18 +109,8 @@ def build_optimizer(model: torch.nn.Module, optim: OptimConfig, lr: float, layer
         raise ConfigError("optim.impl=fused needs a CUDA device; use auto or foreach on CPU")
     if optim.name == "sgd":
         return torch.optim.SGD(groups, lr=lr, momentum=optim.momentum, **kernel)
-    if len(optim.betas) != 2:
-        raise ConfigError(f"optim.betas must hold two numbers, got {optim.betas}")
     cls = torch.optim.AdamW if optim.name == "adamw" else torch.optim.Adam
-    if optim.name == "adam" and optim.weight_decay:
-        raise ConfigError("optim.name=adam takes no weight_decay (it would be L2 in the gradient); use adamw")
     return cls(groups, lr=lr, betas=tuple(optim.betas), **kernel)
-
-
-def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
-    """Set the learning rate of every group, honouring per-group scales (layer-wise decay)."""
-    for group in optimizer.param_groups:
-        group["lr"] = lr * group.get("lr_scale", 1.0)
 
 
 def optimizer_step(accelerator: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -117,16 +134,6 @@ def optimizer_step(accelerator: Accelerator, model: torch.nn.Module, optimizer: 
     return outputs
 
 
-def mean_across_processes(accelerator: Accelerator, values: dict[str, float | torch.Tensor]) -> dict[str, float]:
-    """Average scalar metrics over all processes (one collective for the whole dict)."""
-    if not values:
-        return {}
-    keys = sorted(values)
-    t = torch.stack([torch.as_tensor(values[k], dtype=torch.float32, device=accelerator.device) for k in keys])
-    t = accelerator.reduce(t, reduction="mean")
-    return {k: float(v) for k, v in zip(keys, t.tolist())}
-
-
 def prepare_model(accelerator: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                   compile: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """`accelerator.prepare` the model and optimizer, then (with `compile`) torch.compile the model in place.
@@ -141,19 +148,38 @@ def prepare_model(accelerator: Accelerator, model: torch.nn.Module, optimizer: t
 
 
 def resume_latest(accelerator: Accelerator, run_dir: str | Path, changed: list[str], log: MetricsLog,
-                  ) -> dict[str, Any]:
-    """Restore the newest complete checkpoint of `run_dir`, if any; returns its trainer state ({} for a new run).
+                  ) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """Restore the newest readable checkpoint of `run_dir`: (its trainer state, this rank's own state), ({}, None)
+    for a new run.
 
-    `changed` lists the config keys that differ from the run directory's previous config, printed as a note.
-    `log` is cut back to the resumed step: the steps it holds after it are about to be run again.
+    A checkpoint that cannot be read on any process (a truncated file, a disk that filled up) is set aside as
+    `step_N.unreadable`, saying so, and the next older one is tried; when none can be read the run stops with a
+    CheckpointError rather than silently starting over. `changed` lists the config keys that differ from the run
+    directory's previous config (printed as a note). `log` is cut back to the resumed step.
     """
-    ckpt = latest_checkpoint(run_dir)
-    if ckpt is None:
-        log.rewind(0)
-        return {}
-    state = load_checkpoint(accelerator, ckpt)
-    log.rewind(state["step"])
-    accelerator.print(f"resuming from {ckpt} (step {state['step']})")
-    if changed:
-        accelerator.print(f"note: config differs from the previous run in: {', '.join(changed)}")
-    return state
+    candidates = complete_checkpoints(run_dir)[::-1]  # newest first
+    for ckpt in candidates:
+        try:
+            state, own = load_checkpoint(accelerator, ckpt)
+            problem = ""
+        except Exception as e:  # corruption shows up as many exception types (safetensors, pickle, torch, json)
+            state, own, problem = {}, None, " ".join(f"{type(e).__name__}: {e}".split())[:300]
+        failed = torch.tensor(float(bool(problem)), device=accelerator.device)
+        if accelerator.reduce(failed, reduction="sum").item() == 0:  # every rank read it: the same decision on all
+            log.rewind(state["step"])
+            accelerator.print(f"resuming from {ckpt} (step {state['step']})")
+            if changed:
+                accelerator.print(f"note: config differs from the previous run in: {', '.join(changed)}")
+            return state, own
+        if problem:
+            print(f"warning: [rank {accelerator.process_index}] checkpoint {ckpt} cannot be read ({problem}); "
+                  "setting it aside and trying the one before", file=sys.stderr, flush=True)
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            ckpt.rename(ckpt.with_name(ckpt.name + ".unreadable"))
+        accelerator.wait_for_everyone()
+    if candidates:
+        raise CheckpointError(f"no checkpoint of {run_dir} can be read (they were set aside as *.unreadable): move "
+                              "them away to start the run over, or use another train.run_dir")
+    log.rewind(0)
+    return {}, None

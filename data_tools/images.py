@@ -42,6 +42,11 @@ class EncodeSettings:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @classmethod
+    def from_record(cls, record: dict | None) -> EncodeSettings:
+        """The settings recorded in a manifest's `encoder` entry (unknown keys ignored); conversions only if None."""
+        return cls(**{k: v for k, v in (record or {}).items() if k in cls.__dataclass_fields__})
+
 
 def _to_rgb(img: Image.Image) -> Image.Image:
     """Any PIL mode to 8-bit RGB: alpha composited on white, 16/32-bit and float scaled to 0..255."""

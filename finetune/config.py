@@ -3,23 +3,40 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
-from common.config import DataConfig, ModelConfig, OptimConfig, TrainConfig, opt, section
+from common.config import (
+    ARCH_KEYS,
+    DataConfig,
+    ModelConfig,
+    OptimConfig,
+    TrainConfig,
+    above,
+    at_least,
+    between,
+    items,
+    opt,
+    section,
+)
+
+DESCRIPTION = "Fine-tuning a ViT encoder into a classifier (the paper's rule: zero head, resized position embeddings)."
 
 
 @dataclass
 class InitConfig:
-    checkpoint: str = opt("", "encoder to start from: a pretrain/fine-tune export (folder or .safetensors), a timm "
+    checkpoint: str = opt("", "encoder to start from: a pretrain/fine-tune export (folder, .safetensors or "
+                              "local-dir:PATH), hf-hub:NAME or a timm pretrained name, a timm "
                               "state dict (.safetensors, .pth, .bin), or an original ViT .npz; '' = from scratch")
-    kind: Literal["auto", "export", "timm", "npz"] = opt(
-        "auto", "checkpoint format (auto: a folder or a .safetensors with its .json = export, .npz = npz, else timm)")
+    kind: Literal["auto", "export", "hub", "timm", "npz"] = opt(
+        "auto", "checkpoint format (auto: an export folder or its weights = export, hf-hub:/timm names = hub, "
+                ".npz = npz, else timm)")
     grid: list[int] | None = opt(None, "the checkpoint's patch grid [rows, cols] for timm/npz checkpoints "
-                                       "(default: inferred from pos_embed, assumed square)")
+                                       "(default: inferred from pos_embed, assumed square)", items(at_least(1), 2))
     posemb_interp: Literal["bilinear", "bicubic"] = opt("bilinear", "position-embedding resize (paper: bilinear)")
     mean: list[float] | None = opt(None, "input normalisation mean [r, g, b] the checkpoint was trained with "
-                                         "(default: the export's, else the timm model's)")
-    std: list[float] | None = opt(None, "input normalisation std [r, g, b] (default: as for mean)")
+                                         "(default: the export's, else the timm model's)", items(between(0, 1), 3))
+    std: list[float] | None = opt(None, "input normalisation std [r, g, b] (default: as for mean)",
+                                  items(above(0), 3))
 
 
 @dataclass
@@ -30,18 +47,19 @@ class FinetuneOptimConfig(OptimConfig):
     warmup_steps: int = opt(500, "linear warmup steps")
     layer_decay: float | None = opt(None, "layer-wise LR decay (e.g. 0.75 with AdamW): the head gets the LR, "
                                           "block i (0-based) of L decay^(L-i), the embeddings decay^(L+1); "
-                                          "null = the same LR everywhere (paper)")
+                                          "null = the same LR everywhere (paper)", between(0, 1, lo_open=True))
 
 
 @dataclass
 class AugmentConfig:
     """Augmentations applied on the device to the training batch (crops and flips are in `data`)."""
 
-    color_jitter: float = opt(0.0, "brightness/contrast/saturation jitter strength (0.4 is common; 0 = off)")
-    mixup: float = opt(0.0, "mixup alpha (0 = off)")
-    cutmix: float = opt(0.0, "cutmix alpha (0 = off)")
-    mix_prob: float = opt(1.0, "probability of applying mixup/cutmix to a batch")
-    switch_prob: float = opt(0.5, "probability of cutmix instead of mixup when both are on")
+    color_jitter: float = opt(0.0, "brightness/contrast/saturation jitter strength (0.4 is common; 0 = off)",
+                              between(0, 1))
+    mixup: float = opt(0.0, "mixup alpha (0 = off)", at_least(0))
+    cutmix: float = opt(0.0, "cutmix alpha (0 = off)", at_least(0))
+    mix_prob: float = opt(1.0, "probability of applying mixup/cutmix to a batch", between(0, 1))
+    switch_prob: float = opt(0.5, "probability of cutmix instead of mixup when both are on", between(0, 1))
 
 
 @dataclass
@@ -50,16 +68,21 @@ class FinetuneTrainConfig(TrainConfig):
     mode: Literal["finetune", "linear_probe"] = opt(
         "finetune", "finetune: train everything; linear_probe: frozen encoder (eval mode), only the head trains")
     batch_size: int = opt(512, "global batch size (all processes, after accumulation)")
-    epochs: int = opt(10, "passes over the training split")
-    label_smoothing: float = opt(0.0, "label smoothing of the cross-entropy")
-    eval_every_epochs: int = opt(1, "evaluate on the validation split every N epochs (and at the end)")
+    epochs: int = opt(10, "passes over the training split", at_least(1))
+    label_smoothing: float = opt(0.0, "label smoothing of the cross-entropy", between(0, 1, hi_open=True))
+    eval_every_epochs: int = opt(1, "evaluate on the validation split every N epochs (and at the end)", at_least(1))
 
 
 @dataclass
 class FinetuneConfig:
+    # What a resumed run cannot change: the checkpoint's tensors (model, head, optimizer state) have these shapes.
+    FIXED_ON_RESUME: ClassVar[tuple[str, ...]] = (*(f"model.{k}" for k in ARCH_KEYS), "model.img_size",
+                                                  "model.global_pool", "num_classes", "optim.name", "train.mode",
+                                                  "init.checkpoint")
+
     init: InitConfig = section(InitConfig)
     model: ModelConfig = section(ModelConfig)
-    num_classes: int | None = opt(None, "classes of the new head (default: from the shard manifest)")
+    num_classes: int | None = opt(None, "classes of the new head (default: from the shard manifest)", at_least(1))
     data: DataConfig = section(DataConfig)
     optim: FinetuneOptimConfig = section(FinetuneOptimConfig)
     augment: AugmentConfig = section(AugmentConfig)

@@ -9,15 +9,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import matplotlib
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator
 
-matplotlib.use("Agg")  # files only, no display (servers, workers)
-import matplotlib.pyplot as plt  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from accelerate import Accelerator  # noqa: E402
-
-from common.data_stream import normalize, to_device  # noqa: E402
+from common.data_stream import normalize, to_device
+from common.plots import plt, save_figure
 
 MAX_TICK_LABELS = 40  # beyond this, class names on the axes are unreadable
 
@@ -93,6 +90,4 @@ def write_confusion(confusion: torch.Tensor, class_names: list[str] | None, out_
     ax.set_xlabel("predicted")
     ax.set_ylabel("true")
     ax.set_title(title)
-    fig.tight_layout()
-    fig.savefig(out_dir / "confusion_matrix.png", dpi=100)
-    plt.close(fig)
+    save_figure(fig, out_dir / "confusion_matrix.png")

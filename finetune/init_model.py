@@ -1,60 +1,68 @@
-"""The classifier fine-tuning starts from: a pretrained encoder (or random init), resized, with a zero head."""
+"""The classifier fine-tuning starts from: a pretrained encoder (or a random one), resized, with a zero head.
+
+The fine-tuning rule of the ViT paper: drop the pretraining head, attach a D x K linear layer initialised to zero
+(weights and bias; timm's `reset_classifier` does not zero it), keep the patch size and resize the position
+embeddings to the new resolution (common/pretrained.py).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 
+import torch
 from timm.models.vision_transformer import VisionTransformer
 
-from common.config import ConfigError, ModelConfig
-from common.models import ARCH_KEYS, create_encoder, norm_stats
-from finetune.checkpoints import checkpoint_kind, export_grid, read_export, read_npz, read_state_dict, state_dict_grid
+from common.config import ARCH_KEYS, ConfigError, ModelConfig
+from common.models import architecture, create_encoder, norm_stats
+from common.pretrained import build_model, read_pretrained
 from finetune.config import InitConfig
-from finetune.surgery import attach_zero_head, load_encoder_weights
+
+
+def attach_zero_head(model: VisionTransformer, num_classes: int) -> None:
+    """Replace the classifier by a D x K linear layer with zero weight and bias."""
+    model.reset_classifier(num_classes)
+    torch.nn.init.zeros_(model.head.weight)
+    torch.nn.init.zeros_(model.head.bias)
 
 
 def build_classifier(init: InitConfig, model_cfg: ModelConfig, num_classes: int,
                      ) -> tuple[VisionTransformer, tuple[float, ...], tuple[float, ...], ModelConfig]:
     """(model, mean, std, resolved model config).
 
-    An export's recorded architecture wins over `model_cfg`'s (its `img_size` and training settings are kept);
-    timm and npz checkpoints are loaded into the architecture `model_cfg` names. The encoder's pretraining head is
-    dropped, the position embeddings are resized to `model_cfg.img_size`, and a zero D x K head is attached.
+    A checkpoint that names its architecture (an export, a hub model) fixes the architecture keys of `model_cfg`;
+    an architecture key set in `model_cfg` that differs from it is an error. `img_size`, `global_pool` and the
+    training settings stay `model_cfg`'s. timm and npz checkpoints are loaded into the architecture `model_cfg` names.
     """
-    if not init.checkpoint:  # from scratch
+    mean = std = None
+    if init.checkpoint:
+        pre = read_pretrained(init.checkpoint, model_cfg, init.kind, init.grid)
+        if pre.model is not None:
+            _check_same_architecture(model_cfg, pre.model)
+            model_cfg = dataclasses.replace(model_cfg, **{k: getattr(pre.model, k) for k in ARCH_KEYS})
+        model = build_model(model_cfg, pre, interp=init.posemb_interp)  # headless: attach_zero_head adds it
+        mean, std = pre.mean, pre.std
+    else:  # from scratch
         model = create_encoder(model_cfg)
-        attach_zero_head(model, num_classes)
-        mean, std = _chosen_stats(init, *norm_stats(model))
-        return model, mean, std, model_cfg
-    detected = checkpoint_kind(init.checkpoint)  # also fails clearly when the path does not exist
-    kind = detected if init.kind == "auto" else init.kind
-    meta = None
-    if kind == "export":
-        state, meta = read_export(init.checkpoint)
-        model_cfg = dataclasses.replace(model_cfg, **{k: meta["model"][k] for k in ARCH_KEYS if k in meta["model"]})
-        model = create_encoder(model_cfg)
-        old_grid = export_grid(meta, state)
-    elif kind == "npz":
-        state, old_grid = read_npz(init.checkpoint, model_cfg, init.grid)
-        model = create_encoder(model_cfg)
-    else:
-        state = read_state_dict(init.checkpoint)
-        model = create_encoder(model_cfg)
-        old_grid = state_dict_grid(state, model, init.grid)
-    load_encoder_weights(model, state, old_grid, init.posemb_interp)
     attach_zero_head(model, num_classes)
-    mean, std = norm_stats(model)
-    if meta is not None:  # the normalisation the encoder was pretrained with
-        mean, std = tuple(meta.get("mean", mean)), tuple(meta.get("std", std))
-    mean, std = _chosen_stats(init, mean, std)
+    default_mean, default_std = norm_stats(model)
+    mean, std = _chosen_stats(init, mean or default_mean, std or default_std)
     return model, mean, std, model_cfg
+
+
+def _check_same_architecture(asked: ModelConfig, checkpoint: ModelConfig) -> None:
+    """An architecture size set in the fine-tuning config must agree with the checkpoint's (it cannot change)."""
+    given = {k: getattr(asked, k) for k in ARCH_KEYS if k != "name" and getattr(asked, k) is not None}
+    if not given:
+        return
+    actual = architecture(checkpoint)
+    differ = [f"model.{k}={v} (the checkpoint's is {actual[k]:g})" for k, v in given.items() if v != actual[k]]
+    if differ:
+        raise ConfigError(f"the checkpoint fixes the architecture, which cannot change in fine-tuning: "
+                          f"{', '.join(differ)}; remove these keys or use another checkpoint")
 
 
 def _chosen_stats(init: InitConfig, mean: tuple[float, ...], std: tuple[float, ...],
                   ) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """`init.mean` / `init.std` when given (checked: three values, std > 0), else the defaults passed in."""
-    for name, values in (("mean", init.mean), ("std", init.std)):
-        if values is not None and (len(values) != 3 or (name == "std" and min(values) <= 0)):
-            raise ConfigError(f"init.{name} must be three numbers [r, g, b]{' > 0' if name == 'std' else ''}, "
-                              f"got {values}")
-    return (tuple(init.mean) if init.mean is not None else mean), (tuple(init.std) if init.std is not None else std)
+    """`init.mean` / `init.std` when given, else the defaults passed in."""
+    return (tuple(init.mean) if init.mean is not None else tuple(mean)), \
+        (tuple(init.std) if init.std is not None else tuple(std))

@@ -3,9 +3,11 @@
     python -m finetune.predict --checkpoint runs/demo/finetune/export --images photos/ [--out preds.csv]
     python -m finetune.predict --checkpoint runs/demo/finetune/export/best --images a.jpg b.png --top-k 3
 
-The export's `model.json` gives the architecture, input size, normalisation, evaluation crop and class names;
-images get the validation preprocessing of fine-tuning (resize, centre crop). Writes CSV rows
-`path,class_index,class_name,prob` (plus the next-best classes with `--top-k`) to `--out` or standard output.
+The export gives the architecture, input size, normalisation, evaluation crop and class names. Each image is
+prepared exactly as the shards were (build-shards' own `prepare_image`, with the encoder settings recorded from the
+shards' manifest: RGB conversion, EXIF rotation, 16-bit scaling, resizing), then gets the validation preprocessing
+of fine-tuning (resize, centre crop). Writes CSV rows `path,class_index,class_name,prob` (plus the next-best
+classes with `--top-k`) to `--out` or standard output.
 """
 
 from __future__ import annotations
@@ -13,11 +15,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
-import dataclasses
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -25,19 +25,18 @@ from common.checkpoint import CheckpointError
 from common.cli import run_main
 from common.config import ConfigError, ModelConfig
 from common.data_stream import IMAGE_EXTENSIONS, ImageDecoder, normalize
-from common.models import ARCH_KEYS, create_encoder
-from finetune.checkpoints import read_export
+from common.pretrained import Pretrained, build_model, read_pretrained
+from data_tools.images import BadImage, EncodeSettings, prepare_image
 
 
-def load_classifier(path: str | Path) -> tuple[torch.nn.Module, dict[str, Any]]:
-    """The fine-tuned classifier of an export (folder or model.safetensors) in eval mode, and its metadata."""
-    state, meta = read_export(path)
-    if "num_classes" not in meta:
-        raise CheckpointError(f"{path} is not a fine-tuned classifier (no num_classes): use a finetune export")
-    arch = {k: meta["model"][k] for k in (*ARCH_KEYS, "img_size") if k in meta["model"]}
-    model = create_encoder(dataclasses.replace(ModelConfig(), **arch), num_classes=meta["num_classes"])
-    model.load_state_dict(state)
-    return model.eval(), meta
+def load_classifier(checkpoint: str | Path) -> tuple[torch.nn.Module, Pretrained]:
+    """The fine-tuned classifier of an export (folder, weights file, local-dir: or hf-hub:) in eval mode, and what
+    the export says about it (normalisation, crop, class names, provenance)."""
+    pre = read_pretrained(str(checkpoint), ModelConfig())
+    if pre.model is None or not pre.num_classes:
+        raise CheckpointError(f"{checkpoint} is not a fine-tuned classifier export (it has no classifier head or "
+                              "names no architecture): use a finetune export")
+    return build_model(pre.model, pre, pre.num_classes, keep_head=True).eval(), pre
 
 
 def image_paths(items: list[str]) -> list[Path]:
@@ -58,23 +57,24 @@ def image_paths(items: list[str]) -> list[Path]:
 
 
 @torch.no_grad()
-def predict(model: torch.nn.Module, meta: dict[str, Any], paths: list[Path], batch_size: int = 64, top_k: int = 1,
+def predict(model: torch.nn.Module, pre: Pretrained, paths: list[Path], batch_size: int = 64, top_k: int = 1,
             device: str | torch.device = "cpu") -> Iterator[tuple[Path, list[tuple[int, float]]]]:
     """(path, [(class index, probability)] best first) for each image; undecodable images are reported and skipped."""
-    decoder = ImageDecoder(meta["model"]["img_size"], train=False, eval_crop_pct=meta.get("eval_crop_pct", 0.875))
+    decoder = ImageDecoder(pre.model.img_size, train=False, eval_crop_pct=pre.crop_pct or 0.875)
+    settings = EncodeSettings.from_record((pre.record.get("data") or {}).get("encoder"))
     model.to(device)
-    mean, std = tuple(meta["mean"]), tuple(meta["std"])
     for i in range(0, len(paths), batch_size):
         good, images = [], []
         for p in paths[i:i + batch_size]:
             try:
-                images.append(decoder(p.read_bytes()))
+                images.append(decoder(prepare_image(p.read_bytes(), settings)[0]))
                 good.append(p)
-            except Exception as e:  # one bad file must not stop the labelling of the others
+            except (BadImage, OSError) as e:  # one bad file must not stop the labelling of the others
                 print(f"warning: skipped {p}: {e}", file=sys.stderr)
         if not images:
             continue
-        probs = model(normalize(torch.stack(images).to(device), mean, std)).float().softmax(1)  # (B, K)
+        x = normalize(torch.stack(images).to(device), pre.mean, pre.std)
+        probs = model(x).float().softmax(1)  # (B, K)
         top = probs.topk(min(top_k, probs.shape[1]), dim=1)
         for p, values, indices in zip(good, top.values.tolist(), top.indices.tolist()):
             yield p, list(zip(indices, values))
@@ -82,22 +82,25 @@ def predict(model: torch.nn.Module, meta: dict[str, Any], paths: list[Path], bat
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m finetune.predict", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--checkpoint", required=True, help="fine-tuning export folder (or its model.safetensors)")
+    parser.add_argument("--checkpoint", required=True,
+                        help="fine-tuning export folder (or its model.safetensors, local-dir:PATH, hf-hub:NAME)")
     parser.add_argument("--images", nargs="+", required=True, help="image files and/or folders (searched recursively)")
     parser.add_argument("--out", help="CSV file to write (default: standard output)")
     parser.add_argument("--top-k", type=int, default=1, help="classes per image, best first")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
-    model, meta = load_classifier(args.checkpoint)
-    names = meta.get("class_names") or [str(i) for i in range(meta["num_classes"])]
+    if args.top_k < 1 or args.batch_size < 1:
+        raise ConfigError("--top-k and --batch-size must be at least 1")
+    model, pre = load_classifier(args.checkpoint)
+    names = pre.class_names or [str(i) for i in range(pre.num_classes)]
     paths = image_paths(args.images)
     count = 0
     with open(args.out, "w", newline="") if args.out else contextlib.nullcontext(sys.stdout) as out:
         writer = csv.writer(out)
         header = ["path", "class_index", "class_name", "prob"]
         writer.writerow(header + [f"{h}_{r}" for r in range(2, args.top_k + 1) for h in header[1:]])
-        for path, top in predict(model, meta, paths, args.batch_size, args.top_k, args.device):
+        for path, top in predict(model, pre, paths, args.batch_size, args.top_k, args.device):
             writer.writerow([str(path)] + [x for idx, prob in top for x in (idx, names[idx], f"{prob:.6f}")])
             count += 1
     if args.out:

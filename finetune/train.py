@@ -12,42 +12,34 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.nn.functional as F
 from accelerate.utils import set_seed
 from timm.loss import SoftTargetCrossEntropy
 
-from common.checkpoint import export_encoder, save_checkpoint
+from common.checkpoint import save_checkpoint
 from common.config import ConfigError, parse_args, to_dict
 from common.data_stream import build_loaders, normalize
-from common.manifest import load_split
+from common.export import write_export
+from common.manifest import data_record, load_split
 from common.models import count_params
-from common.run_dir import MetricsLog, Throughput, prepare_run_dir, progress_line
-from common.runtime import (
-    build_optimizer,
-    make_accelerator,
-    mean_across_processes,
-    optimizer_step,
-    prepare_model,
-    resume_latest,
-    set_lr,
-)
-from common.schedule import lr_at, scaled_lr, warmup_steps
+from common.run_dir import MetricsLog, prepare_run_dir
+from common.runtime import build_optimizer, make_accelerator, optimizer_step, prepare_model, resume_latest
+from common.schedule import describe_lr, lr_at, scaled_lr, set_lr, warmup_steps
+from common.step_meter import StepMeter
 from finetune.augment import build_mixup, color_jitter
-from finetune.config import FinetuneConfig
+from finetune.config import DESCRIPTION, FinetuneConfig
 from finetune.evaluation import evaluate, per_class_accuracy, write_confusion
 from finetune.init_model import build_classifier
 from finetune.modes import freeze_encoder, set_train_mode
 
 
-def export_classifier(state: dict[str, torch.Tensor], model_cfg: dict[str, Any], out_dir: Path,
-                      extra: dict[str, Any]) -> None:
-    """`model.safetensors` (head included) + `model.json`: what `python -m finetune.predict` reads."""
-    export_encoder(state, model_cfg, out_dir, extra=extra, name="model", keep_head=True)
-
-
 def main(argv: list[str] | None = None) -> None:
-    cfg = parse_args(FinetuneConfig, argv, prog="finetune", description=__doc__.split("\n\n")[0])
+    """`finetune --config FILE key=value ...`: parse the config, then train."""
+    train(parse_args(FinetuneConfig, argv, prog="finetune", description=DESCRIPTION))
+
+
+def train(cfg: FinetuneConfig) -> None:
+    """Run the stage for a loaded config: the spine below reads top to bottom."""
     tc = cfg.train
     accelerator, plan = make_accelerator(tc)
     set_seed(tc.seed, device_specific=True)
@@ -75,14 +67,15 @@ def main(argv: list[str] | None = None) -> None:
     soft_ce = SoftTargetCrossEntropy()
 
     # Resume from the newest complete checkpoint of this run directory, if any.
-    resumed = resume_latest(accelerator, tc.run_dir, changed, log)
+    resumed, _ = resume_latest(accelerator, tc.run_dir, changed, log)
     start_step, best_top1 = resumed.get("step", 0), resumed.get("best_top1", -1.0)
 
     # The loader splits itself across processes and workers, so it is NOT passed to accelerator.prepare
     # (which would re-split it, or make rank 0 decode for everyone); batches are moved to the device by hand.
     stream, loader, val_loader = build_loaders(
         train_split, val_split, cfg.data, cfg.model.img_size, plan.micro_batch, rank=accelerator.process_index,
-        world_size=accelerator.num_processes, seed=tc.seed, start_batch=start_step * plan.accum_steps)
+        world_size=accelerator.num_processes, seed=tc.seed, start_batch=start_step * plan.accum_steps,
+        num_classes=num_classes)
     steps_per_epoch = max(1, stream.batches_per_epoch // plan.accum_steps)
     total_steps = tc.epochs * steps_per_epoch
     warmup = warmup_steps(cfg.optim, total_steps)
@@ -93,8 +86,8 @@ def main(argv: list[str] | None = None) -> None:
         f"init: {cfg.init.checkpoint or 'random (from scratch)'}\n"
         f"data {train_split.num_samples} train images, {steps_per_epoch} steps/epoch x {tc.epochs} epochs "
         f"= {total_steps} steps | {plan.describe()}\n"
-        f"optim {cfg.optim.name} lr {peak_lr:.3g} (base {cfg.optim.base_lr:g} @ {cfg.optim.base_batch_size}"
-        f"{f', layer decay {cfg.optim.layer_decay:g}' if cfg.optim.layer_decay else ''}), warmup {warmup}, cosine | "
+        f"optim {cfg.optim.name} {describe_lr(cfg.optim, tc.batch_size)}"
+        f"{f', layer decay {cfg.optim.layer_decay:g}' if cfg.optim.layer_decay else ''}, warmup {warmup}, cosine | "
         f"mixed precision {tc.mixed_precision} | run dir {tc.run_dir}"
     )
     accelerator.init_trackers("finetune", config={k: str(v) for k, v in to_dict(cfg).items()})
@@ -114,62 +107,51 @@ def main(argv: list[str] | None = None) -> None:
         acc = (logits.argmax(1) == labels).float().mean()  # against the unmixed labels: a rough guide with mixup
         return {"loss": loss, "metrics": {"acc": acc.detach()}}
 
-    def export_extra() -> dict[str, Any]:
-        return {"mean": list(mean), "std": list(std), "num_classes": num_classes, "class_names": class_names,
-                "eval_crop_pct": cfg.data.eval_crop_pct, "init": cfg.init.checkpoint, "mode": tc.mode}
+    def export(out_dir: Path, step: int, metrics: dict[str, Any]) -> None:
+        """The classifier as it is now (all processes call this: FSDP gathers shards; the main process writes)."""
+        state = accelerator.get_state_dict(model)
+        if accelerator.is_main_process:
+            write_export(out_dir, state, model_cfg, kind="classifier", num_classes=num_classes, mean=mean, std=std,
+                         crop_pct=cfg.data.eval_crop_pct, class_names=class_names, record={
+                             "finetune": {"init": cfg.init.checkpoint, "mode": tc.mode, "step": step,
+                                          "epochs": tc.epochs, "batch_size": tc.batch_size,
+                                          "optimizer": cfg.optim.name, "lr": peak_lr},
+                             "metrics": metrics, "data": data_record(cfg.data.shards, info)})
 
     batches = iter(loader)
-    speed = Throughput(start_step, total_steps)
-    sums: dict[str, float] = {}
+    meter = StepMeter(accelerator, log, start_step=start_step, total_steps=total_steps, batch_size=tc.batch_size,
+                      log_every=tc.log_every, bad_total=resumed.get("bad_samples_total", 0))
     result: dict[str, float] = {}
     set_train_mode(accelerator.unwrap_model(model), tc.mode)
     for step in range(start_step, total_steps):
         lr = lr_at(step, peak_lr, warmup, total_steps, cfg.optim.min_lr_ratio)
         set_lr(optimizer, lr)
-        for out in optimizer_step(accelerator, model, optimizer, batches, forward, plan.accum_steps,
-                                  cfg.optim.clip_grad_norm):
-            for k, v in {"loss": out["loss"].detach(), **out["metrics"]}.items():
-                sums[k] = sums.get(k, 0.0) + v / plan.accum_steps
-        speed.add(tc.batch_size)
+        meter.add(optimizer_step(accelerator, model, optimizer, batches, forward, plan.accum_steps,
+                                 cfg.optim.clip_grad_norm))
         done = step + 1
-        if done % tc.log_every == 0 or done == total_steps:
-            n = (done - 1) % tc.log_every + 1
-            metrics = mean_across_processes(accelerator, {k: v / n for k, v in sums.items()})
-            sums = {}
-            rate, eta = speed.report(done)
-            accelerator.print(progress_line(done, total_steps, {**metrics, "lr": lr}, rate, eta))
-            record = {"step": done, "epoch": done / steps_per_epoch, "lr": lr, "img_per_s": rate, **metrics}
-            log.write(record)
-            accelerator.log(record, step=done)
+        meter.log(done, lr, epoch=done / steps_per_epoch)
         epoch_end = done % steps_per_epoch == 0
         if val_loader is not None and (done == total_steps or
                                        (epoch_end and (done // steps_per_epoch) % tc.eval_every_epochs == 0)):
             result, confusion = evaluate(accelerator, model, val_loader, mean, std, num_classes)
             set_train_mode(accelerator.unwrap_model(model), tc.mode)
-            accelerator.print(f"eval epoch {done / steps_per_epoch:.3g} | "
-                              + " | ".join(f"{k} {v:.4g}" for k, v in result.items()))
-            log.write({"step": done, **result, "val_per_class_acc": per_class_accuracy(confusion).tolist(),
-                       "val_per_class_count": confusion.sum(1).tolist()})
-            accelerator.log(result, step=done)
+            meter.log_eval(done, result, label=f"epoch {done / steps_per_epoch:.3g}", split_size=val_split.num_samples,
+                           details={
+                "val_per_class_acc": per_class_accuracy(confusion).tolist(),
+                "val_per_class_count": confusion.sum(1).tolist()})
             if accelerator.is_main_process:
                 write_confusion(confusion, class_names, tc.run_dir,
                                 title=f"step {done}: top-1 {result['val_top1']:.4f} on {result['val_samples']} images")
             if result["val_top1"] > best_top1:  # the best model so far (the same decision on every process)
-                state = accelerator.get_state_dict(model)  # on every process: FSDP gathers shards
-                if accelerator.is_main_process:
-                    export_classifier(state, to_dict(model_cfg), Path(tc.run_dir) / "export" / "best",
-                                      {**export_extra(), "step": done, **result})
+                export(Path(tc.run_dir) / "export" / "best", done, result)
             best_top1 = max(best_top1, result["val_top1"])
         if done % tc.ckpt_every == 0 or done == total_steps:
-            save_checkpoint(accelerator, tc.run_dir, done, {"config": to_dict(cfg), "best_top1": best_top1},
-                            tc.keep_last)
+            save_checkpoint(accelerator, tc.run_dir, done,
+                            {"config": to_dict(cfg), "best_top1": best_top1, **meter.checkpoint_state()}, tc.keep_last)
 
-    state = accelerator.get_state_dict(model)
-    if accelerator.is_main_process:
-        export_classifier(state, to_dict(model_cfg), Path(tc.run_dir) / "export",
-                          {**export_extra(), "step": total_steps, **result})
-        if result:
-            accelerator.print(f"final validation top-1: {result['val_top1']:.4f} on {result['val_samples']} images "
-                              f"({num_classes} classes, chance {1 / num_classes:.4f}); best {best_top1:.4f}, "
-                              f"exported to {Path(tc.run_dir) / 'export' / 'best'}")
+    export(Path(tc.run_dir) / "export", total_steps, result)
+    if result:
+        accelerator.print(f"final validation top-1: {result['val_top1']:.4f} on {result['val_samples']} images "
+                          f"({num_classes} classes, chance {1 / num_classes:.4f}); best {best_top1:.4f}, "
+                          f"exported to {Path(tc.run_dir) / 'export' / 'best'}")
     accelerator.end_training()

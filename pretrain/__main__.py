@@ -1,7 +1,19 @@
-"""`python -m pretrain` / `accelerate launch pretrain` / `accelerate launch -m pretrain`: see pretrain/train.py."""
+"""`python -m pretrain` / `accelerate launch pretrain` / `accelerate launch -m pretrain`: see pretrain/train.py.
+
+The config is read and checked before torch is imported, so a bad config fails in a fraction of a second.
+"""
 
 from common.cli import run_main
-from pretrain.train import main
+from common.config import parse_args
+from pretrain.config import DESCRIPTION, PretrainConfig
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = parse_args(PretrainConfig, argv, prog="pretrain", description=DESCRIPTION)
+    from pretrain.train import train  # the heavy imports (torch, timm, accelerate), once the config is known good
+
+    train(cfg)
+
 
 if __name__ == "__main__":
     run_main(main)

@@ -1,22 +1,62 @@
-"""The pretraining config: model, MPP objective, data, optimizer (the paper's recipe by default), run."""
+"""The pretraining config: model, MPP objective, data, optimizer (the paper's recipe by default), run.
+
+Config modules import no torch, so a bad config is reported before the heavy imports start.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import ClassVar, Literal
 
-from common.config import DataConfig, ModelConfig, OptimConfig, TrainConfig, opt, section
-from pretrain.mpp import MPPConfig
+from common.config import (
+    ARCH_KEYS,
+    DataConfig,
+    ModelConfig,
+    OptimConfig,
+    TrainConfig,
+    at_least,
+    between,
+    opt,
+    section,
+)
+
+DESCRIPTION = "Masked patch prediction pretraining of a timm ViT."
+
+
+@dataclass
+class MPPConfig:
+    """The corruption rule and target (SPEC.md: 50% corrupted; of those 80% [mask], 10% random patch, 10% kept)."""
+
+    mask_ratio: float = opt(0.5, "fraction of patches corrupted per image (exactly round(ratio * N))",
+                            between(0, 1, lo_open=True))
+    mask_prob: float = opt(0.8, "of the corrupted: fraction replaced by the [mask] embedding", between(0, 1))
+    random_prob: float = opt(0.1, "of the corrupted: fraction replaced by another patch of the same image",
+                             between(0, 1))
+    target: Literal["mean_color", "pixels_4x4", "l2"] = opt("mean_color", "what the head predicts")
+    # 2**(3 * bits) classes: 512 at 3 bits (the paper), 4096 at 4; 5 bits would be a 32768-way head (x16 for
+    # pixels_4x4), which is no longer a small head.
+    bits: int = opt(3, "bits per colour channel for the classification targets", between(1, 4))
+
+    def problems(self) -> Iterator[tuple[str, str]]:
+        if self.mask_prob + self.random_prob > 1:
+            yield "random_prob", f"+ mpp.mask_prob must be at most 1, got {self.random_prob} + {self.mask_prob}"
 
 
 @dataclass
 class PretrainTrainConfig(TrainConfig):
     run_dir: str = opt("runs/pretrain", "run directory (config, metrics, checkpoints, export); re-running resumes")
-    steps: int = opt(1000, "optimizer steps (the paper: 1M at batch 4096)")
-    eval_every: int = opt(500, "evaluate the MPP loss on the validation split every N steps (0: only at the end)")
+    steps: int = opt(1000, "optimizer steps (the paper: 1M at batch 4096)", at_least(1))
+    eval_every: int = opt(500, "evaluate the MPP loss on the validation split every N steps (0: only at the end)",
+                          at_least(0))
 
 
 @dataclass
 class PretrainConfig:
+    # What a resumed run cannot change: the checkpoint's tensors (model, head, optimizer state) have these shapes.
+    FIXED_ON_RESUME: ClassVar[tuple[str, ...]] = (*(f"model.{k}" for k in ARCH_KEYS), "model.img_size",
+                                                  "mpp.target", "mpp.bits", "optim.name")
+
     model: ModelConfig = section(ModelConfig)
     mpp: MPPConfig = section(MPPConfig)
     data: DataConfig = section(DataConfig)

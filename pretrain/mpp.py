@@ -7,7 +7,7 @@ rule, the targets and the head. Its forward takes the uint8 batch, so targets co
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -15,22 +15,12 @@ from timm.models._manipulate import checkpoint_seq
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
-from common.config import ConfigError, opt
+from common.config import ConfigError
 from common.models import patch_size
 from pretrain import targets as tg
+from pretrain.config import MPPConfig
 
 MASK, RANDOM, KEEP = 0, 1, 2
-
-
-@dataclass
-class MPPConfig:
-    """The corruption rule and target (SPEC.md: 50% corrupted; of those 80% [mask], 10% random patch, 10% kept)."""
-
-    mask_ratio: float = opt(0.5, "fraction of patches corrupted per image (exactly round(ratio * N))")
-    mask_prob: float = opt(0.8, "of the corrupted: fraction replaced by the [mask] embedding")
-    random_prob: float = opt(0.1, "of the corrupted: fraction replaced by another patch of the same image")
-    target: Literal["mean_color", "pixels_4x4", "l2"] = opt("mean_color", "what the head predicts")
-    bits: int = opt(3, "bits per colour channel for the classification targets")
 
 
 @dataclass(frozen=True)
@@ -98,10 +88,6 @@ class MaskedPatchPrediction(nn.Module):
 
     def __init__(self, encoder: VisionTransformer, cfg: MPPConfig, mean: tuple[float, ...], std: tuple[float, ...]):
         super().__init__()
-        if not 0 < cfg.mask_ratio <= 1:
-            raise ConfigError(f"mpp.mask_ratio must be in (0, 1], got {cfg.mask_ratio}")
-        if cfg.mask_prob < 0 or cfg.random_prob < 0 or cfg.mask_prob + cfg.random_prob > 1:
-            raise ConfigError("mpp.mask_prob and mpp.random_prob must be >= 0 and sum to at most 1")
         self.encoder, self.cfg = encoder, cfg
         self.patch = patch_size(encoder)
         if cfg.target == "pixels_4x4" and self.patch % 4:

@@ -9,33 +9,31 @@ Reads top to bottom: config -> accelerator -> data -> model -> optimizer -> resu
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import torch
 from accelerate.utils import set_seed
 
-from common.checkpoint import export_encoder, save_checkpoint
+from common.checkpoint import save_checkpoint
 from common.config import parse_args, to_dict
 from common.data_stream import build_loaders, to_device
-from common.manifest import load_split
+from common.export import strip_prefix, write_export
+from common.manifest import data_record, load_split
 from common.models import count_params, create_encoder, norm_stats, patch_size
-from common.run_dir import MetricsLog, Throughput, prepare_run_dir, progress_line
-from common.runtime import (
-    build_optimizer,
-    make_accelerator,
-    mean_across_processes,
-    optimizer_step,
-    prepare_model,
-    resume_latest,
-    set_lr,
-)
-from common.schedule import lr_at, scaled_lr, warmup_steps
-from pretrain.config import PretrainConfig
+from common.run_dir import MetricsLog, prepare_run_dir
+from common.runtime import build_optimizer, make_accelerator, optimizer_step, prepare_model, resume_latest
+from common.schedule import describe_lr, lr_at, scaled_lr, set_lr, warmup_steps
+from common.step_meter import StepMeter
+from pretrain.config import DESCRIPTION, PretrainConfig
 from pretrain.mpp import MaskedPatchPrediction
 
 
-def mpp_forward(model, batch):
-    return model(batch["image"])
+def corruption_generator(device: torch.device, seed: int, rank: int) -> torch.Generator:
+    """The generator of this rank's corruption draws: its own stream (saved in every checkpoint), so a resumed run
+    draws exactly what the uninterrupted run would have, whatever else consumes the global random state."""
+    return torch.Generator(device=device).manual_seed(int(hashlib.sha256(f"mpp-{seed}-{rank}".encode())
+                                                          .hexdigest()[:15], 16))
 
 
 @torch.no_grad()
@@ -43,24 +41,30 @@ def evaluate(accelerator, model, loader, seed: int) -> dict[str, float]:
     """MPP loss (and accuracy) on the validation split, each sample once, with a fixed corruption draw."""
     model.eval()
     gen = torch.Generator(device=accelerator.device).manual_seed(seed + accelerator.process_index)
-    totals = torch.zeros(3, device=accelerator.device)  # loss sum, acc sum, weight
+    totals = torch.zeros(4, device=accelerator.device)  # loss sum, acc sum, weight, samples
     for batch in loader:
         batch = to_device(batch, accelerator.device)
         with accelerator.autocast():
             out = model(batch["image"], valid=batch["valid"], generator=gen)
         w = out["weight"] if batch["valid"].any() else torch.zeros((), device=accelerator.device)
         acc = out["metrics"].get("acc", torch.zeros((), device=accelerator.device))
-        totals += torch.stack([out["loss"].float() * w, acc * w, w])
+        totals += torch.stack([out["loss"].float() * w, acc * w, w, batch["valid"].sum().float()])
     totals = accelerator.reduce(totals, reduction="sum")
     model.train()
     result = {"val_loss": (totals[0] / totals[2].clamp(min=1)).item()}
     if model.cfg.target != "l2":
         result["val_acc"] = (totals[1] / totals[2].clamp(min=1)).item()
+    result["val_samples"] = int(totals[3].item())
     return result
 
 
 def main(argv: list[str] | None = None) -> None:
-    cfg = parse_args(PretrainConfig, argv, prog="pretrain", description=__doc__.split("\n\n")[0])
+    """`pretrain --config FILE key=value ...`: parse the config, then train."""
+    train(parse_args(PretrainConfig, argv, prog="pretrain", description=DESCRIPTION))
+
+
+def train(cfg: PretrainConfig) -> None:
+    """Run the stage for a loaded config: the spine below reads top to bottom."""
     tc = cfg.train
     accelerator, plan = make_accelerator(tc)
     set_seed(tc.seed, device_specific=True)  # a different corruption draw on every process
@@ -69,7 +73,7 @@ def main(argv: list[str] | None = None) -> None:
     log = MetricsLog(tc.run_dir, accelerator.is_main_process)
 
     # Data: the manifest gives sizes, so every process knows the step counts without scanning shards.
-    train_split, _ = load_split(cfg.data.shards, cfg.data.train_split)
+    train_split, info = load_split(cfg.data.shards, cfg.data.train_split)
     val_split = load_split(cfg.data.shards, cfg.data.val_split)[0] if cfg.data.val_split else None
 
     # Model: timm ViT + the MPP objective (mask token, corruption, head, targets).
@@ -82,7 +86,11 @@ def main(argv: list[str] | None = None) -> None:
     model, optimizer = prepare_model(accelerator, model, optimizer, tc.compile)
 
     # Resume from the newest complete checkpoint of this run directory, if any.
-    start_step = resume_latest(accelerator, tc.run_dir, changed, log).get("step", 0)
+    resumed, own = resume_latest(accelerator, tc.run_dir, changed, log)
+    start_step = resumed.get("step", 0)
+    gen = corruption_generator(accelerator.device, tc.seed, accelerator.process_index)
+    if own is not None and "mpp_generator" in own:
+        gen.set_state(own["mpp_generator"])
 
     # The loader splits itself across processes and workers, so it is NOT passed to accelerator.prepare
     # (which would re-split it, or make rank 0 decode for everyone); batches are moved to the device by hand.
@@ -97,51 +105,39 @@ def main(argv: list[str] | None = None) -> None:
         f"({cfg.mpp.mask_prob:.0%} mask / {cfg.mpp.random_prob:.0%} random / rest kept)\n"
         f"data {train_split.num_samples} train images in {len(train_split.urls)} shards, {steps_per_epoch} steps/epoch "
         f"| {plan.describe()}\n"
-        f"optim {cfg.optim.name} lr {peak_lr:.3g} (base {cfg.optim.base_lr:g} @ {cfg.optim.base_batch_size}), warmup "
-        f"{warmup}, cosine to step {tc.steps} | mixed precision {tc.mixed_precision} | run dir {tc.run_dir}"
+        f"optim {cfg.optim.name} {describe_lr(cfg.optim, tc.batch_size)}, warmup {warmup}, cosine to step "
+        f"{tc.steps} | mixed precision {tc.mixed_precision} | run dir {tc.run_dir}"
     )
     accelerator.init_trackers("pretrain", config={k: str(v) for k, v in to_dict(cfg).items()})
 
     batches = iter(loader)
-    speed = Throughput(start_step, tc.steps)
-    sums: dict[str, float] = {}
-    bad = 0
+    meter = StepMeter(accelerator, log, start_step=start_step, total_steps=tc.steps, batch_size=tc.batch_size,
+                      log_every=tc.log_every, bad_total=resumed.get("bad_samples_total", 0))
     model.train()
     for step in range(start_step, tc.steps):
         lr = lr_at(step, peak_lr, warmup, tc.steps, cfg.optim.min_lr_ratio)
         set_lr(optimizer, lr)
-        for out in optimizer_step(accelerator, model, optimizer, batches, mpp_forward, plan.accum_steps,
-                                  cfg.optim.clip_grad_norm):
-            bad += out["bad_samples"]
-            for k, v in {"loss": out["loss"].detach(), **out["metrics"]}.items():
-                sums[k] = sums.get(k, 0.0) + v / plan.accum_steps
-        speed.add(tc.batch_size)
+        meter.add(optimizer_step(accelerator, model, optimizer, batches,
+                                 lambda m, batch: m(batch["image"], generator=gen), plan.accum_steps,
+                                 cfg.optim.clip_grad_norm))
         done = step + 1
-        if done % tc.log_every == 0 or done == tc.steps:
-            n = (done - 1) % tc.log_every + 1
-            metrics = mean_across_processes(accelerator, {k: v / n for k, v in sums.items()})
-            sums = {}
-            rate, eta = speed.report(done)
-            shown = {"loss": metrics["loss"], **({"acc": metrics["acc"]} if "acc" in metrics else {}), "lr": lr}
-            accelerator.print(progress_line(done, tc.steps, shown, rate, eta))
-            record = {"step": done, "lr": lr, "img_per_s": rate, "bad_samples": bad, **metrics}
-            log.write(record)
-            accelerator.log(record, step=done)
+        meter.log(done, lr)
         if val_loader is not None and ((tc.eval_every and done % tc.eval_every == 0) or done == tc.steps):
-            result = evaluate(accelerator, accelerator.unwrap_model(model), val_loader, tc.seed)
-            accelerator.print(f"eval step {done} | " + " | ".join(f"{k} {v:.4g}" for k, v in result.items()))
-            log.write({"step": done, **result})
-            accelerator.log(result, step=done)
+            meter.log_eval(done, evaluate(accelerator, accelerator.unwrap_model(model), val_loader, tc.seed),
+                           label=f"step {done}", split_size=val_split.num_samples)
         if done % tc.ckpt_every == 0 or done == tc.steps:
-            save_checkpoint(accelerator, tc.run_dir, done, {"config": to_dict(cfg)}, tc.keep_last)
+            save_checkpoint(accelerator, tc.run_dir, done, {"config": to_dict(cfg), **meter.checkpoint_state()},
+                            tc.keep_last, rank_state={"mpp_generator": gen.get_state()})
 
     # The hand-off to fine-tuning: the encoder's weights (timm names) and the config to rebuild it. The state dict
     # is gathered on every process (FSDP shards need all of them); the main process writes it.
     state = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
-        path = export_encoder(state, to_dict(cfg.model), Path(tc.run_dir) / "export", prefix="encoder.", extra={
-            "mean": list(mean), "std": list(std), "pretrain": {"steps": tc.steps, "target": cfg.mpp.target,
-                                                                "mask_ratio": cfg.mpp.mask_ratio},
-        })
+        path = write_export(
+            Path(tc.run_dir) / "export", strip_prefix(state, "encoder."), cfg.model, kind="encoder", mean=mean,
+            std=std, crop_pct=cfg.data.eval_crop_pct, record={
+                "pretrain": {"steps": tc.steps, "batch_size": tc.batch_size, "target": cfg.mpp.target,
+                             "mask_ratio": cfg.mpp.mask_ratio, "optimizer": cfg.optim.name, "lr": peak_lr},
+                "data": data_record(cfg.data.shards, info)})
         accelerator.print(f"exported encoder to {path}")
     accelerator.end_training()

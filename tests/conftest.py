@@ -18,6 +18,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from common.config import ModelConfig
+from common.export import write_export
 from common.manifest import write_manifest
 from data_tools.build_shards import main as build_shards_main
 from data_tools.demo_images import generate
@@ -85,6 +87,11 @@ def write_shard_set(out_dir: Path, lengths: dict[str, list[int]], size: int = 16
         splits[split] = {"name": split, "num_samples": sum(counts), "filenames": filenames, "shard_lengths": counts}
     write_manifest(out_dir, {"name": "test", "splits": splits, "num_classes": 3, "class_names": ["a", "b", "c"]})
     return out_dir
+
+
+def write_encoder_export(out_dir: Path, encoder, cfg: ModelConfig, mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5)) -> Path:
+    """A pretraining export of `encoder` (a timm ViT without head, built from `cfg`), as pretrain writes it."""
+    return write_export(out_dir, encoder.state_dict(), cfg, kind="encoder", mean=mean, std=std)
 
 
 @pytest.fixture(scope="session")

@@ -13,12 +13,12 @@ import torch
 from PIL import Image
 from safetensors.torch import save_file
 
-from common.checkpoint import export_encoder
+from analysis import attention_stats as stats
+from analysis.analyze import main as analyze_main
 from common.cli import run_main
 from common.config import ModelConfig
 from common.models import create_encoder
-from finetune import attention_stats as stats
-from finetune.analyze import main as analyze_main
+from tests.conftest import write_encoder_export
 
 TINY = ModelConfig(name="vit_tiny_patch16_224", img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2)
 
@@ -104,10 +104,7 @@ def test_param_table_vit_base_four_classes():
 @pytest.fixture()
 def tiny_export(tmp_path):
     torch.manual_seed(0)
-    model = create_encoder(TINY)
-    cfg = {k: getattr(TINY, k) for k in TINY.__dataclass_fields__}
-    export_encoder(model.state_dict(), cfg, tmp_path / "export", extra={"mean": [0.5] * 3, "std": [0.5] * 3})
-    return tmp_path / "export"
+    return write_encoder_export(tmp_path / "export", create_encoder(TINY), TINY)
 
 
 def test_cli_end_to_end(tiny_export, tmp_path):

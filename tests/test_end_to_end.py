@@ -45,10 +45,10 @@ def test_pretrain_resume_then_finetune_with_two_processes(demo_shards, tmp_path)
     assert sorted(p.name for p in (pre / "checkpoints").iterdir()) == ["step_000003", "step_000006"]
     record = [m for m in metrics(pre) if "frac_mask" in m][-1]
     assert record["frac_mask"] + record["frac_random"] + record["frac_keep"] == pytest.approx(1.0)
-    weights = load_file(pre / "export" / "encoder.safetensors")
+    weights = load_file(pre / "export" / "model.safetensors")
     assert "pos_embed" in weights and not any(k.startswith(("head", "mask_token")) for k in weights)
     assert weights["pos_embed"].shape == (1, 1 + 4 * 4, 32)
-    assert json.loads((pre / "export" / "encoder.json").read_text())["model"]["img_size"] == 16
+    assert json.loads((pre / "export" / "config.json").read_text())["vit_mpp"]["model"]["img_size"] == 16
 
     ft = tmp_path / "finetune"
     out = launch("finetune", "--config", "configs/finetune/tiny.yaml", f"data.shards={demo_shards}",
@@ -75,4 +75,4 @@ def test_the_fsdp_launch_config_runs_and_says_it_falls_back_on_cpu(demo_shards, 
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=subprocess_env(), cwd=REPO)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "warning: FSDP needs CUDA devices" in result.stdout
-    assert "2 process(es)" in result.stdout and (tmp_path / "export" / "encoder.safetensors").is_file()
+    assert "2 process(es)" in result.stdout and (tmp_path / "export" / "model.safetensors").is_file()

@@ -7,13 +7,14 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from common.checkpoint import CheckpointError, export_encoder
-from common.config import ConfigError, ModelConfig, load_config, to_dict
+from common.checkpoint import CheckpointError
+from common.config import ConfigError, ModelConfig, load_config
+from common.export import strip_prefix
 from common.models import create_encoder
-from finetune.checkpoints import checkpoint_kind, read_state_dict
+from common.pretrained import checkpoint_kind, read_state_dict, resize_pos_embed
 from finetune.config import FinetuneConfig, InitConfig
 from finetune.init_model import build_classifier
-from finetune.surgery import resize_pos_embed
+from tests.conftest import write_encoder_export
 
 SMALL = dict(patch_size=4, embed_dim=32, depth=1, num_heads=2)
 
@@ -63,8 +64,8 @@ def vit_npz(model, path):
 
 
 def test_export(tmp_path, encoder):
-    export_encoder(encoder.state_dict(), to_dict(ModelConfig(img_size=16, **SMALL)), tmp_path)
-    assert checkpoint_kind(tmp_path) == "export"
+    write_encoder_export(tmp_path, encoder, ModelConfig(img_size=16, **SMALL))
+    assert checkpoint_kind(str(tmp_path)) == "export"
     model, *_ = build_classifier(InitConfig(checkpoint=str(tmp_path)), ModelConfig(img_size=24), 3)
     assert_loaded(model, encoder, (6, 6))
 
@@ -73,15 +74,14 @@ def test_an_export_with_no_weights_under_the_prefix_is_refused(tmp_path, encoder
     # What a torch.compile wrapper's `_orig_mod.encoder.*` keys once produced: an empty encoder file.
     state = {f"_orig_mod.encoder.{k}": v for k, v in encoder.state_dict().items()}
     with pytest.raises(CheckpointError, match="no weights under 'encoder.'"):
-        export_encoder(state, to_dict(ModelConfig(img_size=16, **SMALL)), tmp_path, prefix="encoder.")
-    assert not (tmp_path / "encoder.safetensors").exists()
+        strip_prefix(state, "encoder.")
 
 
 @pytest.mark.parametrize("wrap", [None, "model", "state_dict"])
 def test_timm_pth_weights_only(tmp_path, encoder, wrap):
     state = {"head.weight": torch.ones(5, 32), "head.bias": torch.ones(5), **encoder.state_dict()}
     torch.save(state if wrap is None else {wrap: state, "epoch": 3}, tmp_path / "w.pth")
-    assert checkpoint_kind(tmp_path / "w.pth") == "timm"
+    assert checkpoint_kind(str(tmp_path / "w.pth")) == "timm"
     model, *_ = build_classifier(InitConfig(checkpoint=str(tmp_path / "w.pth")), ModelConfig(img_size=24, **SMALL), 3)
     assert_loaded(model, encoder, (6, 6))  # the old head is dropped, the new one is zero
 
@@ -113,7 +113,7 @@ def test_pickled_object_is_refused(tmp_path, encoder):
 
 def test_original_vit_npz(tmp_path, encoder):
     vit_npz(encoder, tmp_path / "ViT-tiny.npz")
-    assert checkpoint_kind(tmp_path / "ViT-tiny.npz") == "npz"
+    assert checkpoint_kind(str(tmp_path / "ViT-tiny.npz")) == "npz"
     init = InitConfig(checkpoint=str(tmp_path / "ViT-tiny.npz"))
     same, *_ = build_classifier(init, ModelConfig(img_size=16, **SMALL), 3)
     assert_loaded(same, encoder)  # the layout round-trips exactly
@@ -136,13 +136,13 @@ def test_mismatched_checkpoints_are_one_line_errors(tmp_path, encoder):
 
 
 def test_normalisation_override(tmp_path, encoder):
-    export_encoder(encoder.state_dict(), to_dict(ModelConfig(img_size=16, **SMALL)), tmp_path, extra={
-        "mean": [0.1, 0.2, 0.3], "std": [0.4, 0.5, 0.6]})
+    write_encoder_export(tmp_path, encoder, ModelConfig(img_size=16, **SMALL), mean=(0.1, 0.2, 0.3),
+                         std=(0.4, 0.5, 0.6))
     _, mean, std, _ = build_classifier(InitConfig(checkpoint=str(tmp_path)), ModelConfig(img_size=16), 3)
     assert (mean, std) == ((0.1, 0.2, 0.3), (0.4, 0.5, 0.6))  # the export's own
     cfg = load_config(FinetuneConfig, "configs/finetune/tiny.yaml", [
         f"init.checkpoint={tmp_path}", "init.mean=[0.485,0.456,0.406]", "init.std=[0.229,0.224,0.225]"])
     _, mean, std, _ = build_classifier(cfg.init, ModelConfig(img_size=16), 3)
     assert (mean, std) == ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
-    with pytest.raises(ConfigError, match=r"init.std must be three numbers \[r, g, b\] > 0"):
-        build_classifier(InitConfig(checkpoint=str(tmp_path), std=[0.2, 0.0, 0.2]), ModelConfig(img_size=16), 3)
+    with pytest.raises(ConfigError, match=r"init.std"):  # checked when the config is loaded
+        load_config(FinetuneConfig, None, ["init.std=[0.2,0.0,0.2]"])

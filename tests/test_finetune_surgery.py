@@ -8,12 +8,13 @@ import torch
 from scipy import ndimage
 from timm.layers import resample_abs_pos_embed
 
-from common.checkpoint import CheckpointError, export_encoder
-from common.config import ModelConfig, to_dict
+from common.checkpoint import CheckpointError
+from common.config import ModelConfig
 from common.models import create_encoder
+from common.pretrained import load_weights, resize_pos_embed
 from finetune.config import InitConfig
-from finetune.init_model import build_classifier
-from finetune.surgery import attach_zero_head, load_encoder_weights, resize_pos_embed
+from finetune.init_model import attach_zero_head, build_classifier
+from tests.conftest import write_encoder_export
 
 SMALL = dict(patch_size=4, embed_dim=32, depth=1, num_heads=2)
 
@@ -59,7 +60,7 @@ def test_loading_an_export_at_a_larger_non_square_size(tmp_path):
     torch.manual_seed(0)
     pre_cfg = ModelConfig(img_size=16, **SMALL)
     encoder = create_encoder(pre_cfg)
-    export_encoder(encoder.state_dict(), to_dict(pre_cfg), tmp_path)
+    write_encoder_export(tmp_path, encoder, pre_cfg)
     model, _, _, resolved = build_classifier(InitConfig(checkpoint=str(tmp_path)), ModelConfig(img_size=[24, 32]), 5)
     assert resolved.embed_dim == 32 and model.patch_embed.grid_size == (6, 8)
     expected = resize_pos_embed(encoder.pos_embed.detach(), (4, 4), (6, 8), 1, "bilinear")
@@ -73,10 +74,10 @@ def test_patch_size_change_and_mismatched_keys_are_errors():
     src = create_encoder(ModelConfig(img_size=16, **SMALL))
     other_patch = create_encoder(ModelConfig(img_size=16, patch_size=8, embed_dim=32, depth=1, num_heads=2))
     with pytest.raises(CheckpointError, match="patch size"):
-        load_encoder_weights(other_patch, src.state_dict(), (4, 4))
+        load_weights(other_patch, src.state_dict(), (4, 4))
     deeper = create_encoder(ModelConfig(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2))
     with pytest.raises(CheckpointError, match=r"missing keys \['blocks\.1\."):
-        load_encoder_weights(deeper, src.state_dict(), (4, 4))
+        load_weights(deeper, src.state_dict(), (4, 4))
 
 
 def test_loading_into_a_model_with_a_head_and_fc_norm_keeps_them_new():
@@ -86,7 +87,7 @@ def test_loading_into_a_model_with_a_head_and_fc_norm_keeps_them_new():
     dst = create_encoder(ModelConfig(img_size=16, **SMALL), num_classes=3)
     dst.reset_classifier(3, global_pool="avg")
     dst.fc_norm = torch.nn.LayerNorm(32)
-    load_encoder_weights(dst, src.state_dict(), (4, 4))
+    load_weights(dst, src.state_dict(), (4, 4))
     torch.testing.assert_close(dst.blocks[0].mlp.fc1.weight, src.blocks[0].mlp.fc1.weight)
 
 
@@ -95,7 +96,7 @@ def test_avg_pool_head_reads_the_mean_of_the_normed_patch_tokens(tmp_path):
     torch.manual_seed(0)
     pre_cfg = ModelConfig(img_size=16, **SMALL)
     encoder = create_encoder(pre_cfg)
-    export_encoder(encoder.state_dict(), to_dict(pre_cfg), tmp_path)
+    write_encoder_export(tmp_path, encoder, pre_cfg)
     token, *_ = build_classifier(InitConfig(checkpoint=str(tmp_path)), ModelConfig(img_size=16), 3)
     avg, *_ = build_classifier(InitConfig(checkpoint=str(tmp_path)), ModelConfig(img_size=16, global_pool="avg"), 3)
     assert avg.state_dict().keys() == token.state_dict().keys()  # same weights load: no fc_norm appears

@@ -12,16 +12,17 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from common.checkpoint import export_encoder
-from common.config import ConfigError, ModelConfig, to_dict
+from common.config import ConfigError, ModelConfig
+from common.export import read_export
 from common.models import create_encoder
-from common.runtime import build_optimizer, set_lr
+from common.pretrained import resize_pos_embed
+from common.runtime import build_optimizer
+from common.schedule import set_lr
 from finetune import predict
 from finetune.augment import build_mixup, color_jitter
 from finetune.config import AugmentConfig, FinetuneOptimConfig
-from finetune.surgery import resize_pos_embed
 from finetune.train import main
-from tests.conftest import png_bytes, write_shard_set
+from tests.conftest import png_bytes, write_encoder_export, write_shard_set
 
 SMALL = dict(patch_size=4, embed_dim=32, depth=1, num_heads=2)
 
@@ -31,7 +32,7 @@ def pretrained(tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor]]:
     torch.manual_seed(0)
     encoder = create_encoder(ModelConfig(img_size=16, **SMALL))
     out = tmp_path_factory.mktemp("pretrain_export")
-    export_encoder(encoder.state_dict(), to_dict(ModelConfig(img_size=16, **SMALL)), out)
+    write_encoder_export(out, encoder, ModelConfig(img_size=16, **SMALL))
     return out, {k: v.detach().clone() for k, v in encoder.state_dict().items()}
 
 
@@ -80,10 +81,10 @@ def test_evaluation_counts_each_sample_once_and_writes_the_confusion_matrix(prob
 def test_best_and_last_exports(probe_run):
     evals = [json.loads(line) for line in (probe_run / "metrics.jsonl").read_text().splitlines()]
     best = max(m["val_top1"] for m in evals if "val_top1" in m)
-    best_meta = json.loads((probe_run / "export" / "best" / "model.json").read_text())
-    last_meta = json.loads((probe_run / "export" / "model.json").read_text())
-    assert best_meta["val_top1"] == best and last_meta["val_top1"] == evals[-1]["val_top1"]
-    assert last_meta["mode"] == "linear_probe" and last_meta["model"]["img_size"] == 24
+    best_meta, last_meta = read_export(probe_run / "export" / "best"), read_export(probe_run / "export")
+    assert best_meta.record["metrics"]["val_top1"] == best and last_meta.record["metrics"]["val_top1"] == \
+        evals[-1]["val_top1"]
+    assert last_meta.record["finetune"]["mode"] == "linear_probe" and last_meta.model.img_size == 24
     assert load_file(probe_run / "export" / "best" / "model.safetensors").keys() == \
         load_file(probe_run / "export" / "model.safetensors").keys()
 
@@ -100,15 +101,15 @@ def test_predict_labels_a_folder(probe_run, tmp_path):
                   "--top-k", "2"])
     rows = list(csv.DictReader(out.open()))
     images = sorted(demo_folder.rglob("*.png"))
-    meta = json.loads((probe_run / "export" / "model.json").read_text())
+    meta = read_export(probe_run / "export")
     assert len(rows) == len(images) and {r["path"] for r in rows} == {str(p) for p in images}
     for r in rows:
-        assert meta["class_names"][int(r["class_index"])] == r["class_name"]
+        assert meta.class_names[int(r["class_index"])] == r["class_name"]
         assert float(r["prob"]) >= float(r["prob_2"])
     # Against what the model does on the same preprocessing: predictions agree with a direct forward.
-    model, meta = predict.load_classifier(probe_run / "export" / "best")
-    (path, top), = predict.predict(model, meta, [images[0]])
-    assert path == images[0] and 0 <= top[0][0] < meta["num_classes"]
+    model, pre = predict.load_classifier(probe_run / "export" / "best")
+    (path, top), = predict.predict(model, pre, [images[0]])
+    assert path == images[0] and 0 <= top[0][0] < pre.num_classes
 
 
 def test_adamw_recipe_with_layer_decay_mixup_and_jitter(shards, pretrained, tmp_path):

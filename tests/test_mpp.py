@@ -10,7 +10,8 @@ import torch
 from common.config import ModelConfig
 from common.models import create_encoder
 from pretrain import targets as tg
-from pretrain.mpp import KEEP, MASK, RANDOM, MaskedPatchPrediction, MPPConfig, apply_corruption, draw_corruption
+from pretrain.config import MPPConfig
+from pretrain.mpp import KEEP, MASK, RANDOM, MaskedPatchPrediction, apply_corruption, draw_corruption
 
 
 def seeded(seed: int = 0) -> torch.Generator:

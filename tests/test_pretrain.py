@@ -14,24 +14,23 @@ import timm
 import torch
 from safetensors.torch import load_file
 
-from common.checkpoint import export_encoder
-from common.config import ModelConfig, to_dict
+from common.config import ModelConfig
 from common.models import create_encoder
-from pretrain.mpp import MaskedPatchPrediction, MPPConfig
-from tests.conftest import REPO, subprocess_env
+from pretrain.config import MPPConfig
+from pretrain.mpp import MaskedPatchPrediction
+from tests.conftest import REPO, subprocess_env, write_encoder_export
 
 
-def test_export_loads_into_timm_create_model_with_the_same_outputs(tmp_path):
+def test_export_loads_with_timm_create_model_local_dir_with_the_same_outputs(tmp_path):
     torch.manual_seed(0)
     cfg = ModelConfig(name="vit_small_patch16_224", img_size=[32, 48], patch_size=8, depth=2)
     encoder = create_encoder(cfg).eval()
-    export_encoder(encoder.state_dict(), to_dict(cfg), tmp_path)
-    meta = json.loads((tmp_path / "encoder.json").read_text())["model"]
-    kwargs = {k: meta[k] for k in ("patch_size", "embed_dim", "depth", "num_heads", "mlp_ratio") if meta[k] is not None}
-    model = timm.create_model(meta["name"], num_classes=0, img_size=meta["img_size"], **kwargs).eval()
-    model.load_state_dict(load_file(tmp_path / "encoder.safetensors"))  # strict: every key matches
+    write_encoder_export(tmp_path, encoder, cfg, mean=(0.1, 0.2, 0.3), std=(0.3, 0.2, 0.1))
+    model = timm.create_model(f"local-dir:{tmp_path}", pretrained=True).eval()
     x = torch.randn(2, 3, 32, 48)
     torch.testing.assert_close(model(x), encoder(x), rtol=0, atol=0)
+    data = model.pretrained_cfg
+    assert list(data["mean"]) == [0.1, 0.2, 0.3] and list(data["input_size"]) == [3, 32, 48]
 
 
 def _structured_images(n: int, size: int, seed: int) -> torch.Tensor:
@@ -83,7 +82,7 @@ def test_killed_run_resumes_from_its_checkpoint_and_finishes(demo_shards, tmp_pa
     assert resumed >= 5 and resumed % 5 == 0
     logged = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert logged == list(range(5, 301, 5)), "each step logged once, in order, across the kill"
-    assert (run_dir / "export" / "encoder.safetensors").is_file()
+    assert (run_dir / "export" / "model.safetensors").is_file()
     assert json.loads((run_dir / "checkpoints" / "step_000300" / "trainer_state.json").read_text())["step"] == 300
 
 
@@ -96,8 +95,8 @@ def test_compiled_training_exports_every_encoder_weight(demo_shards, tmp_path):
          f"train.run_dir={run_dir}", "train.steps=3", "train.eval_every=0", "data.val_split=", "train.compile=true"],
         cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    exported = load_file(run_dir / "export" / "encoder.safetensors")
-    cfg = json.loads((run_dir / "export" / "encoder.json").read_text())["model"]
+    exported = load_file(run_dir / "export" / "model.safetensors")
+    cfg = json.loads((run_dir / "export" / "config.json").read_text())["vit_mpp"]["model"]
     expected = create_encoder(ModelConfig(**cfg)).state_dict()
     assert exported.keys() == {k for k in expected if not k.startswith("head.")}
     trained = load_file(run_dir / "checkpoints" / "step_000003" / "model.safetensors")

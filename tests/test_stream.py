@@ -97,7 +97,8 @@ def test_bad_samples_are_replaced_and_counted(tmp_path):
     data[member.offset_data:member.offset_data + member.size] = b"\0" * member.size
     path.write_bytes(bytes(data))
     s, _ = load_split(shards, "train")
-    _, loader = build_loader(s, DataConfig(num_workers=0, shuffle_buffer=1), 8, 3, rank=0, world_size=1, train=True)
+    data = DataConfig(num_workers=0, shuffle_buffer=1, max_bad_fraction=0.5)  # 1 of 6: over the default limit
+    _, loader = build_loader(s, data, 8, 3, rank=0, world_size=1, train=True)
     batches = [b for _, b in zip(range(2), loader)]
     assert [len(b["key"]) for b in batches] == [3, 3]  # batches stay full
     assert sum(b["bad"] for b in batches) == 1

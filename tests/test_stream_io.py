@@ -152,7 +152,7 @@ def flaky(tmp_path):
 
 def test_a_remote_shard_cut_mid_stream_is_reopened_and_read_on(flaky):
     _FlakyHandler.cuts["/train-000000.tar"] = 2
-    samples = list(data_stream.read_segment(data_stream.Segment(f"{flaky}/train-000000.tar", 5, 40), wait_s=0))
+    samples = list(data_stream.read_segment(data_stream.Segment(f"{flaky}/train-000000.tar", 5, 40, 40), wait_s=0))
     assert [s["__key__"] for s in samples] == [f"train_{i:06d}" for i in range(5, 40)]  # each once, in order
     assert _FlakyHandler.requests == ["/train-000000.tar"] * 3
 
@@ -160,5 +160,5 @@ def test_a_remote_shard_cut_mid_stream_is_reopened_and_read_on(flaky):
 def test_a_remote_shard_that_keeps_breaking_is_a_data_error(flaky):
     _FlakyHandler.cuts["/train-000000.tar"] = 99
     with pytest.raises(DataError, match=r"the stream broke after sample \d+ of 40 \(3 attempts\)"):
-        list(data_stream.read_segment(data_stream.Segment(f"{flaky}/train-000000.tar", 0, 40), retries=2, wait_s=0))
+        list(data_stream.read_segment(data_stream.Segment(f"{flaky}/train-000000.tar", 0, 40, 40), retries=2, wait_s=0))
     assert len(_FlakyHandler.requests) == 3

@@ -1,24 +1,15 @@
-"""Drawing the analysis figures (matplotlib, Agg backend, PNG files); the numbers come from attention_stats.py."""
+"""Drawing the analysis figures (PNG files); the numbers come from attention_stats.py."""
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
 
-import matplotlib
+import numpy as np
+import torch
+import torch.nn.functional as F
 
-matplotlib.use("Agg")  # files only: never open a window, and work without a display
-
-import matplotlib.pyplot as plt  # noqa: E402 - the backend must be chosen first
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-
-def _save(fig: plt.Figure, path: Path, dpi: int = 100) -> Path:
-    fig.savefig(path, dpi=dpi, bbox_inches="tight")
-    plt.close(fig)
-    return path
+from common.plots import plt, save_figure
 
 
 def _upsample(grid_map: torch.Tensor, hw: tuple[int, int]) -> np.ndarray:
@@ -53,7 +44,7 @@ def plot_attention(image: np.ndarray, rollout: torch.Tensor, layers: torch.Tenso
         ax.set_title(f"layer {i + 1}", fontsize=9)
     fig.suptitle(f"{title}\n[class] token attention to patches: rollout (top), per layer, heads averaged (below)",
                  fontsize=10)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_position_similarity(sim: torch.Tensor, grid: tuple[int, int], path: Path) -> Path:
@@ -79,7 +70,7 @@ def plot_position_similarity(sim: torch.Tensor, grid: tuple[int, int], path: Pat
     ax.set_ylabel("input patch row")
     ax.set_title("Position embedding similarity", fontsize=11)
     fig.colorbar(im, ax=ax, fraction=0.046, pad=0.03, label="cosine similarity")
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_filters(pcs: torch.Tensor, explained: torch.Tensor, path: Path) -> Path:
@@ -99,7 +90,7 @@ def plot_filters(pcs: torch.Tensor, explained: torch.Tensor, path: Path) -> Path
                   interpolation="nearest")
         ax.set_title(f"{i + 1}: {100 * float(explained[i]):.1f}%", fontsize=7)
     fig.suptitle(f"RGB embedding filters: first {k} principal components (% of variance)", fontsize=10)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_attention_distance(dist: torch.Tensor, uniform: float, img_hw: tuple[int, int], num_images: int,
@@ -122,4 +113,4 @@ def plot_attention_distance(dist: torch.Tensor, uniform: float, img_hw: tuple[in
     ax.set_title(f"Mean attention distance ({img_hw[0]}x{img_hw[1]} input, {num_images} images)", fontsize=10)
     if heads <= 16:  # beyond that a legend is a wall of colours; the points still show the spread
         ax.legend(fontsize=6, ncol=2 if heads > 8 else 1, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    return _save(fig, path)
+    return save_figure(fig, path)

@@ -1,8 +1,8 @@
 """Does MPP pretraining help? Pretrained vs from-scratch fine-tuning on real images (scikit-learn's digits).
 
-    python benchmarks/pretrain_vs_scratch.py                   # the main comparison, 3 seeds (see docs/results.md)
-    python benchmarks/pretrain_vs_scratch.py --ablations       # plus the target and mask-ratio ablations
-    python benchmarks/pretrain_vs_scratch.py --seeds 0 --pretrain-steps 200 --finetune-epochs 10   # a quick look
+    python experiments/pretrain_vs_scratch.py                   # the main comparison, 3 seeds (see docs/results.md)
+    python experiments/pretrain_vs_scratch.py --ablations       # plus the target and mask-ratio ablations
+    python experiments/pretrain_vs_scratch.py --seeds 0 --pretrain-steps 200 --finetune-epochs 10   # a quick look
 
 What it does, with the real commands as subprocesses (so it measures the product, not a re-implementation):
 

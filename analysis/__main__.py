@@ -1,0 +1,15 @@
+"""`python -m analysis CHECKPOINT ...` (figures) or `python -m analysis plot RUN_DIR ...` (curves): see __init__.py."""
+
+import sys
+
+from common.cli import run_main
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["plot"]:
+        from analysis.plot import main as plot_main
+
+        run_main(plot_main, sys.argv[2:])
+    else:
+        from analysis.analyze import main
+
+        run_main(main)

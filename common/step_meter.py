@@ -1,0 +1,115 @@
+"""The bookkeeping of a training loop's steps, the same for both stages: sums, averages, progress line, records.
+
+    meter = StepMeter(accelerator, log, start_step=..., total_steps=..., batch_size=..., log_every=...)
+    for step in ...:
+        meter.add(optimizer_step(...))          # what the step's micro-batches produced
+        meter.log(step + 1, lr, epoch=...)      # prints and records when a log is due
+        meter.log_eval(step + 1, result)        # an evaluation's numbers, when there is one
+
+A log averages each metric over the optimizer steps actually summed since the previous log (a resumed run's first
+log may cover fewer than `log_every` steps), then over processes; undecodable samples are summed over processes.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+
+from common.run_dir import MetricsLog
+
+SHOWN = ("loss", "acc")  # the metrics the progress line shows, besides lr, rate and eta
+
+
+def format_duration(seconds: float) -> str:
+    seconds = int(max(0, seconds))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+def progress_line(step: int, total: int, metrics: dict[str, float], img_per_s: float, eta_s: float) -> str:
+    """`step 500/100000 | loss 0.731 | acc 0.42 | lr 1.5e-4 | 4830 img/s | eta 5h51m`."""
+    parts = [f"step {step}/{total}"]
+    for k, v in metrics.items():
+        parts.append(f"{k} {v:.2e}" if k == "lr" else f"{k} {v:.4g}")
+    parts.append(f"{img_per_s:.0f} img/s")
+    parts.append(f"eta {format_duration(eta_s)}")
+    return " | ".join(parts)
+
+
+class StepMeter:
+    """Sums what each optimizer step produces; when a log is due, reports it once for all processes."""
+
+    def __init__(self, accelerator: Accelerator, log: MetricsLog, *, start_step: int, total_steps: int,
+                 batch_size: int, log_every: int, bad_total: int = 0) -> None:
+        self.accelerator, self.metrics_log = accelerator, log
+        self.total, self.batch_size, self.log_every = total_steps, batch_size, log_every
+        self.bad_total = bad_total  # undecodable samples replaced so far in the run, all processes (checkpointed)
+        self.start_step = start_step
+        self.start_time = self.last_time = time.perf_counter()
+        self._reset()
+
+    def _reset(self) -> None:
+        self.sums: dict[str, float | torch.Tensor] = {}
+        self.steps = 0  # optimizer steps summed since the last log
+        self.images = 0
+        self.bad = 0  # on this process, since the last log
+
+    def add(self, outputs: list[dict[str, Any]]) -> None:
+        """One optimizer step: the outputs of its micro-batches (`loss`, `metrics`, `bad_samples`)."""
+        for out in outputs:
+            self.bad += int(out.get("bad_samples", 0))
+            for k, v in {"loss": out["loss"].detach(), **out.get("metrics", {})}.items():
+                self.sums[k] = self.sums.get(k, 0.0) + v / len(outputs)
+        self.steps += 1
+        self.images += self.batch_size
+
+    def log(self, step: int, lr: float, **extra: Any) -> dict[str, Any] | None:
+        """At a due step (every `log_every` and the last): the averaged record, printed, written and tracked."""
+        due = step % self.log_every == 0 or step == self.total
+        if not due or not self.steps:
+            return None
+        keys = sorted(self.sums)
+        values = [torch.as_tensor(self.sums[k], dtype=torch.float32, device=self.accelerator.device) / self.steps
+                  for k in keys]
+        bad = torch.tensor(float(self.bad), device=self.accelerator.device)
+        totals = self.accelerator.reduce(torch.stack([*values, bad]), reduction="sum").tolist()  # one collective
+        metrics = {k: v / self.accelerator.num_processes for k, v in zip(keys, totals)}
+        bad_now = int(round(totals[-1]))
+        self.bad_total += bad_now
+        now = time.perf_counter()
+        rate = self.images / max(1e-9, now - self.last_time)
+        eta = (now - self.start_time) / max(1, step - self.start_step) * (self.total - step)
+        shown = {k: metrics[k] for k in SHOWN if k in metrics}
+        self.accelerator.print(progress_line(step, self.total, {**shown, "lr": lr}, rate, eta))
+        record = {"step": step, **extra, "lr": lr, "img_per_s": rate, "bad_samples": bad_now,
+                  "bad_samples_total": self.bad_total, **metrics}
+        self.metrics_log.write(record)
+        self.accelerator.log(record, step=step)
+        self.last_time = now
+        self._reset()
+        return record
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the meter (call on every process: it sums over them)."""
+        pending = torch.tensor(float(self.bad), device=self.accelerator.device)
+        return {"bad_samples_total": self.bad_total + int(round(self.accelerator.reduce(pending, "sum").item()))}
+
+    def log_eval(self, step: int, result: dict[str, Any], label: str, split_size: int,
+                 details: dict[str, Any] | None = None) -> None:
+        """An evaluation's numbers: printed (`eval LABEL | ...`), written with `details`, and tracked.
+
+        When `result["val_samples"]` is short of the split's `split_size` (undecodable images), a warning says so
+        and `val_unread` records how many were not counted."""
+        unread = split_size - int(result.get("val_samples", split_size))
+        if unread:
+            result = {**result, "val_unread": unread}
+            self.accelerator.print(f"warning: evaluation counted {split_size - unread} of the {split_size} images of "
+                                   f"the split: {unread} could not be decoded")
+        shown = " | ".join(f"{k} {v:.4g}" for k, v in result.items() if isinstance(v, (int, float)))
+        self.accelerator.print(f"eval {label} | {shown}")
+        self.metrics_log.write({"step": step, **result, **(details or {})})
+        self.accelerator.log({k: v for k, v in result.items() if isinstance(v, (int, float))}, step=step)

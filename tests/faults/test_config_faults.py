@@ -1,0 +1,165 @@
+"""Every config field's bad values end in one line, `error: ...` naming the key, and exit status 2: in-process, under
+`python -m`, and under `accelerate launch --multi_gpu --num_processes 2` (printed once, not once per rank).
+
+Config errors are found before torch is imported (the stage's __main__ checks the config first), so the
+`python -m` table runs in seconds; the launcher table starts torch elastic per row and is marked slow."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from common.cli import run_main
+from finetune.__main__ import main as finetune_main
+from pretrain.__main__ import main as pretrain_main
+from tests.conftest import REPO, subprocess_env
+
+# (stage, overrides, what the one line must contain)
+BAD_VALUES = [
+    # run
+    ("pretrain", ["train.log_every=0"], "'train.log_every' must be >= 1, got 0"),
+    ("pretrain", ["train.ckpt_every=0"], "'train.ckpt_every' must be >= 1"),
+    ("pretrain", ["train.keep_last=0"], "'train.keep_last' must be >= 1"),
+    ("pretrain", ["train.run_dir="], "'train.run_dir' must be a non-empty string"),
+    ("pretrain", ["train.batch_size=0"], "'train.batch_size' must be >= 1"),
+    ("pretrain", ["train.micro_batch_size=-2"], "'train.micro_batch_size' must be >= 1"),
+    ("pretrain", ["train.seed=-1"], "'train.seed' must be in [0, 4.29497e+09]"),
+    ("pretrain", ["train.steps=0"], "'train.steps' must be >= 1"),
+    ("pretrain", ["train.steps=-5"], "'train.steps' must be >= 1"),
+    ("pretrain", ["train.eval_every=-1"], "'train.eval_every' must be >= 0"),
+    ("pretrain", ["train.trackers=[nosuch]"], "'train.trackers' must be a list of tracker names from: tensorboard"),
+    ("pretrain", ["train.mixed_precision=fp8"], "'train.mixed_precision' expects one of"),
+    ("finetune", ["train.epochs=0"], "'train.epochs' must be >= 1"),
+    ("finetune", ["train.eval_every_epochs=0"], "'train.eval_every_epochs' must be >= 1"),
+    ("finetune", ["train.label_smoothing=1.0"], "'train.label_smoothing' must be in [0, 1)"),
+    ("finetune", ["train.label_smoothing=-0.1"], "'train.label_smoothing' must be in [0, 1)"),
+    ("finetune", ["train.mode=probe"], "'train.mode' expects one of"),
+    ("finetune", ["num_classes=0"], "'num_classes' must be >= 1"),
+    # data
+    ("pretrain", ["data.crop_scale=[0,1]"], "'data.crop_scale' must be 2 values, each in (0, 1]"),
+    ("pretrain", ["data.crop_scale=[0.9,0.5]"], "'data.crop_scale' must be [min, max] with min <= max"),
+    ("pretrain", ["data.crop_scale=[0.5]"], "'data.crop_scale' must be 2 values"),
+    ("pretrain", ["data.eval_crop_pct=0"], "'data.eval_crop_pct' must be in (0, 1]"),
+    ("pretrain", ["data.eval_crop_pct=1.5"], "'data.eval_crop_pct' must be in (0, 1]"),
+    ("pretrain", ["data.prefetch_factor=0"], "'data.prefetch_factor' must be >= 1"),
+    ("pretrain", ["data.num_workers=-1"], "'data.num_workers' must be >= 0"),
+    ("pretrain", ["data.shuffle_buffer=-1"], "'data.shuffle_buffer' must be >= 0"),
+    ("pretrain", ["data.max_bad_fraction=2"], "'data.max_bad_fraction' must be in [0, 1]"),
+    ("pretrain", ["data.read_timeout_s=0"], "'data.read_timeout_s' must be > 0"),
+    ("pretrain", ["data.read_retries=-1"], "'data.read_retries' must be >= 0"),
+    # optimizer
+    ("pretrain", ["optim.base_lr=-1"], "'optim.base_lr' must be > 0"),
+    ("pretrain", ["optim.base_lr=0"], "'optim.base_lr' must be > 0"),
+    ("pretrain", ["optim.lr=-0.1"], "'optim.lr' must be > 0"),
+    ("pretrain", ["optim.base_batch_size=0"], "'optim.base_batch_size' must be >= 1"),
+    ("pretrain", ["optim.weight_decay=-0.1"], "'optim.weight_decay' must be >= 0"),
+    ("pretrain", ["optim.betas=[0.9]"], "'optim.betas' must be 2 values, each in [0, 1)"),
+    ("pretrain", ["optim.betas=[0.9,1.0]"], "'optim.betas' must be 2 values, each in [0, 1)"),
+    ("pretrain", ["optim.momentum=1.0"], "'optim.momentum' must be in [0, 1)"),
+    ("pretrain", ["optim.warmup_steps=-1"], "'optim.warmup_steps' must be >= 0"),
+    ("pretrain", ["optim.warmup_max_fraction=2"], "'optim.warmup_max_fraction' must be in [0, 1]"),
+    ("pretrain", ["optim.min_lr_ratio=-0.5"], "'optim.min_lr_ratio' must be in [0, 1]"),
+    ("pretrain", ["optim.clip_grad_norm=-1"], "'optim.clip_grad_norm' must be >= 0"),
+    ("pretrain", ["optim.name=adam", "optim.weight_decay=0.05"], "'optim.weight_decay' must be 0 with optim.name=adam"),
+    ("finetune", ["optim.layer_decay=0"], "'optim.layer_decay' must be in (0, 1]"),
+    ("finetune", ["optim.layer_decay=1.5"], "'optim.layer_decay' must be in (0, 1]"),
+    # model
+    ("pretrain", ["model.patch_size=0"], "'model.patch_size' must be >= 1"),
+    ("pretrain", ["model.img_size=0"], "'model.img_size' must be a positive int or [height, width]"),
+    ("pretrain", ["model.img_size=[32]"], "'model.img_size' must be a positive int or [height, width]"),
+    ("pretrain", ["model.img_size=[0,32]"], "'model.img_size' must be a positive int or [height, width]"),
+    ("pretrain", ["model.img_size=30", "model.patch_size=8"], "'model.img_size' 30 must be divisible by"),
+    ("pretrain", ["model.embed_dim=0"], "'model.embed_dim' must be >= 1"),
+    ("pretrain", ["model.depth=0"], "'model.depth' must be >= 1"),
+    ("pretrain", ["model.num_heads=0"], "'model.num_heads' must be >= 1"),
+    ("pretrain", ["model.embed_dim=30", "model.num_heads=4"], "'model.embed_dim' 30 must be divisible by"),
+    ("pretrain", ["model.mlp_ratio=0"], "'model.mlp_ratio' must be > 0"),
+    ("pretrain", ["model.drop_path_rate=1.0"], "'model.drop_path_rate' must be in [0, 1)"),
+    ("pretrain", ["model.global_pool=max"], "'model.global_pool' expects one of"),
+    # pretraining objective
+    ("pretrain", ["mpp.bits=9"], "'mpp.bits' must be in [1, 4], got 9"),
+    ("pretrain", ["mpp.bits=0"], "'mpp.bits' must be in [1, 4], got 0"),
+    ("pretrain", ["mpp.mask_ratio=0"], "'mpp.mask_ratio' must be in (0, 1]"),
+    ("pretrain", ["mpp.mask_ratio=1.5"], "'mpp.mask_ratio' must be in (0, 1]"),
+    ("pretrain", ["mpp.mask_prob=-0.1"], "'mpp.mask_prob' must be in [0, 1]"),
+    ("pretrain", ["mpp.random_prob=0.5"], "'mpp.random_prob' + mpp.mask_prob must be at most 1"),
+    ("pretrain", ["mpp.target=colour"], "'mpp.target' expects one of"),
+    # fine-tuning init and augmentation
+    ("finetune", ["init.std=[0.2,0,0.2]"], "'init.std' must be 3 values, each > 0"),
+    ("finetune", ["init.mean=[0.5,0.5]"], "'init.mean' must be 3 values"),
+    ("finetune", ["init.grid=[0,4]"], "'init.grid' must be 2 values, each >= 1"),
+    ("finetune", ["init.kind=onnx"], "'init.kind' expects one of"),
+    ("finetune", ["augment.mixup=-1"], "'augment.mixup' must be >= 0"),
+    ("finetune", ["augment.cutmix=-0.5"], "'augment.cutmix' must be >= 0"),
+    ("finetune", ["augment.mix_prob=2"], "'augment.mix_prob' must be in [0, 1]"),
+    ("finetune", ["augment.color_jitter=1.5"], "'augment.color_jitter' must be in [0, 1]"),
+    # keys, types, files
+    ("pretrain", ["optim.lrr=1"], "unknown config key 'optim.lrr'"),
+    ("pretrain", ["train.steps=many"], "'train.steps' expects int"),
+    ("finetune", ["--config", "configs/finetune/missing.yaml"], "config file not found"),
+]
+MAINS = {"pretrain": pretrain_main, "finetune": finetune_main}
+IDS = [" ".join(o) for _, o, _ in BAD_VALUES]
+# A few rows under the launcher in the default suite; all of them in the slow one.
+LAUNCH_SAMPLE = {0, 10, 19, 29, 44, 56, 63, 71}
+
+
+def argv(stage: str, overrides: list[str], run_dir: str = "runs/never") -> list[str]:
+    config = [] if "--config" in overrides else ["--config", f"configs/{stage}/tiny.yaml"]
+    return [*config, f"train.run_dir={run_dir}", *overrides]  # the row's own overrides come last, and win
+
+
+def assert_one_line(stderr: str, message: str) -> None:
+    lines = [ln for ln in stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], stderr
+
+
+@pytest.mark.parametrize("stage, overrides, message", BAD_VALUES, ids=IDS)
+def test_in_process(stage, overrides, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        run_main(MAINS[stage], argv(stage, overrides))
+    assert e.value.code == 2
+    assert_one_line(capsys.readouterr().err, message)
+
+
+@pytest.mark.parametrize("stage, overrides, message", BAD_VALUES, ids=IDS)
+def test_python_m(stage, overrides, message, tmp_path):
+    result = subprocess.run([sys.executable, "-m", stage, *argv(stage, overrides, f"{tmp_path}/run")],
+                            capture_output=True, text=True, timeout=120, env=subprocess_env(), cwd=REPO)
+    assert result.returncode == 2
+    assert_one_line(result.stderr, message)
+    assert not (tmp_path / "run").exists()  # nothing was written
+
+
+LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+          "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0"]
+
+
+def launched(stage: str, overrides: list[str], message: str, tmp_path) -> None:
+    result = subprocess.run([*LAUNCH, "-m", stage, *argv(stage, overrides, f"{tmp_path}/run")],
+                            capture_output=True, text=True, timeout=300, env=subprocess_env(), cwd=REPO)
+    # Every rank exits with status 2 (unless the launcher's SIGTERM, sent when the first one ends, comes first) and
+    # the main one prints the line; the launcher then reports the failed ranks in its own words and with its own
+    # status (torch elastic: 1), which no rank can change.
+    assert result.returncode != 0
+    ours = [ln for ln in result.stderr.splitlines() if ln.startswith("error: ")]
+    assert len(ours) == 1 and message in ours[0], result.stderr[-3000:]
+    assert "exitcode  : 2" in result.stderr, result.stderr[-3000:]
+    assert result.stderr.count("Traceback (most recent call last)") <= 1  # the launcher's own: none from our ranks
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("stage, overrides, message", [BAD_VALUES[i] for i in sorted(LAUNCH_SAMPLE)],
+                         ids=[IDS[i] for i in sorted(LAUNCH_SAMPLE)])
+def test_under_accelerate_launch(stage, overrides, message, tmp_path):
+    launched(stage, overrides, message, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage, overrides, message",
+                         [row for i, row in enumerate(BAD_VALUES) if i not in LAUNCH_SAMPLE],
+                         ids=[x for i, x in enumerate(IDS) if i not in LAUNCH_SAMPLE])
+def test_under_accelerate_launch_every_row(stage, overrides, message, tmp_path):
+    launched(stage, overrides, message, tmp_path)

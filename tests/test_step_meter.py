@@ -1,0 +1,85 @@
+"""The step bookkeeping both loops share (common/step_meter.py): averages over the steps actually summed (also in
+a resumed run's first log), bad samples counted in both stages, and a tiny run that really trains."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from accelerate import Accelerator
+from safetensors.torch import load_file
+
+from common.config import ModelConfig
+from common.models import create_encoder
+from common.run_dir import MetricsLog
+from common.step_meter import StepMeter
+from finetune.train import main as finetune_main
+from pretrain.train import main as pretrain_main
+from tests.conftest import write_encoder_export, write_shard_set
+from tests.test_stream_io import bad_shard_set
+
+
+def records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def step_output(loss: float, frac: float) -> dict:
+    return {"loss": torch.tensor(loss), "metrics": {"frac_mask": torch.tensor(frac)}, "bad_samples": 1}
+
+
+def test_a_log_averages_over_the_steps_summed_since_the_last_one(tmp_path):
+    # Resumed at step 3 with log_every 2: the first log (step 4) covers one step, not two.
+    meter = StepMeter(Accelerator(cpu=True), MetricsLog(tmp_path, True), start_step=3, total_steps=6, batch_size=8,
+                      log_every=2)
+    meter.add([step_output(2.0, 0.8), step_output(4.0, 0.8)])  # two micro-batches: their mean is the step's
+    record = meter.log(4, lr=0.1)
+    assert record["loss"] == 3.0 and record["frac_mask"] == pytest.approx(0.8) and record["bad_samples"] == 2
+    assert meter.log(5, lr=0.1) is None  # not due
+    meter.add([step_output(1.0, 0.8)])
+    meter.add([step_output(3.0, 0.8)])
+    record = meter.log(6, lr=0.1)
+    assert record["loss"] == 2.0 and record["frac_mask"] == pytest.approx(0.8) and record["bad_samples_total"] == 4
+    assert [r["step"] for r in records(tmp_path)] == [4, 6]
+
+
+def tiny_pretrain(shards: Path, run_dir: Path, *overrides: str) -> None:
+    pretrain_main(["--config", "configs/pretrain/tiny.yaml", f"data.shards={shards}", f"train.run_dir={run_dir}",
+                   "data.num_workers=0", *overrides])
+
+
+def test_a_resumed_pretraining_logs_true_averages_and_its_weights_move(demo_shards, tmp_path):
+    tiny_pretrain(demo_shards, tmp_path, "train.steps=3")
+    tiny_pretrain(demo_shards, tmp_path, "train.steps=6")  # resumes from the step-3 checkpoint
+    logged = [r for r in records(tmp_path) if "loss" in r]
+    assert [r["step"] for r in logged] == [2, 3, 4, 6]
+    for r in logged:  # the realised corruption fractions always sum to one, also in the first log after resuming
+        assert abs(r["frac_mask"] + r["frac_random"] + r["frac_keep"] - 1) < 1e-6, r
+    assert abs(logged[2]["loss"] - logged[1]["loss"]) < 0.5 * logged[1]["loss"]  # not halved
+    # configs/pretrain/tiny.yaml trains at a learning rate that moves the weights (optim.lr, not 2e-4 scaled to 8)
+    before = load_file(tmp_path / "checkpoints" / "step_000003" / "model.safetensors")
+    before = before["encoder.patch_embed.proj.weight"]
+    after = load_file(tmp_path / "export" / "model.safetensors")["patch_embed.proj.weight"]
+    assert (after - before).norm() / before.norm() > 1e-3
+
+
+def test_fine_tuning_counts_and_reports_bad_samples(tmp_path):
+    # 24 training images, 4 of them undecodable: one epoch of 3 steps at batch 8 replaces and counts all 4.
+    shards = bad_shard_set(tmp_path / "bad", good=20, bad=4)
+    write_shard_set(tmp_path / "val", {"val": [6]})  # a val split of good images beside it
+    info = json.loads((shards / "_info.json").read_text())
+    val = json.loads((tmp_path / "val" / "_info.json").read_text())["splits"]["val"]
+    for name in val["filenames"]:
+        (tmp_path / "val" / name).rename(shards / name)
+    info["splits"]["val"] = val
+    info["class_names"] = ["a", "b", "c"]
+    (shards / "_info.json").write_text(json.dumps(info))
+    torch.manual_seed(0)
+    cfg = ModelConfig(img_size=16, patch_size=4, embed_dim=32, depth=1, num_heads=2)
+    write_encoder_export(tmp_path / "pre", create_encoder(cfg), cfg)
+    finetune_main(["--config", "configs/finetune/tiny.yaml", f"data.shards={shards}",
+                   f"train.run_dir={tmp_path / 'ft'}", f"init.checkpoint={tmp_path / 'pre'}", "data.num_workers=0",
+                   "train.epochs=1", "data.max_bad_fraction=0.5", "data.shuffle_buffer=1", "train.log_every=1"])
+    logged = [r for r in records(tmp_path / "ft") if "loss" in r]
+    assert sum(r["bad_samples"] for r in logged) == 4 and logged[-1]["bad_samples_total"] == 4
