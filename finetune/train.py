@@ -26,7 +26,7 @@ from common.run_dir import MetricsLog, prepare_run_dir
 from common.runtime import build_optimizer, make_accelerator, optimizer_step, prepare_model, resume_latest
 from common.schedule import describe_lr, lr_at, scaled_lr, set_lr, warmup_steps
 from common.step_meter import StepMeter
-from finetune.augment import build_mixup, color_jitter
+from finetune.augment import RandAugmentU8, build_mixup, build_random_erasing, color_jitter
 from finetune.config import DESCRIPTION, FinetuneConfig
 from finetune.evaluation import evaluate, per_class_accuracy, write_confusion
 from finetune.init_model import build_classifier
@@ -64,6 +64,7 @@ def train(cfg: FinetuneConfig) -> None:
     optimizer = build_optimizer(model, cfg.optim, peak_lr, layer_decay=cfg.optim.layer_decay)
     model, optimizer = prepare_model(accelerator, model, optimizer, tc.compile)
     mixup = build_mixup(cfg.augment, num_classes, tc.label_smoothing, plan.micro_batch)
+    erasing = build_random_erasing(cfg.augment, accelerator.device)
     soft_ce = SoftTargetCrossEntropy()
 
     # Resume from the newest complete checkpoint of this run directory, if any.
@@ -75,7 +76,8 @@ def train(cfg: FinetuneConfig) -> None:
     stream, loader, val_loader = build_loaders(
         train_split, val_split, cfg.data, cfg.model.img_size, plan.micro_batch, rank=accelerator.process_index,
         world_size=accelerator.num_processes, seed=tc.seed, start_batch=start_step * plan.accum_steps,
-        num_classes=num_classes)
+        num_classes=num_classes,
+        augment=RandAugmentU8(cfg.augment.auto_augment, cfg.model.img_size, mean) if cfg.augment.auto_augment else None)
     steps_per_epoch = max(1, stream.batches_per_epoch // plan.accum_steps)
     total_steps = tc.epochs * steps_per_epoch
     warmup = warmup_steps(cfg.optim, total_steps)
@@ -97,6 +99,8 @@ def train(cfg: FinetuneConfig) -> None:
         if cfg.augment.color_jitter > 0:
             images = color_jitter(images, cfg.augment.color_jitter)  # (B, 3, H, W) float in [0, 255]
         x = normalize(images, mean, std)
+        if erasing is not None:  # in place, on the normalised batch (finetune/augment.py says why)
+            x = erasing(x)
         if mixup is not None:  # mixes the normalized batch; targets become (B, K) soft labels, smoothed
             x, soft = mixup(x, labels)
             logits = m(x)

@@ -99,6 +99,14 @@ BAD_VALUES = [
     ("pretrain", ["optim.lrr=1"], "unknown config key 'optim.lrr'"),
     ("pretrain", ["train.steps=many"], "'train.steps' expects int"),
     ("finetune", ["--config", "configs/finetune/missing.yaml"], "config file not found"),
+    # the fine-tuning recipe: RandAugment, random erasing
+    ("finetune", ["augment.auto_augment=rand-m9-x1"], "'augment.auto_augment' must be '' or a timm RandAugment string"),
+    ("finetune", ["augment.auto_augment=original"], "'augment.auto_augment' must be '' or a timm RandAugment string"),
+    ("finetune", ["augment.auto_augment=rand-m9.5"], "'augment.auto_augment' must be '' or a timm RandAugment string"),
+    ("finetune", ["augment.reprob=1.5"], "'augment.reprob' must be in [0, 1]"),
+    ("finetune", ["augment.reprob=-0.25"], "'augment.reprob' must be in [0, 1]"),
+    ("finetune", ["augment.remode=noise"], "'augment.remode' expects one of"),
+    ("finetune", ["augment.recount=0"], "'augment.recount' must be >= 1"),
 ]
 MAINS = {"pretrain": pretrain_main, "finetune": finetune_main}
 IDS = [" ".join(o) for _, o, _ in BAD_VALUES]
