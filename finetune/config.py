@@ -95,14 +95,18 @@ class FinetuneTrainConfig(TrainConfig):
     epochs: int = opt(10, "passes over the training split", at_least(1))
     label_smoothing: float = opt(0.0, "label smoothing of the cross-entropy", between(0, 1, hi_open=True))
     eval_every_epochs: int = opt(1, "evaluate on the validation split every N epochs (and at the end)", at_least(1))
+    ema_decay: float = opt(0.0, "model EMA (timm's ModelEmaV3) decay per optimizer step, e.g. 0.9999 (it averages "
+                                "over about 1 / (1 - decay) steps); evaluated and exported beside the model; 0 = off",
+                           between(0, 1, hi_open=True))
 
 
 @dataclass
 class FinetuneConfig:
-    # What a resumed run cannot change: the checkpoint's tensors (model, head, optimizer state) have these shapes.
+    # What a resumed run cannot change: the checkpoint's tensors (model, head, optimizer state, EMA weights when
+    # train.ema_decay > 0) have these shapes, and a checkpoint holds EMA weights only if the run had them.
     FIXED_ON_RESUME: ClassVar[tuple[str, ...]] = (*(f"model.{k}" for k in ARCH_KEYS), "model.img_size",
                                                   "model.global_pool", "num_classes", "optim.name", "train.mode",
-                                                  "init.checkpoint")
+                                                  "init.checkpoint", "train.ema_decay")
 
     init: InitConfig = section(InitConfig)
     model: ModelConfig = section(ModelConfig)

@@ -1,21 +1,30 @@
-"""The MAE/DeiT-style fine-tuning recipe: RandAugment in the loader workers, random erasing."""
+"""The MAE/DeiT-style fine-tuning recipe: RandAugment in the loader workers, random erasing, model EMA (evaluated,
+exported, checkpointed and resumed exactly)."""
 
 from __future__ import annotations
 
+import json
 import random
+import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
+import timm
 import torch
+from accelerate import Accelerator
 from PIL import Image
+from safetensors.torch import load_file
 
-from common.config import DataConfig, ModelConfig
+from common.config import ConfigError, DataConfig, ModelConfig
 from common.data_stream import ImageDecoder, build_loader
+from common.export import read_export
 from common.manifest import load_split
 from common.models import create_encoder
 from finetune.augment import RandAugmentU8, build_random_erasing
-from finetune.config import AugmentConfig
+from finetune.config import AugmentConfig, InitConfig
+from finetune.ema import build_ema
+from finetune.init_model import build_classifier
 from finetune.train import main
 from tests.conftest import png_bytes, write_encoder_export, write_shard_set
 
@@ -137,3 +146,94 @@ def test_random_erasing_erases_the_expected_fraction_of_images_and_area(mode):
     else:
         assert torch.all(fill == 0)
     assert build_random_erasing(AugmentConfig(), torch.device("cpu")) is None
+
+
+# --- model EMA -----------------------------------------------------------------------------------------------------
+
+def test_ema_is_the_running_average_of_the_weights():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    ema = build_ema(Accelerator(cpu=True), model, 0.75)
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    for _ in range(5):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p))
+        ema.update(model)
+        expected = {k: 0.75 * expected[k] + 0.25 * v for k, v in model.state_dict().items()}
+    for k, v in ema.module.state_dict().items():
+        torch.testing.assert_close(v, expected[k])
+    assert build_ema(Accelerator(cpu=True), model, 0.0) is None
+
+
+EMA_RUN = ("train.ema_decay=0.5", "train.ckpt_every=1", "train.keep_last=100", "data.crop_scale=[1.0,1.0]",
+           "data.hflip=false")  # full-image crops: a resumed run sees exactly the same pixels
+
+
+@pytest.fixture(scope="module")
+def ema_run(shards, pretrained, tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("ema")
+    finetune(shards, run_dir, pretrained, *EMA_RUN)
+    return run_dir
+
+
+def checkpoint_weights(run_dir: Path, step: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(model, EMA) weights of the checkpoint at `step`."""
+    path = run_dir / "checkpoints" / f"step_{step:06d}"
+    ema = torch.load(path / "custom_checkpoint_0.pkl", weights_only=True)  # accelerate's file for the EMA
+    return load_file(path / "model.safetensors"), {k.removeprefix("module."): v for k, v in ema.items()}
+
+
+def test_ema_in_training_is_the_running_average_of_every_step(ema_run, pretrained):
+    initial, *_ = build_classifier(InitConfig(checkpoint=str(pretrained)), ModelConfig(img_size=24), 3)
+    expected = initial.state_dict()  # the EMA starts from the initial classifier (zero head)
+    for step in range(1, 11):
+        weights, ema = checkpoint_weights(ema_run, step)
+        expected = {k: 0.5 * expected[k] + 0.5 * weights[k] for k in weights}
+        assert ema.keys() == expected.keys()
+        for k in ema:
+            torch.testing.assert_close(ema[k], expected[k], rtol=1e-5, atol=1e-6, msg=f"step {step}: {k}")
+
+
+def test_ema_is_evaluated_beside_the_model_and_exported_as_its_own_model(ema_run):
+    evals = [m for m in map(json.loads, (ema_run / "metrics.jsonl").read_text().splitlines()) if "val_top1" in m]
+    assert len(evals) == 2
+    assert all({"ema_val_top1", "ema_val_loss", "ema_val_mean_class_acc"} <= m.keys() for m in evals)
+    last = read_export(ema_run / "export" / "ema")
+    assert last.record["finetune"]["weights"] == "ema" and last.record["finetune"]["ema_decay"] == 0.5
+    assert last.record["metrics"]["val_top1"] == evals[-1]["ema_val_top1"]
+    assert read_export(ema_run / "export").record["finetune"]["weights"] == "model"
+    best = read_export(ema_run / "export" / "ema" / "best")
+    assert best.record["metrics"]["val_top1"] == max(m["ema_val_top1"] for m in evals)
+    # the export is the EMA of the last checkpoint, and a plain timm model folder
+    _, ema = checkpoint_weights(ema_run, 10)
+    model = timm.create_model(f"local-dir:{ema_run / 'export' / 'ema'}", pretrained=True)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, ema[k]), k
+    assert model.pretrained_cfg["label_names"] == ["a", "b", "c"]
+
+
+def test_a_resumed_run_restores_the_ema_exactly(ema_run, shards, pretrained, tmp_path):
+    # The run as if it had been killed after its checkpoint at step 4, then started again.
+    resumed = tmp_path / "resumed"
+    shutil.copytree(ema_run, resumed, ignore=shutil.ignore_patterns(".lock"))
+    shutil.rmtree(resumed / "export")
+    for ckpt in (resumed / "checkpoints").glob("step_*"):
+        if int(ckpt.name[5:]) > 4:
+            shutil.rmtree(ckpt)
+    finetune(shards, resumed, pretrained, *EMA_RUN)
+    for step in range(5, 11):  # every later step's model and EMA, bit for bit
+        for a, b in zip(checkpoint_weights(ema_run, step), checkpoint_weights(resumed, step)):
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), step
+    for folder in ("ema", "ema/best"):
+        assert load_file(resumed / "export" / folder / "model.safetensors").keys()
+    a, b = (load_file(r / "export" / "ema" / "model.safetensors") for r in (ema_run, resumed))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    state = json.loads((resumed / "checkpoints" / "step_000010" / "trainer_state.json").read_text())
+    assert state["best_ema_top1"] == json.loads(
+        (ema_run / "checkpoints" / "step_000010" / "trainer_state.json").read_text())["best_ema_top1"]
+
+
+def test_a_resumed_run_keeps_its_ema_setting(ema_run, shards, pretrained):
+    with pytest.raises(ConfigError, match=r"cannot change train.ema_decay \(0.5 -> 0.0\)"):
+        finetune(shards, ema_run, pretrained, *EMA_RUN, "train.ema_decay=0")

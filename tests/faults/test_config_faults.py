@@ -99,7 +99,7 @@ BAD_VALUES = [
     ("pretrain", ["optim.lrr=1"], "unknown config key 'optim.lrr'"),
     ("pretrain", ["train.steps=many"], "'train.steps' expects int"),
     ("finetune", ["--config", "configs/finetune/missing.yaml"], "config file not found"),
-    # the fine-tuning recipe: RandAugment, random erasing
+    # the fine-tuning recipe: RandAugment, random erasing, model EMA
     ("finetune", ["augment.auto_augment=rand-m9-x1"], "'augment.auto_augment' must be '' or a timm RandAugment string"),
     ("finetune", ["augment.auto_augment=original"], "'augment.auto_augment' must be '' or a timm RandAugment string"),
     ("finetune", ["augment.auto_augment=rand-m9.5"], "'augment.auto_augment' must be '' or a timm RandAugment string"),
@@ -107,6 +107,9 @@ BAD_VALUES = [
     ("finetune", ["augment.reprob=-0.25"], "'augment.reprob' must be in [0, 1]"),
     ("finetune", ["augment.remode=noise"], "'augment.remode' expects one of"),
     ("finetune", ["augment.recount=0"], "'augment.recount' must be >= 1"),
+    ("finetune", ["train.ema_decay=1.0"], "'train.ema_decay' must be in [0, 1)"),
+    ("finetune", ["train.ema_decay=-0.1"], "'train.ema_decay' must be in [0, 1)"),
+    ("finetune", ["train.ema_decay=high"], "'train.ema_decay' expects float"),
 ]
 MAINS = {"pretrain": pretrain_main, "finetune": finetune_main}
 IDS = [" ".join(o) for _, o, _ in BAD_VALUES]
