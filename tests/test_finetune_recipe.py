@@ -1,5 +1,5 @@
 """The MAE/DeiT-style fine-tuning recipe: RandAugment in the loader workers, random erasing, model EMA (evaluated,
-exported, checkpointed and resumed exactly)."""
+exported, checkpointed and resumed exactly), and the recipe's config run end to end on tiny data."""
 
 from __future__ import annotations
 
@@ -16,13 +16,13 @@ from accelerate import Accelerator
 from PIL import Image
 from safetensors.torch import load_file
 
-from common.config import ConfigError, DataConfig, ModelConfig
+from common.config import ConfigError, DataConfig, ModelConfig, load_config
 from common.data_stream import ImageDecoder, build_loader
 from common.export import read_export
 from common.manifest import load_split
 from common.models import create_encoder
 from finetune.augment import RandAugmentU8, build_random_erasing
-from finetune.config import AugmentConfig, InitConfig
+from finetune.config import AugmentConfig, FinetuneConfig, InitConfig
 from finetune.ema import build_ema
 from finetune.init_model import build_classifier
 from finetune.train import main
@@ -237,3 +237,32 @@ def test_a_resumed_run_restores_the_ema_exactly(ema_run, shards, pretrained, tmp
 def test_a_resumed_run_keeps_its_ema_setting(ema_run, shards, pretrained):
     with pytest.raises(ConfigError, match=r"cannot change train.ema_decay \(0.5 -> 0.0\)"):
         finetune(shards, ema_run, pretrained, *EMA_RUN, "train.ema_decay=0")
+
+
+# --- the recipe --------------------------------------------------------------------------------------------------
+
+def test_the_mae_style_config_is_the_recipe():
+    cfg = load_config(FinetuneConfig, "configs/finetune/mae_style_in1k.yaml")
+    assert (cfg.optim.name, cfg.optim.layer_decay, cfg.optim.weight_decay) == ("adamw", 0.65, 0.05)
+    assert (cfg.augment.mixup, cfg.augment.cutmix, cfg.train.label_smoothing) == (0.8, 1.0, 0.1)
+    assert (cfg.model.drop_path_rate, cfg.augment.auto_augment) == (0.1, "rand-m9-mstd0.5-inc1")
+    assert (cfg.augment.reprob, cfg.augment.remode, cfg.augment.recount) == (0.25, "pixel", 1)
+    assert cfg.optim.base_lr * cfg.train.batch_size / cfg.optim.base_batch_size == pytest.approx(2e-3)
+    paper = load_config(FinetuneConfig, "configs/finetune/vit_b16_384_in1k.yaml")  # the other recipe is untouched
+    assert (paper.optim.name, paper.augment.auto_augment, paper.augment.reprob, paper.train.ema_decay) == \
+        ("sgd", "", 0.0, 0.0)
+
+
+def test_the_mae_style_recipe_runs_on_tiny_data(shards, pretrained, tmp_path):
+    # Every part of the recipe on: RandAugment in a worker process, erasing, mixup/cutmix, layer decay, drop path,
+    # label smoothing, and an EMA.
+    main(["--config", "configs/finetune/mae_style_in1k.yaml", f"data.shards={shards}", f"train.run_dir={tmp_path}",
+          f"init.checkpoint={pretrained}", "model.name=vit_tiny_patch16_224", "model.img_size=24",
+          "data.num_workers=1", "data.shuffle_buffer=16", "train.batch_size=8", "train.micro_batch_size=null",
+          "train.mixed_precision='no'", "train.epochs=2", "train.eval_every_epochs=1", "train.log_every=5",
+          "train.ckpt_every=100", "optim.warmup_steps=2", "train.ema_decay=0.9"])
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["val_samples"] == 13 and "ema_val_top1" in records[-1]
+    assert all(r["bad_samples"] == 0 for r in records if "bad_samples" in r)  # no augmentation error: no bad sample
+    for folder in ("", "best", "ema", "ema/best"):
+        assert read_export(tmp_path / "export" / folder).model.drop_path_rate == 0.1
