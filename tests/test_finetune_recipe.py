@@ -21,6 +21,7 @@ from common.data_stream import ImageDecoder, build_loader
 from common.export import read_export
 from common.manifest import load_split
 from common.models import create_encoder
+from finetune import evaluate
 from finetune.augment import RandAugmentU8, build_random_erasing
 from finetune.config import AugmentConfig, FinetuneConfig, InitConfig
 from finetune.ema import build_ema
@@ -211,6 +212,14 @@ def test_ema_is_evaluated_beside_the_model_and_exported_as_its_own_model(ema_run
     for k, v in model.state_dict().items():
         assert torch.equal(v, ema[k]), k
     assert model.pretrained_cfg["label_names"] == ["a", "b", "c"]
+
+
+def test_evaluate_on_the_ema_export_gives_the_ema_numbers_of_training(ema_run, shards, tmp_path):
+    evals = [m for m in map(json.loads, (ema_run / "metrics.jsonl").read_text().splitlines()) if "val_top1" in m]
+    report = evaluate.main(["--checkpoint", str(ema_run / "export" / "ema"), "--shards", str(shards), "--workers",
+                            "0", "--out", str(tmp_path)])
+    assert report["metrics"]["top1"] == evals[-1]["ema_val_top1"]
+    assert report["metrics"]["loss"] == pytest.approx(evals[-1]["ema_val_loss"], rel=1e-5)
 
 
 def test_a_resumed_run_restores_the_ema_exactly(ema_run, shards, pretrained, tmp_path):
