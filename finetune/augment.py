@@ -4,10 +4,11 @@ erasing and mixup/cutmix on the device.
 Where each runs, and why:
 
 * Crops and flips run in the workers (common/data_stream.py's ImageDecoder), and so does RandAugment
-  (`RandAugmentU8`): timm's own `rand_augment_transform`, whose ops are PIL operations, applied to a PIL view of the
-  worker's uint8 crop and turned back into a uint8 tensor. timm's ops on PIL were faster here than torchvision's
-  tensor RandAugment (1.2 against 1.7 ms per 224 px image on one core, conversions included; docs/finetune.md),
-  and they are exactly the recipe's ops, where torchvision's differ (no `inc` variants, no magnitude noise).
+  (`RandAugmentU8`): timm's own `rand_augment_transform`, whose ops are PIL operations, applied to a PIL image of the
+  worker's uint8 crop and turned back into a uint8 tensor. So a timm string means exactly what it means in timm and
+  in the MAE/DeiT recipes; torchvision's tensor RandAugment has other ops and scales (no `inc` variants, no magnitude
+  noise). It costs about as much (1.3 against 1.1 ms of CPU per 224 px image, conversions included;
+  docs/finetune.md).
 * Colour jitter works on the uint8-valued batch before normalisation; mixup/cutmix mix the normalised batch.
 * Random erasing (timm's `RandomErasing`) runs on the normalised batch on the device, before mixup, as timm's own
   loader does it. Its `pixel` noise is N(0, 1) in normalised units, which uint8 pixels cannot hold: with the ViT

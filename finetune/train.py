@@ -93,7 +93,7 @@ def train(cfg: FinetuneConfig) -> None:
         f"= {total_steps} steps | {plan.describe()}\n"
         f"optim {cfg.optim.name} {describe_lr(cfg.optim, tc.batch_size)}"
         f"{f', layer decay {cfg.optim.layer_decay:g}' if cfg.optim.layer_decay else ''}, warmup {warmup}, cosine"
-        f"{f', EMA decay {tc.ema_decay:g}' if ema else ''} | "
+        f"{f', EMA decay {tc.ema_decay:g} (averages about {1 / (1 - tc.ema_decay):.0f} steps)' if ema else ''} | "
         f"mixed precision {tc.mixed_precision} | run dir {tc.run_dir}"
     )
     accelerator.init_trackers("finetune", config={k: str(v) for k, v in to_dict(cfg).items()})
