@@ -8,6 +8,7 @@ from typing import ClassVar, Literal
 from common.config import (
     ARCH_KEYS,
     DataConfig,
+    ExportConfig,
     ModelConfig,
     OptimConfig,
     TrainConfig,
@@ -87,3 +88,4 @@ class FinetuneConfig:
     optim: FinetuneOptimConfig = section(FinetuneOptimConfig)
     augment: AugmentConfig = section(AugmentConfig)
     train: FinetuneTrainConfig = section(FinetuneTrainConfig)
+    export: ExportConfig = section(ExportConfig)

@@ -20,12 +20,14 @@ from common.checkpoint import save_checkpoint
 from common.config import ConfigError, parse_args, to_dict
 from common.data_stream import build_loaders, normalize
 from common.export import write_export
+from common.hub import check_hub, publish
 from common.manifest import data_record, load_split
 from common.models import count_params
 from common.run_dir import MetricsLog, prepare_run_dir
 from common.runtime import build_optimizer, make_accelerator, optimizer_step, prepare_model, resume_latest
 from common.schedule import describe_lr, lr_at, scaled_lr, set_lr, warmup_steps
 from common.step_meter import StepMeter
+from common.tracking import start_trackers
 from finetune.augment import build_mixup, color_jitter
 from finetune.config import DESCRIPTION, FinetuneConfig
 from finetune.evaluation import evaluate, per_class_accuracy, write_confusion
@@ -42,6 +44,8 @@ def train(cfg: FinetuneConfig) -> None:
     """Run the stage for a loaded config: the spine below reads top to bottom."""
     tc = cfg.train
     accelerator, plan = make_accelerator(tc)
+    if accelerator.is_main_process:
+        check_hub(cfg.export)  # a push at the end of a long run must not fail for want of a token
     set_seed(tc.seed, device_specific=True)
     with accelerator.main_process_first():
         changed = prepare_run_dir(tc.run_dir, cfg, accelerator.is_main_process)
@@ -90,7 +94,7 @@ def train(cfg: FinetuneConfig) -> None:
         f"{f', layer decay {cfg.optim.layer_decay:g}' if cfg.optim.layer_decay else ''}, warmup {warmup}, cosine | "
         f"mixed precision {tc.mixed_precision} | run dir {tc.run_dir}"
     )
-    accelerator.init_trackers("finetune", config={k: str(v) for k, v in to_dict(cfg).items()})
+    start_trackers(accelerator, tc, cfg)
 
     def forward(m, batch):
         images, labels = batch["image"], batch["label"]
@@ -149,7 +153,15 @@ def train(cfg: FinetuneConfig) -> None:
             save_checkpoint(accelerator, tc.run_dir, done,
                             {"config": to_dict(cfg), "best_top1": best_top1, **meter.checkpoint_state()}, tc.keep_last)
 
+    meter.draw()
     export(Path(tc.run_dir) / "export", total_steps, result)
+    if accelerator.is_main_process:  # model cards for both exports; the best one (if any) goes to the Hub
+        best = Path(tc.run_dir) / "export" / "best"
+        publish(Path(tc.run_dir) / "export", tc.run_dir, cfg.export, cfg.data.shards, push_it=not best.is_dir())
+        if best.is_dir():
+            url = publish(best, tc.run_dir, cfg.export, cfg.data.shards, push_it=True)
+            if url:
+                accelerator.print(f"uploaded {best} to {url}")
     if result:
         accelerator.print(f"final validation top-1: {result['val_top1']:.4f} on {result['val_samples']} images "
                           f"({num_classes} classes, chance {1 / num_classes:.4f}); best {best_top1:.4f}, "
