@@ -84,3 +84,19 @@ def write_manifest(out_dir: str | Path, info: dict[str, Any]) -> None:
     tmp = out_dir / (MANIFEST_NAME + ".tmp")
     tmp.write_text(json.dumps(info, indent=1, sort_keys=False) + "\n")
     os.replace(tmp, out_dir / MANIFEST_NAME)
+
+
+def write_manifest_url(location: str, info: dict[str, Any]) -> None:
+    """Write the manifest into a local folder (as `write_manifest`) or to a URL through fsspec, as one upload that
+    appears whole or not at all (common/urls.py `upload_file`); the bytes are the same either way."""
+    if is_local(location):
+        write_manifest(local_path(location), info)
+        return
+    import tempfile
+
+    from common.urls import upload_file
+
+    with tempfile.TemporaryDirectory(prefix="manifest-") as tmp:
+        path = Path(tmp) / MANIFEST_NAME
+        path.write_text(json.dumps(info, indent=1, sort_keys=False) + "\n")
+        upload_file(str(path), join(location, MANIFEST_NAME))

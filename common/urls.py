@@ -199,3 +199,74 @@ def read_url(url: str, timeout: float = READ_TIMEOUT_S, retries: int = RETRIES, 
                 raise
         time.sleep(wait_s * 2**attempt)
         attempt += 1
+
+
+def _bounded(fn: Callable[[], Any], timeout: float) -> None:
+    """Run `fn` in a daemon thread and wait for it at most `timeout` seconds; its errors are ignored (clean-up)."""
+    def quiet() -> None:
+        try:
+            fn()
+        except Exception:  # clean-up after a failure: nothing more to report
+            pass
+
+    worker = threading.Thread(target=quiet, daemon=True)
+    worker.start()
+    worker.join(timeout)
+
+
+def _upload_once(path: str, url: str, timeout: float) -> None:
+    import fsspec
+
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="url-write")
+    target: Any = None
+
+    def call(fn: Callable[[], Any], doing: str) -> Any:
+        future = pool.submit(fn)
+        try:
+            return future.result(timeout=timeout)
+        except concurrent.futures.TimeoutError:
+            raise StreamStalled(f"{url}: no progress for {timeout:g} s while {doing}") from None
+
+    try:
+        try:
+            opened = fsspec.open(url, "wb")
+        except (ImportError, ValueError) as e:  # no backend for the scheme, or an unknown protocol
+            raise RemoteError(f"cannot write {url}: {e}") from None
+        target = call(opened.open, "connecting")
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(BUFFER), b""):
+                call(lambda b=block: target.write(b), "writing")
+        call(target.close, "finishing")
+        target = None
+    except (OSError, RemoteError):
+        raise
+    except Exception as e:  # backends raise their own types for network trouble: retried like an OSError
+        raise OSError(f"{url}: {type(e).__name__}: {e}") from None
+    finally:
+        pool.shutdown(wait=False)
+        if target is not None:  # abandon the partial object: an aborted multipart upload never becomes visible
+            if hasattr(target, "discard"):
+                _bounded(target.discard, timeout)
+            else:  # stores that show a file while it is written (fsspec's memory store): remove it
+                _bounded(lambda: opened.fs.rm(opened.path), timeout)
+
+
+def upload_file(path: str, url: str, timeout: float = READ_TIMEOUT_S, retries: int = RETRIES,
+                wait_s: float = WAIT_S) -> None:
+    """Copy the local file `path` to `url` through fsspec (`s3://`, `gs://`, `memory://`, ...).
+
+    Opening, every 1 MiB write and the final commit each run under the idle deadline `timeout`; an upload that fails
+    or stalls is abandoned (an unfinished multipart upload is aborted, so object stores never show part of it) and
+    started again, `retries` times with backoff. Raises the last OSError when every attempt failed (a missing
+    bucket or a refused permission is not retried).
+    """
+    attempt = 0
+    while True:
+        try:
+            _upload_once(path, url, timeout)
+            return
+        except OSError as e:
+            if is_permanent(e) or attempt >= retries:
+                raise
+        time.sleep(wait_s * 2**attempt)
+        attempt += 1
