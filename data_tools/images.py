@@ -110,7 +110,7 @@ def _target_size(w: int, h: int, settings: EncodeSettings) -> tuple[int, int] | 
 def prepare_image(data: bytes, settings: EncodeSettings) -> tuple[bytes, str, int, int]:
     """Decode fully and check; return (bytes, extension, width, height), re-encoded only when needed.
 
-    Raises `BadImage` with reason empty, undecodable, truncated, decompression_bomb or too_small."""
+    Raises `BadImage` with reason empty, undecodable, truncated, decompression_bomb, too_small or unencodable."""
     if not data:
         raise BadImage("empty", "0 bytes")
     try:
@@ -139,11 +139,14 @@ def prepare_image(data: bytes, settings: EncodeSettings) -> tuple[bytes, str, in
     size = _target_size(w, h, settings)
     if fmt in FORMAT_EXT and img.mode == "RGB" and sixteen is None and not rotated and size is None:
         return data, FORMAT_EXT[fmt], w, h
-    img = _to_rgb(ImageOps.exif_transpose(img) if rotated else img)  # exif_transpose copies even when upright
-    size = _target_size(img.width, img.height, settings)  # again: a 90-degree rotation swaps the sides
-    if size is not None:
-        img = img.resize(size, Image.BICUBIC, reducing_gap=3.0)
-    out = io.BytesIO()
-    options = {} if settings.format == "png" else {"quality": settings.quality}
-    img.save(out, format=PIL_FORMAT[settings.format], **options)
+    try:
+        img = _to_rgb(ImageOps.exif_transpose(img) if rotated else img)  # exif_transpose copies even when upright
+        size = _target_size(img.width, img.height, settings)  # again: a 90-degree rotation swaps the sides
+        if size is not None:
+            img = img.resize(size, Image.BICUBIC, reducing_gap=3.0)
+        out = io.BytesIO()
+        options = {} if settings.format == "png" else {"quality": settings.quality}
+        img.save(out, format=PIL_FORMAT[settings.format], **options)
+    except (OSError, ValueError) as e:  # e.g. WebP holds at most 16383 pixels a side
+        raise BadImage("unencodable", clean_detail(f"{type(e).__name__}: {e}")) from None
     return out.getvalue(), settings.format, img.width, img.height

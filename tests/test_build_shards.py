@@ -22,7 +22,7 @@ from PIL import Image
 from common.manifest import load_split
 from data_tools import shard_ranges
 from data_tools.build_shards import main as build_main
-from data_tools.shard_ranges import plan_ranges, whole_ranges
+from data_tools.plan import plan_ranges
 from tests.conftest import REPO, run_module, subprocess_env
 
 
@@ -267,17 +267,21 @@ def test_ranges_are_balanced_and_fixed_before_reading():
     assert plan_ranges(25_000, 0) == [(0, 8334), (8334, 16667), (16667, 25000)]  # bytes-only: 10000 at most
 
 
-def test_a_range_journaled_in_part_is_written_again():
-    ranges = [(0, 10), (10, 20), (20, 30)]
-
-    def rec(a, b):
-        return {"start": a, "end": b}
-
-    # the second range was split by --shard-bytes and the kill came between its two journal lines
-    records = [rec(0, 10), rec(10, 14)]
-    assert whole_ranges(records, ranges) == [rec(0, 10)]
-    assert whole_ranges([rec(0, 4), rec(4, 10), rec(10, 20)], ranges) == [rec(0, 4), rec(4, 10), rec(10, 20)]
-    assert whole_ranges([rec(0, 10), rec(20, 30)], ranges) == [rec(0, 10)]  # a gap: nothing after it is kept
+def test_a_torn_journal_line_is_ignored_and_its_range_written_again(tmp_path):
+    # A range and all its --shard-bytes pieces are one journal line: a kill mid-write leaves a torn last line,
+    # which the resume ignores (the range is written again), never half a range.
+    make_tree(tmp_path / "src", {"a": 30})
+    args = ["--val-fraction", "0", "--shard-size", "10", "--shard-bytes", "3000"]
+    build(tmp_path / "src", tmp_path / "clean", *args)
+    build(tmp_path / "src", tmp_path / "out", *args)
+    journal = tmp_path / "out" / "_journal.jsonl"
+    lines = journal.read_text().splitlines()
+    assert len(lines) == 4 and all(len(json.loads(x).get("shards", [1, 1])) > 1 for x in lines)  # pieces per range
+    journal.write_text("\n".join(lines[:-1]) + "\n" + lines[-1][: len(lines[-1]) // 2])
+    (tmp_path / "out" / "_info.json").unlink()
+    result = run_module("data_tools.build_shards", str(tmp_path / "src"), str(tmp_path / "out"), *args)
+    assert result.returncode == 0 and "resuming: 20 of 30" in result.stdout, result.stdout + result.stderr
+    assert shard_bytes(tmp_path / "out") == shard_bytes(tmp_path / "clean")
 
 
 def test_same_seed_same_bytes_whatever_the_workers(tmp_path):
