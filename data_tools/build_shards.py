@@ -373,7 +373,11 @@ def run_ranges(plan: Plan, store: LocalStore | RemoteStore, todo: list[RangeRef]
                           "re-run the same command to resume") from None
     finally:
         committer.close()
-        journal.flush()
+        try:
+            journal.flush()  # remote OUT: what finished is journaled even when the build stops
+        except OSError:
+            if sys.exc_info()[0] is None:
+                raise
     return workers, time.perf_counter() - start
 
 

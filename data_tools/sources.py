@@ -633,14 +633,16 @@ def list_hf(spec: SourceSpec, writer: CatalogWriter) -> tuple[HFReader, dict, La
 # ---------------------------------------------------------------- choosing and opening
 
 def detect_kind(path: str) -> str:
-    """`auto`: .csv/.jsonl is a list; a datasets folder, parquet, or a missing path shaped like a hub name
+    """`auto`: .csv/.jsonl is a list; a datasets folder (parquet files in it or in its data/ folder, or a
+    save_to_disk folder), a parquet file, or a missing path shaped like a hub name
     ("name", "owner/name") is `hf`; any other folder is a class-folder tree; any other missing path an error."""
     lowered = (urlparse(path).path if _is_url(path) else path).lower()
     if lowered.endswith((".csv", ".jsonl", ".ndjson")):
         return "list"
     p = Path(path)
     if p.is_dir():
-        if (p / "dataset_dict.json").exists() or (p / "state.json").exists() or any(p.glob("*.parquet")):
+        if ((p / "dataset_dict.json").exists() or (p / "state.json").exists() or any(p.glob("*.parquet"))
+                or any(p.glob("data/*.parquet"))):  # data/: the Hub's layout
             return "hf"
         return "folder"
     if p.suffix == ".parquet" and p.exists():
@@ -679,7 +681,10 @@ def open_source(spec: SourceSpec, workdir: Path, seed: int = 0,
                 progress: Callable[[int, int], None] = lambda rows, done: None) -> Source:
     """List SOURCE as the given kind (see the module docstring) into a catalog under `workdir` (local scratch
     space). `seed` orders the files of a streaming dataset. The caller closes the returned source."""
-    kind = detect_kind(spec.path) if spec.kind == "auto" else spec.kind
+    kind = spec.kind
+    if kind == "auto":
+        kind = "hf" if spec.streaming and (os.path.isdir(spec.path) or not os.path.exists(spec.path)) else \
+            detect_kind(spec.path)
     if kind not in KINDS[1:]:
         raise SourceError(f"unknown source kind {kind!r} (one of {', '.join(KINDS)})")
     if spec.streaming and kind != "hf":
