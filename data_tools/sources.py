@@ -293,6 +293,8 @@ def _entry_kind(entry: os.DirEntry) -> tuple[str, str]:
         if entry.is_file():
             return "file", ""
     except OSError as e:
+        if e.errno == errno.ELOOP:
+            return "symlink_loop", "the chain of links loops"
         return "unreadable", os_error_detail(e)
     if entry.is_symlink():
         try:
