@@ -68,30 +68,32 @@ class LocalExecutor:
         pending: dict[Future, RangeTask] = {}
         exhausted = False
         while True:
-            while not exhausted and len(pending) < 2 * self.workers and room():
-                task = next(tasks, None)
-                if task is None:
-                    exhausted = True
-                else:
-                    pending[self.pool.submit(run_task, task)] = task
-            if not pending:
-                if exhausted:
-                    return
-                idle()  # waiting for room (uploads to finish)
-                continue
-            done, _ = wait(pending, timeout=0.25, return_when=FIRST_COMPLETED)
-            idle()
-            for future in done:
-                task = pending.pop(future)
-                try:
-                    record = future.result()
-                except BrokenProcessPool:
-                    raise WorkerDied(
-                        f"a worker process died while writing one of {len(pending) + 1} ranges in flight (e.g. "
-                        f"{_describe(task)}); killed for memory, or a crash in an image decoder. Finished shards "
-                        "are kept: re-run the same command to continue") from None
-                if record is not None:
-                    yield record
+            try:
+                while not exhausted and len(pending) < 2 * self.workers and room():
+                    task = next(tasks, None)
+                    if task is None:
+                        exhausted = True
+                    else:
+                        pending[self.pool.submit(run_task, task)] = task
+                if not pending:
+                    if exhausted:
+                        return
+                    idle()  # waiting for room (uploads to finish)
+                    continue
+                done, _ = wait(pending, timeout=0.25, return_when=FIRST_COMPLETED)
+                idle()
+                records = []
+                for future in done:
+                    task = pending.pop(future)
+                    records.append(future.result())
+            except BrokenProcessPool:  # from submit() or result(): the pool lost a worker
+                first = next(iter(pending.values()), None)
+                example = f" (e.g. {_describe(first)})" if first is not None else ""
+                raise WorkerDied(
+                    f"a worker process died while writing one of {len(pending) + 1} ranges in flight{example}; "
+                    "killed for memory, or a crash in an image decoder. Finished shards are kept: re-run the same "
+                    "command to continue") from None
+            yield from (r for r in records if r is not None)
 
     def __exit__(self, *exc: Any) -> None:
         if exc[0] is not None:

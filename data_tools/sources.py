@@ -450,57 +450,96 @@ def outside_reason(path: str) -> str | None:
     return None
 
 
-def _rows(stream: io.TextIOBase, suffix: str, name: str) -> Iterator[tuple[int, dict | None, str]]:
-    """(line number, row or None, why not) of a CSV or JSONL list."""
-    if suffix == ".csv":
-        reader = csv.DictReader(stream)
-        if reader.fieldnames is None or "path" not in reader.fieldnames:
-            has = ", ".join(reader.fieldnames or []) or "nothing"
-            raise SourceError(f"{name} has no 'path' column in its header line (has: {has})")
-        for row in reader:
-            yield reader.line_num, row, ""
-        return
+Row = tuple[int, Any, Any, Any, str]  # (line or row number, path, label, split, why the row is unusable or '')
+LIST_COLUMNS = ("path", "label", "split")
+
+
+def _csv_rows(stream: io.TextIOBase, name: str) -> Iterator[Row]:
+    reader = csv.reader(stream)
+    header = next(reader, None) or []
+    if "path" not in header:
+        raise SourceError(f"{name} has no 'path' column in its header line (has: {', '.join(header) or 'nothing'})")
+    where = [header.index(c) if c in header else None for c in LIST_COLUMNS]
+    width = max(i for i in where if i is not None) + 1
+    for row in reader:
+        if not row:  # a blank line
+            continue
+        if len(row) < width:
+            row = row + [""] * (width - len(row))
+        yield (reader.line_num, *(row[i] if i is not None else None for i in where), "")
+
+
+def _jsonl_rows(stream: io.TextIOBase) -> Iterator[Row]:
     for lineno, line in enumerate(stream, start=1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
-            yield lineno, None, f"not JSON: {e.msg}"
+            yield lineno, None, None, None, f"not JSON: {e.msg}"
             continue
-        yield (lineno, row, "") if isinstance(row, dict) else (lineno, None, "not a JSON object")
+        if not isinstance(row, dict):
+            yield lineno, None, None, None, "not a JSON object"
+            continue
+        yield lineno, row.get("path"), row.get("label"), row.get("split"), ""
+
+
+def _parquet_rows(handle: Any, name: str) -> Iterator[Row]:
+    import pyarrow.parquet as pq
+
+    parquet = pq.ParquetFile(handle)
+    names = parquet.schema_arrow.names
+    if "path" not in names:
+        raise SourceError(f"{name} has no 'path' column (has: {', '.join(names)})")
+    columns = [c for c in LIST_COLUMNS if c in names]
+    number = 0
+    for batch in parquet.iter_batches(columns=columns, batch_size=65536):
+        values = [batch.column(columns.index(c)).to_pylist() if c in columns else [None] * batch.num_rows
+                  for c in LIST_COLUMNS]
+        for path, label, split in zip(*values):
+            number += 1
+            yield number, path, label, split, ""
+
+
+def list_kind_suffix(location: str) -> str:
+    """.csv, .jsonl or .parquet: the format of a list file (or URL), from its name."""
+    suffix = os.path.splitext(urlparse(location).path if _is_url(location) else location)[1].lower()
+    return ".jsonl" if suffix == ".ndjson" else suffix
 
 
 def list_paths(spec: SourceSpec, writer: CatalogWriter, failures: FailureLog, labels: LabelTable,
                progress: Callable[[int, int], None]) -> str:
-    """List a CSV or JSONL file of image paths with optional `label` and `split` into `writer`; returns the folder
-    (or URL) that relative paths start from. `progress(rows, bytes read)` is called every 65,536 rows."""
+    """List a CSV, JSONL or Parquet file of image paths with optional `label` and `split` into `writer`; returns the
+    folder (or URL) that relative paths start from. `progress(rows, bytes read)` is called every 65,536 rows."""
     location = spec.path
-    suffix = os.path.splitext(urlparse(location).path if _is_url(location) else location)[1].lower()
-    suffix = ".jsonl" if suffix == ".ndjson" else suffix
-    if suffix not in (".csv", ".jsonl"):
-        raise SourceError(f"list file must end in .csv or .jsonl: {location}")
+    suffix = list_kind_suffix(location)
+    if suffix not in (".csv", ".jsonl", ".parquet"):
+        raise SourceError(f"list file must end in .csv, .jsonl or .parquet: {location}")
     if urls.is_local(location) and not os.path.isfile(urls.local_path(location)):
         raise SourceError(f"list file not found: {location}")
     name = os.path.basename(location.rstrip("/"))
-    try:
-        raw = _CountingReader(urls.open_url(location))
-    except OSError as e:
-        raise SourceError(f"cannot read list {location}: {os_error_detail(e)}") from None
-    stream = io.TextIOWrapper(io.BufferedReader(raw, 1 << 20), encoding="utf-8",
-                              newline="" if suffix == ".csv" else None)
     lineno = 0
     default_split = 0 if spec.existing_splits else writer.split_code("")
     try:
-        with stream:
-            for lineno, row, why in _rows(stream, suffix, name):
+        if suffix == ".parquet":
+            from data_tools.hf_stream import _open
+
+            handle: Any = _open(location)
+            count = None
+            rows: Iterator[Row] = _parquet_rows(handle, name)
+        else:
+            count = _CountingReader(urls.open_url(location))
+            handle = io.TextIOWrapper(io.BufferedReader(count, 1 << 20), encoding="utf-8",
+                                      newline="" if suffix == ".csv" else None)
+            rows = _csv_rows(handle, name) if suffix == ".csv" else _jsonl_rows(handle)
+        with handle:
+            for lineno, path, label_value, split_value, why in rows:
                 if lineno % 65536 == 0:
-                    progress(len(writer), raw.count)
+                    progress(len(writer), count.count if count else 0)
                 where = f"{name}:{lineno}"
-                if row is None:
+                if why:
                     failures.add(where, "bad_row", why)
                     continue
-                path = row.get("path")
                 if not isinstance(path, str) or not path or "\0" in path:
                     failures.add(where, "bad_row", "no path" if not path else f"path {path!r} is not a file name")
                     continue
@@ -511,18 +550,18 @@ def list_paths(spec: SourceSpec, writer: CatalogWriter, failures: FailureLog, la
                     raise SourceError(f"{where}: path {path!r} {reason}; list paths are relative to the list's folder "
                                       "unless you pass --allow-outside-paths")
                 try:
-                    label = labels.code(row.get("label"))
+                    label = labels.code(label_value)
                 except BadLabel as e:
                     failures.add(path, "bad_label", str(e))
                     continue
                 split = default_split
                 if spec.existing_splits:
-                    value = row.get("split")
-                    if not isinstance(value, str) or not value:
+                    if not isinstance(split_value, str) or not split_value:
                         raise SourceError(f"--existing-splits: {where} has no 'split' value")
-                    if not SPLIT_NAME.match(value):
-                        raise SourceError(f"split names in {name} must be letters, digits or '_' ({where}: {value!r})")
-                    split = writer.split_code(value)
+                    if not SPLIT_NAME.match(split_value):
+                        raise SourceError(f"split names in {name} must be letters, digits or '_' "
+                                          f"({where}: {split_value!r})")
+                    split = writer.split_code(split_value)
                 writer.add(path, label, split)
     except UnicodeDecodeError:
         raise SourceError(f"{name} is not UTF-8 text (near line {lineno + 1})") from None
@@ -530,7 +569,11 @@ def list_paths(spec: SourceSpec, writer: CatalogWriter, failures: FailureLog, la
         raise SourceError(f"{name} is not a CSV file ({name}:{lineno + 1}: {e})") from None
     except OSError as e:
         raise SourceError(f"cannot read list {location}: {os_error_detail(e)}") from None
-    progress(len(writer), raw.count)
+    except Exception as e:  # pyarrow's errors for a file that is not parquet
+        if type(e).__module__.startswith("pyarrow"):
+            raise SourceError(f"{name} is not a parquet list: {type(e).__name__}: {e}") from None
+        raise
+    progress(len(writer), count.count if count else 0)
     if _is_url(location):
         return location.rsplit("/", 1)[0]
     return os.path.dirname(urls.local_path(location)) or "."
@@ -641,6 +684,8 @@ def detect_kind(path: str) -> str:
     lowered = (urlparse(path).path if _is_url(path) else path).lower()
     if lowered.endswith((".csv", ".jsonl", ".ndjson")):
         return "list"
+    if lowered.endswith(".parquet") and (_is_url(path) or os.path.isfile(path)) and _is_path_list(path):
+        return "list"
     p = Path(path)
     if p.is_dir():
         if ((p / "dataset_dict.json").exists() or (p / "state.json").exists() or any(p.glob("*.parquet"))
@@ -654,6 +699,22 @@ def detect_kind(path: str) -> str:
             return "hf"
         raise SourceError(f"source not found: {path}")
     raise SourceError(f"cannot tell what kind of source {path} is; pass --source-kind")
+
+
+def _is_path_list(location: str) -> bool:
+    """A parquet file with a string 'path' column and no image column is a list of paths, not a dataset."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from data_tools.hf_stream import _open
+
+    try:
+        with _open(location) as f:
+            schema = pq.read_schema(f)
+    except (OSError, pa.ArrowException):
+        return False
+    images = [f for f in schema if pa.types.is_struct(f.type) or pa.types.is_binary(f.type)]
+    return "path" in schema.names and pa.types.is_string(schema.field("path").type) and not images
 
 
 def _unlabelled_rows(source: Source, mode: str) -> None:

@@ -92,7 +92,7 @@ def test_existing_split_folders(tmp_path):
             assert source.startswith(f"{split}/") and source.split("/")[1] == info["class_names"][int(s["cls"])]
 
 
-@pytest.mark.parametrize("fmt", ["csv", "jsonl"])
+@pytest.mark.parametrize("fmt", ["csv", "jsonl", "parquet"])
 def test_path_list_with_labels_and_splits(tmp_path, fmt):
     files = make_tree(tmp_path / "imgs", {"x": 6})
     rows = [{"path": f"imgs/{p}", "label": ["zebra", "ant"][i % 2], "split": ["train", "test"][i % 3 == 0]}
@@ -100,8 +100,13 @@ def test_path_list_with_labels_and_splits(tmp_path, fmt):
     lst = tmp_path / f"list.{fmt}"
     if fmt == "csv":
         lst.write_text("path,label,split\n" + "".join(f"{r['path']},{r['label']},{r['split']}\n" for r in rows))
-    else:
+    elif fmt == "jsonl":
         lst.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    else:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(rows), lst)
     info = build(lst, tmp_path / "out", "--existing-splits")
     assert info["source"]["kind"] == "list" and info["class_names"] == ["ant", "zebra"]
     assert {k: v["num_samples"] for k, v in info["splits"].items()} == {"test": 2, "train": 4}
