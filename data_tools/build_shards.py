@@ -75,6 +75,15 @@ class Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see {self.prog} --help)")
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a flag's default unless it has none worth showing or its help already names it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default in (None, False, "") or "default" in (action.help or ""):
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
 def default_workers() -> int:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, min(cores, 8))
@@ -82,15 +91,16 @@ def default_workers() -> int:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = Parser(prog="build-shards", description=__doc__.split("\n\n")[0],
-               epilog="`build-shards merge --help` and `build-shards inspect --help` describe the other commands.",
-               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("source", help="class-folder tree, image tree, .csv/.jsonl list (path or URL), or Hugging Face "
-                                  "dataset (save_to_disk folder, parquet, image folder, hub name)")
+               epilog="`build-shards merge --help` and `build-shards inspect --help` describe the other commands; "
+                      "docs/build_shards.md has the details.", formatter_class=HelpFormatter)
+    p.add_argument("source", help="class-folder tree, image tree, .csv/.jsonl/.parquet list of paths (a path or a "
+                                  "URL), or Hugging Face dataset (save_to_disk folder, parquet, image folder, hub "
+                                  "name)")
     p.add_argument("out_dir", help="output folder or fsspec URL (s3://bucket/prefix) for the shards and _info.json")
     g = p.add_argument_group("source")
     g.add_argument("--source-kind", choices=KINDS, default="auto",
-                   help="auto: .csv/.jsonl -> list; save_to_disk folder, parquet, or a hub name (owner/name) "
-                        "-> hf; other folders -> folder (one sub-folder per class)")
+                   help="auto: .csv/.jsonl, or .parquet with a 'path' column -> list; save_to_disk folder, parquet "
+                        "dataset, or a hub name (owner/name) -> hf; other folders -> folder (one sub-folder per class)")
     g.add_argument("--existing-splits", action="store_true",
                    help="use the source's own splits (sub-folders of SOURCE, the list's 'split' column, or the HF "
                         "dataset's splits) instead of --val-fraction")
@@ -98,7 +108,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="fraction of inputs held out for the val split (default 0.1; not with --existing-splits)")
     g.add_argument("--split", default=None,
                    help="HF split(s) to read, comma-separated (default: train; all with --existing-splits)")
-    g.add_argument("--image-column", default="", help="HF image column (default: 'image' or the first Image column)")
+    g.add_argument("--image-column", default="", help="HF image column (default: 'image', else the first Image column)")
     g.add_argument("--label-column", default="label", help="HF label column ('' for unlabelled)")
     g.add_argument("--streaming", action="store_true",
                    help="HF: read the dataset's parquet files where they are (local or on the Hub), row group by "

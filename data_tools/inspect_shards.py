@@ -32,10 +32,9 @@ READ_ERRORS = (tarfile.TarError, OSError, EOFError, ValueError, UnicodeDecodeErr
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    from data_tools.build_shards import Parser
+    from data_tools.build_shards import HelpFormatter, Parser
 
-    p = Parser(prog="build-shards inspect", description=__doc__.split("\n\n")[0],
-               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = Parser(prog="build-shards inspect", description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     p.add_argument("out_dir", help="a build-shards output folder or URL")
     p.add_argument("--grid", default=None, help="PNG grid of sample images (default: OUT/_samples.png)")
     p.add_argument("--samples", type=int, default=32, help="images in the grid (0: no grid)")
