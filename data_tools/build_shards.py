@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -257,14 +258,15 @@ def describe_plan(plan: Plan, parts: Parts) -> str:
 
 # ---------------------------------------------------------------- OUT's state
 
-OUR_SUFFIXES = (".tar", ".tar.tmp")
+SHARD_NAME = re.compile(r"^[A-Za-z0-9_]+-\d{6,}(-\d{4,})?\.tar(\.tmp)?$")  # ours, or of build-shards 0.3
 
 
 def our_files(sizes: dict[str, int]) -> list[str]:
-    """Files of a build in OUT (what --overwrite deletes on one machine): shards, temporaries, journals, reports."""
+    """Files of a build in OUT (what --overwrite deletes on one machine): shards and their temporaries, journals,
+    reports. Other files (a user's own tars in the same folder) are never touched."""
     names = {MANIFEST_NAME, FAILURES_NAME, LISTING_FAILURES_NAME}
-    return sorted(n for n in sizes if n.endswith(OUR_SUFFIXES) or is_journal(n)
-                  or n.removesuffix(".tmp") in names or (is_journal(n.removesuffix(".tmp"))))
+    return sorted(n for n in sizes if SHARD_NAME.match(n) or n.removesuffix(".tmp") in names
+                  or is_journal(n.removesuffix(".tmp")))
 
 
 def prepare_out(store: LocalStore | RemoteStore, plan: Plan, parts: Parts, overwrite: bool,
@@ -292,7 +294,7 @@ def prepare_out(store: LocalStore | RemoteStore, plan: Plan, parts: Parts, overw
     if foreign:
         raise OutputError(f"{store} holds (part of) a build of other inputs or settings ({foreign[0]}); pass "
                           "--overwrite to replace it")
-    if not journals and [n for n in sizes if n.endswith(".tar") or n == FAILURES_NAME]:
+    if not journals and [n for n in sizes if SHARD_NAME.match(n) or n == FAILURES_NAME]:
         raise OutputError(f"{store} holds files of another build; pass --overwrite to replace them")
     return None, sizes
 
@@ -379,8 +381,8 @@ def run_ranges(plan: Plan, store: LocalStore | RemoteStore, todo: list[RangeRef]
             committer.drain()
             idle()
     except KeyboardInterrupt:
-        raise Interrupted(f"interrupted: {finished[0]:,} more of {len(todo):,} ranges were finished and are kept; "
-                          "re-run the same command to resume") from None
+        raise Interrupted(f"interrupted after {finished[0]:,} of the {len(todo):,} ranges left to write; finished "
+                          "ranges are kept: re-run the same command to resume") from None
     finally:
         committer.close()
         try:

@@ -133,7 +133,7 @@ def test_a_part_refuses_an_out_holding_another_build(source, tmp_path, capsys):
     (["--max-side", "-1"], "--max-side must be >= 0"),
     (["--min-side", "0"], "--min-side must be >= 1"),
     (["--unlabelled-rows", "maybe"], "invalid choice"),
-    (["--streaming"], "--streaming reads Hugging Face datasets"),
+    (["--streaming"], "--streaming reads parquet data files"),
     (["--no-such-flag"], "unrecognized arguments"),
 ])
 def test_bad_flag_values_are_one_line_errors_before_anything_is_written(source, tmp_path, capsys, flags, message):

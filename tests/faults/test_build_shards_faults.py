@@ -383,3 +383,32 @@ def _wide_rgba_png() -> bytes:
     out = io.BytesIO()
     Image.new("RGBA", (17000, 8), (10, 20, 30, 128)).save(out, format="PNG")
     return out.getvalue()
+
+
+def test_a_mistake_with_overwrite_leaves_out_as_it_was(tmp_path, capsys):
+    rng = np.random.default_rng(0)
+    (tmp_path / "imgs").mkdir()
+    for i in range(4):
+        (tmp_path / "imgs" / f"{i}.jpg").write_bytes(image_bytes(rng))
+    good = tmp_path / "good.csv"
+    good.write_text("path\n" + "".join(f"imgs/{i}.jpg\n" for i in range(4)))
+    build_main([str(good), str(tmp_path / "out")])
+    before = result_files(tmp_path / "out")
+    bad = tmp_path / "bad.csv"
+    bad.write_text("path\nimgs/0.jpg\n../elsewhere.jpg\n")
+    assert "--allow-outside-paths" in one_line_error(capsys, str(bad), str(tmp_path / "out"), "--overwrite")
+    assert "--part must be" in one_line_error(capsys, str(good), str(tmp_path / "out"), "--overwrite", "--part", "3")
+    assert result_files(tmp_path / "out") == before  # a mistake is found before anything is deleted
+
+
+def test_overwrite_deletes_only_the_builds_own_files(tmp_path):
+    make_tree(tmp_path / "src", {"a": 4, "b": 4})
+    build_main([str(tmp_path / "src"), str(tmp_path / "out"), "--shard-size", "2"])
+    (tmp_path / "out" / "my-backup.tar").write_bytes(b"mine")
+    (tmp_path / "out" / "notes.txt").write_text("mine")
+    build_main([str(tmp_path / "src"), str(tmp_path / "out"), "--shard-size", "3", "--overwrite"])
+    assert (tmp_path / "out" / "my-backup.tar").read_bytes() == b"mine"
+    assert (tmp_path / "out" / "notes.txt").read_text() == "mine"
+    info = json.loads((tmp_path / "out" / "_info.json").read_text())
+    shards = {p.name for p in (tmp_path / "out").glob("*-*.tar")} - {"my-backup.tar"}
+    assert shards == {f for s in info["splits"].values() for f in s["filenames"]}  # the old layout's are gone
