@@ -21,26 +21,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from common import urls
+from data_tools.hf_datasets import choose_splits, hf_error, pick_image_column
 from data_tools.plan import CatalogWriter
-from data_tools.sources import (
-    BadLabel,
-    LabelTable,
-    SourceError,
-    SourceSpec,
-    choose_splits,
-    hf_error,
-    image_value_bytes,
-    pick_image_column,
-)
-
-
-def _open(location: str) -> Any:
-    """A seekable binary file: local, or through fsspec (`hf://`, `s3://`, ...)."""
-    if urls.is_local(location):
-        return open(urls.local_path(location), "rb")
-    import fsspec
-
-    return fsspec.open(location, "rb").open()
+from data_tools.sources import BadLabel, LabelTable, SourceError, SourceSpec, image_value_bytes, open_seekable
 
 
 def resolve_files(path: str) -> tuple[dict[str, list[str]], str]:
@@ -69,7 +52,7 @@ def _features(location: str) -> Any:
     import datasets
     import pyarrow.parquet as pq
 
-    with _open(location) as f:
+    with open_seekable(location) as f:
         return datasets.Features.from_arrow_schema(pq.read_schema(f))
 
 
@@ -101,7 +84,7 @@ class ParquetStreamReader:
         attempt = 0
         while True:
             try:
-                with _open(self.files[f]) as handle:
+                with open_seekable(self.files[f]) as handle:
                     table = pq.ParquetFile(handle).read_row_group(g, columns=[self.image_column])
                 return table.column(0).to_pylist()
             except (OSError, pa.ArrowException) as e:
@@ -160,7 +143,7 @@ def list_parquet_stream(spec: SourceSpec, writer: CatalogWriter, seed: int,
         for location in order:
             name = os.path.basename(location)
             try:
-                with _open(location) as handle:
+                with open_seekable(location) as handle:
                     parquet = pq.ParquetFile(handle)
                     sizes = [parquet.metadata.row_group(i).num_rows for i in range(parquet.num_row_groups)]
                     if image_column not in parquet.schema_arrow.names:
