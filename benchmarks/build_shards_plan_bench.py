@@ -2,8 +2,9 @@
 
     python benchmarks/build_shards_plan_bench.py [--rows 10000000] [--formats csv jsonl parquet] [--folder 0]
 
-Writes a synthetic list of --rows image paths (ImageNet-like, about 60 characters: `images/train/<wnid>/<wnid>_<n>
-.JPEG`, 1000 string labels) in each format, then, in a fresh child process per format:
+Writes a synthetic list of --rows image paths (ImageNet-like, 61 characters:
+`datasets/imagenet21k/train/<wnid>/<wnid>_<n>.JPEG`, 1000 string labels) in each format, then, in a fresh child
+process per format:
 
 1. lists it (`open_source`: the catalog of ids, labels and splits),
 2. plans it (`Plan`: the splits from the seeded shuffle, the ranges, the fingerprint),
@@ -69,7 +70,8 @@ def rows(n: int):
         chunk = []
         for i in range(start, min(n, start + CHUNK)):
             wnid = f"n{(i * 7919) % 1000:08d}"
-            chunk.append((f"images/train/{wnid}/{wnid}_{i:09d}.JPEG", f"class_{(i * 7919) % 1000:04d}"))
+            path = f"datasets/imagenet21k/train/{wnid}/{wnid}_{i:09d}.JPEG"  # 61 characters
+            chunk.append((path, f"class_{(i * 7919) % 1000:04d}"))
         yield chunk
 
 
@@ -104,8 +106,10 @@ def write_folder(root: Path, n: int) -> None:
 
 
 def measure(location: Path, kind: str, work: Path) -> dict:
-    result = subprocess.run([sys.executable, "-c", CHILD, str(location), kind, str(work)], cwd=REPO, check=True,
+    result = subprocess.run([sys.executable, "-c", CHILD, str(location), kind, str(work)], cwd=REPO,
                             capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    if result.returncode:
+        sys.exit(f"planning {location} failed:\n{result.stderr}")
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 

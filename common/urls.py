@@ -20,6 +20,7 @@ import concurrent.futures
 import http.client
 import io
 import os
+import queue
 import subprocess
 import threading
 import time
@@ -214,16 +215,42 @@ def _bounded(fn: Callable[[], Any], timeout: float) -> None:
     worker.join(timeout)
 
 
+class _DaemonCaller:
+    """Runs calls one at a time in a daemon thread: a call stuck on a dead connection is abandoned, and never keeps
+    the process from exiting (a ThreadPoolExecutor's threads are joined at exit)."""
+
+    def __init__(self) -> None:
+        self.calls: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, daemon=True, name="url-write").start()
+
+    def _run(self) -> None:
+        while True:
+            fn, future = self.calls.get()
+            if fn is None:
+                return
+            try:
+                future.set_result(fn())
+            except BaseException as e:  # handed to the waiting caller
+                future.set_exception(e)
+
+    def call(self, fn: Callable[[], Any], timeout: float) -> Any:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self.calls.put((fn, future))
+        return future.result(timeout=timeout)
+
+    def stop(self) -> None:
+        self.calls.put((None, None))
+
+
 def _upload_once(path: str, url: str, timeout: float) -> None:
     import fsspec
 
-    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="url-write")
+    caller = _DaemonCaller()
     target: Any = None
 
     def call(fn: Callable[[], Any], doing: str) -> Any:
-        future = pool.submit(fn)
         try:
-            return future.result(timeout=timeout)
+            return caller.call(fn, timeout)
         except concurrent.futures.TimeoutError:
             raise StreamStalled(f"{url}: no progress for {timeout:g} s while {doing}") from None
 
@@ -243,7 +270,7 @@ def _upload_once(path: str, url: str, timeout: float) -> None:
     except Exception as e:  # backends raise their own types for network trouble: retried like an OSError
         raise OSError(f"{url}: {type(e).__name__}: {e}") from None
     finally:
-        pool.shutdown(wait=False)
+        caller.stop()
         if target is not None:  # abandon the partial object: an aborted multipart upload never becomes visible
             if hasattr(target, "discard"):
                 _bounded(target.discard, timeout)

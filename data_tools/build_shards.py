@@ -24,9 +24,10 @@ import re
 import signal
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from pathlib import Path
 from typing import Any
 
@@ -308,9 +309,8 @@ class Committer:
     def __init__(self, store: LocalStore | RemoteStore, journal: Journal, threads: int,
                  on_commit: Callable[[dict], None]) -> None:
         self.store, self.journal, self.on_commit = store, journal, on_commit
-        self.pool = None if store.local else ThreadPoolExecutor(threads, thread_name_prefix="upload")
         self.pending: dict[Future, dict] = {}
-        self.limit = 2 * threads
+        self.limit = 2 * threads  # uploads in flight at most (each in its own thread)
 
     def _publish(self, record: dict) -> None:
         for shard in record["shards"]:
@@ -324,11 +324,22 @@ class Committer:
         self.on_commit(record)
 
     def add(self, record: dict) -> None:
-        if self.pool is None or not any("tmp" in s for s in record["shards"]):
+        if self.store.local or not any("tmp" in s for s in record["shards"]):
             self._publish(record)
             self._commit(record)
-        else:
-            self.pending[self.pool.submit(self._publish, record)] = record
+            return
+        future: Future = Future()
+
+        def upload() -> None:
+            try:
+                self._publish(record)
+                future.set_result(None)
+            except BaseException as e:  # handed to poll()
+                future.set_exception(e)
+
+        # A daemon thread: after Ctrl-C or an error the process exits at once; an upload cut short is not journaled.
+        threading.Thread(target=upload, daemon=True, name="upload").start()
+        self.pending[future] = record
 
     def room(self) -> bool:
         return len(self.pending) < self.limit
@@ -353,9 +364,6 @@ class Committer:
         while self.pending:
             self.poll(timeout=0.25)
 
-    def close(self) -> None:
-        if self.pool is not None:
-            self.pool.shutdown(wait=not self.pending, cancel_futures=True)
 
 
 def run_ranges(plan: Plan, store: LocalStore | RemoteStore, todo: list[RangeRef], journal: Journal,
@@ -384,7 +392,6 @@ def run_ranges(plan: Plan, store: LocalStore | RemoteStore, todo: list[RangeRef]
         raise Interrupted(f"interrupted after {finished[0]:,} of the {len(todo):,} ranges left to write; finished "
                           "ranges are kept: re-run the same command to resume") from None
     finally:
-        committer.close()
         try:
             journal.flush()  # remote OUT: what finished is journaled even when the build stops
         except OSError:
@@ -519,8 +526,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _in_main_thread() -> bool:
-    import threading
-
     return threading.current_thread() is threading.main_thread()
 
 

@@ -19,7 +19,7 @@ import json
 import math
 import os
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -281,8 +281,3 @@ def shard_name(split: str, index: int, piece: int | None = None) -> str:
     """A shard's file name, from its split and range (and its piece of the range, with --shard-bytes): every
     machine names its shards without knowing what the others wrote."""
     return f"{split}-{index:06d}.tar" if piece is None else f"{split}-{index:06d}-{piece:04d}.tar"
-
-
-def settings_dict(*parts: object) -> dict:
-    """Dataclass settings as plain dicts (for fingerprints)."""
-    return {type(p).__name__: asdict(p) for p in parts}
