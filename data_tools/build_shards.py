@@ -46,7 +46,7 @@ from common import urls
 from common.cli import run_main
 from common.errors import UserError
 from common.manifest import MANIFEST_NAME
-from data_tools.executors import BuildStopped, LocalExecutor, RayExecutor
+from data_tools.executors import BuildStopped, LocalExecutor, RayExecutor, require_ray
 from data_tools.images import EncodeSettings
 from data_tools.journal import Journal, fingerprint, intact, is_journal, journal_name, last_is_whole, read_journals
 from data_tools.merge import FAILURES_NAME, LISTING_FAILURES_NAME, finalize, summary
@@ -411,6 +411,8 @@ def build(source: SourceSpec, out: str, layout: Layout, encode: EncodeSettings, 
                           "run; choose an output folder outside SOURCE")
     if layout.existing_splits != source.existing_splits:
         raise ValueError("Layout.val_fraction is None exactly when SourceSpec.existing_splits is set")
+    if executor == "ray":
+        require_ray()  # before anything is written
     if not dry_run:
         store.check()
     with tempfile.TemporaryDirectory(prefix="build-shards-") as workdir:

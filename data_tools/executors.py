@@ -109,6 +109,15 @@ def ray_range(task: RangeTask, ctx: WorkContext, store: LocalStore | RemoteStore
     return record
 
 
+def require_ray() -> Any:
+    """The ray module, or a one-line error saying how to install it."""
+    try:
+        import ray
+    except ImportError:
+        raise UserError("--executor ray needs Ray: pip install 'vit-mpp[ray]'") from None
+    return ray
+
+
 class RayExecutor:
     """Range tasks as Ray tasks; OUT must be reachable from every node (an object store, or a shared folder)."""
 
@@ -118,11 +127,7 @@ class RayExecutor:
         self.started_ray = False
 
     def __enter__(self) -> RayExecutor:
-        try:
-            import ray
-        except ImportError:
-            raise UserError("--executor ray needs Ray: pip install 'vit-mpp[ray]'") from None
-        self.ray = ray
+        self.ray = ray = require_ray()
         if not ray.is_initialized():
             try:
                 ray.init(logging_level="WARNING", log_to_driver=False)  # RAY_ADDRESS, if set, names the cluster

@@ -122,6 +122,11 @@ def test_a_stalled_upload_is_abandoned_and_redone(tmp_path, flaky):
     assert time.perf_counter() - start < 30
     assert not FlakyFS.stalling  # the stall happened, and the build finished anyway
     assert remote_files(flaky, "/bucket/stall") == result_files(tmp_path / "local")
+    build_main(["inspect", "flaky://bucket/stall", "--samples", "0"])  # verifies every remote shard (exit 0)
+    flaky.pipe("/bucket/stall/train-000001.tar", b"damaged")
+    with pytest.raises(SystemExit) as exit_info:
+        build_main(["inspect", "flaky://bucket/stall", "--samples", "0"])
+    assert exit_info.value.code == 1
 
 
 @pytest.fixture

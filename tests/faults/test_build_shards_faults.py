@@ -412,3 +412,18 @@ def test_overwrite_deletes_only_the_builds_own_files(tmp_path):
     info = json.loads((tmp_path / "out" / "_info.json").read_text())
     shards = {p.name for p in (tmp_path / "out").glob("*-*.tar")} - {"my-backup.tar"}
     assert shards == {f for s in info["splits"].values() for f in s["filenames"]}  # the old layout's are gone
+
+
+def test_hostile_values_of_the_other_commands_and_executors(tmp_path, capsys, monkeypatch):
+    make_tree(tmp_path / "src", {"a": 3})
+    build_main([str(tmp_path / "src"), str(tmp_path / "out")])
+    capsys.readouterr()
+    assert "--samples must be >= 0" in one_line_error(capsys, "inspect", str(tmp_path / "out"), "--samples", "-1")
+    assert "unrecognized arguments" in one_line_error(capsys, "merge", str(tmp_path / "out"), "--part", "1")
+    (tmp_path / "file").write_text("not a folder")
+    assert "no build-shards journal" in one_line_error(capsys, "merge", str(tmp_path / "file"))
+    (tmp_path / "out" / "_journal-part-00001-of-00002.jsonl").write_bytes(b"\x00garbage\n")
+    assert "is not a build-shards journal" in one_line_error(capsys, "merge", str(tmp_path / "out"))
+    monkeypatch.setitem(sys.modules, "ray", None)  # Ray not installed
+    message = one_line_error(capsys, str(tmp_path / "src"), str(tmp_path / "ray_out"), "--executor", "ray")
+    assert "pip install 'vit-mpp[ray]'" in message and not (tmp_path / "ray_out").exists()
