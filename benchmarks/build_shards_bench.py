@@ -34,7 +34,7 @@ from PIL import Image
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from data_tools.build_shards import build, parse_args  # noqa: E402  (after the path set-up above)
+from data_tools.build_shards import main as build_shards  # noqa: E402  (after the path set-up above)
 
 
 def make_images(root: Path, count: int, size: int, seed: int = 0, fmt: str = "JPEG") -> list[Path]:
@@ -69,8 +69,8 @@ def bare_loop(paths: list[Path], max_side: int, quality: int) -> float:
 def timed_build(src: Path, out: Path, workers: int, max_side: int, shard_size: int) -> float:
     count = sum(1 for _ in src.rglob("*.jpg"))
     start = time.perf_counter()
-    build(parse_args([str(src), str(out), "--workers", str(workers), "--max-side", str(max_side),
-                      "--shard-size", str(shard_size), "--val-fraction", "0", "--overwrite"]))
+    build_shards([str(src), str(out), "--workers", str(workers), "--max-side", str(max_side),
+                  "--shard-size", str(shard_size), "--val-fraction", "0", "--overwrite"])
     return count / (time.perf_counter() - start)
 
 

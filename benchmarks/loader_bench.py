@@ -1,13 +1,24 @@
-"""Training-loader throughput: our shard stream against torchvision ImageFolder + DataLoader on the same JPEGs.
+"""Training-loader throughput: our shard stream against what users would otherwise use, on the same data.
 
-    python benchmarks/loader_bench.py [--images 2000] [--size 224] [--workers 2] [--batch 64]
+    python benchmarks/loader_bench.py [--images 2000] [--size 224] [--workers 2] [--batch 64] [--repeats 1]
 
 Generates `--images` JPEGs of `--width` x `--height` (default 500x375, ImageNet's typical size; smooth colour fields
 plus noise, so they compress like photographs), stores them both as an ImageFolder tree and as webdataset shards
 with a manifest, then times one epoch of each loader after a warm-up epoch (persistent workers, so start-up is not
-counted). Both apply the same transforms: RandomResizedCrop(size, scale=crop_scale) + horizontal flip + PILToTensor
-(uint8). Prints images/s, images/s per worker process, the ratio (ours / ImageFolder) and each worker's peak RSS
-(VmHWM, which includes the pages shared with the parent).
+counted):
+
+* `imagefolder`: torchvision ImageFolder + DataLoader, on the JPEG files;
+* `webdataset`: webdataset's own pipeline on the shards (`wds.WebDataset` with `split_by_node` / `split_by_worker`,
+  a shuffle buffer, `decode("pil")`, batched in the workers, `wds.WebLoader`);
+* `timm_wds`: timm's `wds/` reader on the shards (`timm.data.create_dataset("wds/...")`, which reads our
+  `_info.json`) + DataLoader;
+* `ours`: `common.data_stream` (ShardStream) on the shards.
+
+All apply the same transforms: RandomResizedCrop(size, scale=crop_scale) + horizontal flip + uint8 tensor (the three
+others with torchvision's transforms on the PIL image, ours with its own decoder). With --repeats N the four are
+timed N times, interleaved; the best and the median of each are compared. Prints images/s, images/s per worker
+process, the ratios of ours to each, and each worker's peak RSS (VmHWM, which includes the pages shared with the
+parent).
 """
 
 from __future__ import annotations
@@ -15,6 +26,7 @@ from __future__ import annotations
 import argparse
 import io
 import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -110,6 +122,54 @@ def bench_imagefolder(folder: Path, args: argparse.Namespace) -> tuple[float, in
     return seconds, images, worker_peak_rss_mib(before)
 
 
+def pil_transform(args: argparse.Namespace) -> T.Compose:
+    """The training transforms the other loaders apply to a PIL image (the same as ImageFolder's)."""
+    return T.Compose([T.RandomResizedCrop(args.size, scale=tuple(args.crop_scale), antialias=True),
+                      T.RandomHorizontalFlip(), T.PILToTensor()])
+
+
+def bench_webdataset(shards: Path, args: argparse.Namespace) -> tuple[float, int, list[float]]:
+    """webdataset's own pipeline, as its documentation builds a training loader."""
+    import webdataset as wds
+
+    split, _ = load_split(shards, "train")
+    transform = pil_transform(args)
+    per_worker = split.num_samples // (args.workers * args.batch)  # full batches each worker yields per epoch
+    dataset = (wds.WebDataset(split.urls, shardshuffle=len(split.urls), nodesplitter=wds.split_by_node,
+                              workersplitter=wds.split_by_worker, seed=0, empty_check=False)
+               .shuffle(args.shuffle_buffer).decode("pil").to_tuple("jpg", "cls")
+               .map_tuple(transform, int).batched(args.batch, partial=False).repeat().with_epoch(per_worker))
+    before = {c.pid for c in psutil.Process().children()}
+    loader = wds.WebLoader(dataset, batch_size=None, num_workers=args.workers, persistent_workers=True,
+                           prefetch_factor=2)
+
+    def endless():
+        while True:
+            yield from loader
+
+    seconds, images = time_epochs(endless(), per_worker * args.workers)
+    return seconds, images, worker_peak_rss_mib(before)
+
+
+def bench_timm(shards: Path, args: argparse.Namespace) -> tuple[float, int, list[float]]:
+    """timm's `wds/` reader (it reads our _info.json) + a DataLoader, as timm's train.py sets it up."""
+    from timm.data import create_dataset
+
+    dataset = create_dataset("wds/bench", root=str(shards), split="train", is_training=True, batch_size=args.batch,
+                             seed=0)
+    dataset.transform = pil_transform(args)
+    before = {c.pid for c in psutil.Process().children()}
+    loader = DataLoader(dataset, batch_size=args.batch, num_workers=args.workers, drop_last=True,
+                        persistent_workers=True, prefetch_factor=2)
+
+    def endless():
+        while True:
+            yield from loader
+
+    seconds, images = time_epochs(endless(), len(loader))
+    return seconds, images, worker_peak_rss_mib(before)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--images", type=int, default=2000)
@@ -122,6 +182,9 @@ def main() -> None:
     parser.add_argument("--shard-size", type=int, default=500)
     parser.add_argument("--shuffle-buffer", type=int, default=1000)
     parser.add_argument("--crop-scale", type=float, nargs=2, default=[0.35, 1.0])
+    parser.add_argument("--repeats", type=int, default=1, help="interleaved timings of each loader")
+    parser.add_argument("--loaders", nargs="+", default=["imagefolder", "webdataset", "timm_wds", "ours"],
+                        choices=["imagefolder", "webdataset", "timm_wds", "ours"])
     parser.add_argument("--dir", help="where to generate the data (default: a temporary directory)")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -131,15 +194,25 @@ def main() -> None:
         mean_kb = sum(p.stat().st_size for p in (root / "folder").rglob("*.jpg")) / args.images / 1024
         print(f"{args.images} JPEGs {args.width}x{args.height} (mean {mean_kb:.0f} KiB), crop {args.size}, "
               f"{args.workers} workers, batch {args.batch}, {os.cpu_count()} CPU cores")
-        rates = {}
-        for name, run in (("imagefolder", lambda: bench_imagefolder(root / "folder", args)),
-                          ("ours", lambda: bench_ours(root / "shards", args))):
-            seconds, images, peaks = run()
-            rates[name] = images / seconds
-            rss = ", ".join(f"{p:.0f}" for p in peaks) or "n/a"
-            print(f"{name:12s} {rates[name]:8.1f} img/s  {rates[name] / args.workers:7.1f} img/s per worker  "
-                  f"({images} images in {seconds:.2f} s)  worker peak RSS MiB: {rss}")
-        print(f"ratio ours / imagefolder: {rates['ours'] / rates['imagefolder']:.2f}")
+        runs = {"imagefolder": lambda: bench_imagefolder(root / "folder", args),
+                "webdataset": lambda: bench_webdataset(root / "shards", args),
+                "timm_wds": lambda: bench_timm(root / "shards", args),
+                "ours": lambda: bench_ours(root / "shards", args)}
+        rates: dict[str, list[float]] = {name: [] for name in args.loaders}
+        for _ in range(args.repeats):  # interleaved, so a noisy neighbour hits every loader alike
+            for name in args.loaders:
+                seconds, images, peaks = runs[name]()
+                rates[name].append(images / seconds)
+                rss = ", ".join(f"{p:.0f}" for p in peaks) or "n/a"
+                print(f"{name:12s} {rates[name][-1]:8.1f} img/s  {rates[name][-1] / args.workers:7.1f} img/s per "
+                      f"worker  ({images} images in {seconds:.2f} s)  worker peak RSS MiB: {rss}", flush=True)
+        # The fastest run is the least disturbed one (timeit's rule); the median shows how much the machine moved.
+        for label, pick in (("best", max), ("median", statistics.median)):
+            rate = {name: pick(v) for name, v in rates.items()}
+            print(f"{label} img/s: " + ", ".join(f"{k} {v:.1f}" for k, v in rate.items()))
+            if "ours" in rate:
+                print(f"  {label} ratios: " + ", ".join(f"ours / {name} {rate['ours'] / rate[name]:.2f}"
+                                                        for name in args.loaders if name != "ours"))
 
 
 if __name__ == "__main__":

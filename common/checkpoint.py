@@ -66,11 +66,11 @@ def save_checkpoint(accelerator: Accelerator, run_dir: str | Path, step: int, tr
     if accelerator.is_main_process:
         for f in path.rglob("*"):
             if f.is_file():
-                _fsync(f)
+                fsync(f)
         tmp = path / (TRAINER_STATE + ".tmp")
         tmp.write_text(json.dumps({"step": step, "num_processes": accelerator.num_processes, **trainer_state},
                                   indent=1))
-        _fsync(tmp)
+        fsync(tmp)
         os.replace(tmp, path / TRAINER_STATE)
         complete = complete_checkpoints(run_dir)
         for old in complete[: max(0, len(complete) - keep_last)]:
@@ -79,7 +79,8 @@ def save_checkpoint(accelerator: Accelerator, run_dir: str | Path, step: int, tr
     return path
 
 
-def _fsync(path: Path) -> None:
+def fsync(path: str | Path) -> None:
+    """Flush a written file (or a folder's entries) to disk, so that a marker written after it never outlives it."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

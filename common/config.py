@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import types
 import typing
 from collections.abc import Callable, Iterator
@@ -222,6 +223,17 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
     return _fill(cls, data)
 
 
+def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested sections as one mapping of dotted keys: {"optim": {"lr": 1}} -> {"optim.lr": 1}."""
+    out: dict[str, Any] = {}
+    for k, v in data.items():
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
 def to_dict(cfg: Any) -> dict[str, Any]:
     """The config as plain data (lists for tuples), ready for YAML or JSON."""
 
@@ -363,6 +375,18 @@ class OptimConfig:
 
 
 @dataclasses.dataclass
+class ExportConfig:
+    """What happens to the final export besides being written (a model card is always written beside it)."""
+
+    push_to_hub: str = opt("", "Hugging Face Hub repo OWNER/NAME to upload the final export to, with its model card "
+                               "and figures ('' = none); access is checked before training starts",
+                           Check(lambda v: v == "" or bool(re.fullmatch(r"[\w.-]+/[\w.-]+", v)),
+                                 "'' or a repo id OWNER/NAME"))
+    private: bool = opt(True, "create the Hub repo as private")
+    license: str = opt("", "licence named in the model card, e.g. apache-2.0 ('' = none given)")
+
+
+@dataclasses.dataclass
 class TrainConfig:
     """Run-level settings common to both stages."""
 
@@ -379,3 +403,6 @@ class TrainConfig:
     keep_last: int = opt(2, "checkpoints to keep", at_least(1))
     trackers: list[str] = opt([], "experiment trackers (Accelerate's): " + ", ".join(TRACKERS), Check(
         lambda v: all(t in TRACKERS for t in v), "a list of tracker names from: " + ", ".join(TRACKERS)))
+    project: str = opt("vit-mpp", "tracker project (W&B/MLflow); TensorBoard writes to run_dir/logs/<project>/",
+                       NOT_EMPTY)
+    run_name: str = opt("", "the run's name in the trackers ('' = the run directory's path)")

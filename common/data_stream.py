@@ -255,7 +255,8 @@ class ShardStream(IterableDataset):
     def __init__(self, split: Split, decoder: ImageDecoder, batch_size: int, *, rank: int, world_size: int,
                  num_workers: int, train: bool, seed: int = 0, shuffle_buffer: int = 1000, endless: bool = False,
                  start_batch: int = 0, max_bad_fraction: float = 0.01, num_classes: int | None = None,
-                 read_timeout_s: float = urls.READ_TIMEOUT_S, read_retries: int = urls.RETRIES) -> None:
+                 read_timeout_s: float = urls.READ_TIMEOUT_S, read_retries: int = urls.RETRIES,
+                 limit: int | None = None) -> None:
         super().__init__()
         self.split, self.decoder, self.batch_size = split, decoder, batch_size
         self.rank, self.world_size, self.num_workers = rank, world_size, max(1, num_workers)
@@ -263,7 +264,10 @@ class ShardStream(IterableDataset):
         self.start_batch, self.max_bad_fraction, self.num_classes = start_batch, max_bad_fraction, num_classes
         self.read_timeout_s, self.read_retries = read_timeout_s, read_retries
         parts = world_size * self.num_workers
-        n = split.num_samples
+        if limit is not None and train:
+            raise ValueError("limit applies to evaluation streams only")
+        # limit: evaluation reads only the split's first `limit` samples (in manifest order), e.g. for a monitor
+        n = self.num_samples = split.num_samples if limit is None else min(limit, split.num_samples)
         if train:
             self.per_worker = (n // (parts * batch_size)) * batch_size
             if self.per_worker == 0:
@@ -317,7 +321,7 @@ class ShardStream(IterableDataset):
     def _epoch(self, epoch: int, part: int, skip: int) -> Iterator[dict[str, Any]]:
         order = epoch_order(len(self.split.urls), self.seed, epoch) if self.train else list(range(len(self.split.urls)))
         start = part * self.per_worker
-        stop = min(start + self.per_worker, self.split.num_samples)
+        stop = min(start + self.per_worker, self.num_samples)
         raw: Iterator[dict[str, Any]] = (
             s for seg in range_segments(self.split, order, start, stop)
             for s in read_segment(seg, self.read_retries, timeout=self.read_timeout_s))
@@ -427,7 +431,8 @@ def normalize(images: torch.Tensor, mean: tuple[float, ...], std: tuple[float, .
 
 def build_loader(split: Split, data: DataConfig, img_size: int | list[int], micro_batch: int, *, rank: int,
                  world_size: int, train: bool, seed: int = 0, start_batch: int = 0, num_classes: int | None = None,
-                 augment: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[ShardStream, DataLoader]:
+                 limit: int | None = None, augment: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 ) -> tuple[ShardStream, DataLoader]:
     """The stream and its DataLoader for one rank: endless and shuffled for training, one ordered pass for eval.
     With `num_classes` every label must be one of the classes; `augment` runs in the workers after the training
     crop (see ImageDecoder)."""
@@ -436,7 +441,7 @@ def build_loader(split: Split, data: DataConfig, img_size: int | list[int], micr
     stream = ShardStream(split, decoder, micro_batch, rank=rank, world_size=world_size, num_workers=data.num_workers,
                          train=train, seed=seed, shuffle_buffer=data.shuffle_buffer, endless=train,
                          start_batch=start_batch, max_bad_fraction=data.max_bad_fraction, num_classes=num_classes,
-                         read_timeout_s=data.read_timeout_s, read_retries=data.read_retries)
+                         read_timeout_s=data.read_timeout_s, read_retries=data.read_retries, limit=limit)
     loader = make_loader(stream, data.num_workers, data.prefetch_factor, data.pin_memory,
                          data.persistent_workers and train)
     return stream, loader

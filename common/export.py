@@ -34,7 +34,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from common.checkpoint import CheckpointError
+from common.checkpoint import CheckpointError, fsync
 from common.config import ConfigError, ModelConfig, from_dict, to_dict
 from common.models import create_encoder, img_hw
 
@@ -114,21 +114,13 @@ def write_export(out_dir: str | Path, state: dict[str, torch.Tensor], model_cfg:
     config["pretrained_cfg"].pop("license", None)  # the named model's licence, not the licence of these weights
     config_new.write_text(json.dumps(config, indent=2) + "\n")
     for path in (weights_new, config_new):
-        _fsync(path)
+        fsync(path)
     os.replace(config_new, out_dir / CONFIG)  # config first: a reader finishes the swap from model.safetensors.new
     os.replace(weights_new, out_dir / WEIGHTS)
-    _fsync(out_dir)
+    fsync(out_dir)
     for legacy in ("encoder.safetensors", "encoder.json", "model.json"):  # an older export here would confuse readers
         (out_dir / legacy).unlink(missing_ok=True)
     return out_dir
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def is_export(path: str | Path) -> bool:

@@ -101,3 +101,19 @@ def data_record(location: str | Path, info: dict[str, Any]) -> dict[str, Any]:
     return {"shards": str(location), "name": info.get("name"), "source": (info.get("source") or {}).get("kind"),
             "splits": {k: v.get("num_samples") for k, v in (info.get("splits") or {}).items()},
             "encoder": info.get("encoder"), "tool_version": info.get("tool_version")}
+
+
+def write_manifest_url(location: str, info: dict[str, Any]) -> None:
+    """Write the manifest into a local folder (as `write_manifest`) or to a URL through fsspec, as one upload that
+    appears whole or not at all (common/urls.py `upload_file`); the bytes are the same either way."""
+    if is_local(location):
+        write_manifest(local_path(location), info)
+        return
+    import tempfile
+
+    from common.urls import upload_file
+
+    with tempfile.TemporaryDirectory(prefix="manifest-") as tmp:
+        path = Path(tmp) / MANIFEST_NAME
+        path.write_text(json.dumps(info, indent=1, sort_keys=False) + "\n")
+        upload_file(str(path), join(location, MANIFEST_NAME))

@@ -20,11 +20,25 @@ from typing import Any
 import yaml
 
 from common.checkpoint import latest_checkpoint
-from common.config import ConfigError, save_config, to_dict
+from common.config import ConfigError, flatten, save_config, to_dict
 from common.errors import UserError
 
 LOCK_NAME = ".lock"
 _held: dict[str, int] = {}  # run dir -> descriptor of its lock, kept open (so held) until this process ends
+
+
+def _drop_in_child() -> None:
+    """A forked child (a data-loader worker) shares the lock's open file; it must not keep the lock alive after the
+    run's own process is gone, so it closes its copy (the parent's lock stays)."""
+    for fd in _held.values():
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _held.clear()
+
+
+os.register_at_fork(after_in_child=_drop_in_child)
 
 
 class RunDirBusy(UserError):
@@ -89,11 +103,11 @@ def prepare_run_dir(run_dir: str | Path, cfg: Any, is_main: bool) -> list[str]:
             raise ConfigError(f"train.run_dir {run_dir} is not writable")
         lock_run_dir(run_dir)
     changed: list[str] = []
-    old, new = {}, _flatten(to_dict(cfg))
+    old, new = {}, flatten(to_dict(cfg))
     previous = run_dir / "config.yaml"
     if previous.is_file():
         try:
-            old = _flatten(yaml.safe_load(previous.read_text()) or {})
+            old = flatten(yaml.safe_load(previous.read_text()) or {})
         except yaml.YAMLError:
             old = {}  # unreadable: nothing to compare with; it is rewritten below
         changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
@@ -105,16 +119,6 @@ def prepare_run_dir(run_dir: str | Path, cfg: Any, is_main: bool) -> list[str]:
     if is_main:
         save_config(cfg, previous)
     return changed
-
-
-def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
 
 
 class MetricsLog:

@@ -19,6 +19,7 @@ from common.checkpoint import CheckpointError, complete_checkpoints, load_checkp
 from common.config import ConfigError, OptimConfig, TrainConfig
 from common.data_stream import to_device
 from common.run_dir import MetricsLog
+from common.tracking import check_trackers
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,7 @@ def stop_with_launcher() -> None:
 def make_accelerator(train: TrainConfig) -> tuple[Accelerator, BatchPlan]:
     """One Accelerator for the run, with gradient accumulation derived from the global batch size."""
     stop_with_launcher()
+    check_trackers(train.trackers)  # a missing package is an error now, not a warning after which nothing is logged
     # Without CUDA, accelerate only sets up gloo for several processes (`accelerate launch --multi_gpu` on a CPU
     # machine) when told to use the CPU; the first PartialState fixes the process group for the whole run.
     cpu = not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1

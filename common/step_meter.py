@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 
+from common.curves import write_run_curves
 from common.run_dir import MetricsLog
 
 SHOWN = ("loss", "acc")  # the metrics the progress line shows, besides lr, rate and eta
@@ -113,3 +114,9 @@ class StepMeter:
         self.accelerator.print(f"eval {label} | {shown}")
         self.metrics_log.write({"step": step, **result, **(details or {})})
         self.accelerator.log({k: v for k, v in result.items() if isinstance(v, (int, float))}, step=step)
+        self.draw()
+
+    def draw(self) -> None:
+        """Write the run's curves.png from its metrics.jsonl (main process); at each evaluation and at the end."""
+        if self.accelerator.is_main_process:
+            write_run_curves(self.metrics_log.path.parent)

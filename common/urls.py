@@ -20,6 +20,7 @@ import concurrent.futures
 import http.client
 import io
 import os
+import queue
 import subprocess
 import threading
 import time
@@ -196,6 +197,103 @@ def read_url(url: str, timeout: float = READ_TIMEOUT_S, retries: int = RETRIES, 
                 return f.read()
         except OSError as e:
             if is_local(url) or is_permanent(e) or attempt >= retries:
+                raise
+        time.sleep(wait_s * 2**attempt)
+        attempt += 1
+
+
+def _bounded(fn: Callable[[], Any], timeout: float) -> None:
+    """Run `fn` in a daemon thread and wait for it at most `timeout` seconds; its errors are ignored (clean-up)."""
+    def quiet() -> None:
+        try:
+            fn()
+        except Exception:  # clean-up after a failure: nothing more to report
+            pass
+
+    worker = threading.Thread(target=quiet, daemon=True)
+    worker.start()
+    worker.join(timeout)
+
+
+class _DaemonCaller:
+    """Runs calls one at a time in a daemon thread: a call stuck on a dead connection is abandoned, and never keeps
+    the process from exiting (a ThreadPoolExecutor's threads are joined at exit)."""
+
+    def __init__(self) -> None:
+        self.calls: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, daemon=True, name="url-write").start()
+
+    def _run(self) -> None:
+        while True:
+            fn, future = self.calls.get()
+            if fn is None:
+                return
+            try:
+                future.set_result(fn())
+            except BaseException as e:  # handed to the waiting caller
+                future.set_exception(e)
+
+    def call(self, fn: Callable[[], Any], timeout: float) -> Any:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self.calls.put((fn, future))
+        return future.result(timeout=timeout)
+
+    def stop(self) -> None:
+        self.calls.put((None, None))
+
+
+def _upload_once(path: str, url: str, timeout: float) -> None:
+    import fsspec
+
+    caller = _DaemonCaller()
+    target: Any = None
+
+    def call(fn: Callable[[], Any], doing: str) -> Any:
+        try:
+            return caller.call(fn, timeout)
+        except concurrent.futures.TimeoutError:
+            raise StreamStalled(f"{url}: no progress for {timeout:g} s while {doing}") from None
+
+    try:
+        try:
+            opened = fsspec.open(url, "wb")
+        except (ImportError, ValueError) as e:  # no backend for the scheme, or an unknown protocol
+            raise RemoteError(f"cannot write {url}: {e}") from None
+        target = call(opened.open, "connecting")
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(BUFFER), b""):
+                call(lambda b=block: target.write(b), "writing")
+        call(target.close, "finishing")
+        target = None
+    except (OSError, RemoteError):
+        raise
+    except Exception as e:  # backends raise their own types for network trouble: retried like an OSError
+        raise OSError(f"{url}: {type(e).__name__}: {e}") from None
+    finally:
+        caller.stop()
+        if target is not None:  # abandon the partial object: an aborted multipart upload never becomes visible
+            if hasattr(target, "discard"):
+                _bounded(target.discard, timeout)
+            else:  # stores that show a file while it is written (fsspec's memory store): remove it
+                _bounded(lambda: opened.fs.rm(opened.path), timeout)
+
+
+def upload_file(path: str, url: str, timeout: float = READ_TIMEOUT_S, retries: int = RETRIES,
+                wait_s: float = WAIT_S) -> None:
+    """Copy the local file `path` to `url` through fsspec (`s3://`, `gs://`, `memory://`, ...).
+
+    Opening, every 1 MiB write and the final commit each run under the idle deadline `timeout`; an upload that fails
+    or stalls is abandoned (an unfinished multipart upload is aborted, so object stores never show part of it) and
+    started again, `retries` times with backoff. Raises the last OSError when every attempt failed (a missing
+    bucket or a refused permission is not retried).
+    """
+    attempt = 0
+    while True:
+        try:
+            _upload_once(path, url, timeout)
+            return
+        except OSError as e:
+            if is_permanent(e) or attempt >= retries:
                 raise
         time.sleep(wait_s * 2**attempt)
         attempt += 1

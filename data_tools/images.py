@@ -1,13 +1,22 @@
 """Image checks and encoding: fully decode every input; keep the original bytes when they are fine as they are.
 
-An input keeps its original bytes when it is a JPEG, PNG or WebP, decodes completely, is plain 8-bit RGB, has no
-EXIF rotation and fits `max_side`. Anything else is converted to RGB (EXIF orientation applied, alpha composited
-on white, 16-bit scaled to 8-bit, CMYK and palette converted), resized if needed and re-encoded once.
+An input keeps its original bytes when it is a JPEG, PNG or WebP, decodes completely, is plain RGB with 8 bits per
+channel, has no EXIF rotation and fits `max_side`. Anything else is converted to RGB (EXIF orientation applied, alpha
+composited on white, 16-bit scaled to 8-bit, CMYK and palette converted), resized if needed and re-encoded once.
+
+`prepare_image` is the one function that turns input bytes into the stored image; whatever else must see images
+as training does (prediction on new images) calls it too.
+
+16-bit colour: PIL decodes a 16-bit RGB(A) PNG or TIFF into its 8-bit modes by keeping the high byte of each
+sample (v >> 8, which is floor(v / 256)); the right 8-bit value is round(v * 255 / 65535), up to one level higher.
+`_exact_16bit` decodes such a file a second time with the byte order of the unpacker swapped, which yields the low
+bytes, and rebuilds the exact 16-bit values from both.
 """
 
 from __future__ import annotations
 
 import io
+import re
 import warnings
 from dataclasses import asdict, dataclass
 
@@ -48,6 +57,35 @@ class EncodeSettings:
         return cls(**{k: v for k, v in (record or {}).items() if k in cls.__dataclass_fields__})
 
 
+def clean_detail(text: str) -> str:
+    """An error message made reproducible: no object addresses (PIL names the BytesIO it failed on), one line."""
+    return " ".join(re.sub(r"<([\w.]+) object at 0x[0-9a-fA-F]+>", r"<\1>", text).split())
+
+
+def _sixteen_bit_rawmode(img: Image.Image) -> str | None:
+    """The raw mode of an image whose 16-bit colour samples PIL reduces to 8 bits (e.g. 'RGB;16B'), else None."""
+    if img.mode not in ("RGB", "RGBA") or not img.tile:
+        return None
+    rawmode = img.tile[0].args if isinstance(img.tile[0].args, str) else (img.tile[0].args or ("",))[0]
+    return rawmode if isinstance(rawmode, str) and rawmode.endswith((";16B", ";16L")) else None
+
+
+def _exact_16bit(data: bytes, img: Image.Image, rawmode: str) -> Image.Image:
+    """`img` (decoded by PIL from 16-bit samples: the high bytes) with each channel rounded from 16 bits exactly.
+
+    A second decode with the opposite byte order reads the low bytes. If PIL has no unpacker for that order, PIL's
+    own reduction is kept (off by at most one level)."""
+    swapped = rawmode[:-1] + ("L" if rawmode.endswith("B") else "B")
+    low = Image.open(io.BytesIO(data))
+    low.tile = [t._replace(args=swapped if isinstance(t.args, str) else (swapped, *t.args[1:])) for t in low.tile]
+    try:
+        low.load()
+    except (ValueError, OSError):
+        return img
+    value = np.asarray(img, dtype=np.uint32) * 256 + np.asarray(low, dtype=np.uint32)  # (H, W, C), 0..65535
+    return Image.fromarray(((value * 255 + 32767) // 65535).astype(np.uint8), img.mode)
+
+
 def _to_rgb(img: Image.Image) -> Image.Image:
     """Any PIL mode to 8-bit RGB: alpha composited on white, 16/32-bit and float scaled to 0..255."""
     if img.mode in ("I", "I;16", "I;16B", "I;16L", "I;16N", "F"):
@@ -77,7 +115,7 @@ def _target_size(w: int, h: int, settings: EncodeSettings) -> tuple[int, int] | 
 def prepare_image(data: bytes, settings: EncodeSettings) -> tuple[bytes, str, int, int]:
     """Decode fully and check; return (bytes, extension, width, height), re-encoded only when needed.
 
-    Raises `BadImage` with reason empty, undecodable, truncated, decompression_bomb or too_small."""
+    Raises `BadImage` with reason empty, undecodable, truncated, decompression_bomb, too_small or unencodable."""
     if not data:
         raise BadImage("empty", "0 bytes")
     try:
@@ -88,26 +126,32 @@ def prepare_image(data: bytes, settings: EncodeSettings) -> tuple[bytes, str, in
         if w * h > settings.max_pixels:
             raise BadImage("decompression_bomb", f"{w}x{h} exceeds --max-pixels {settings.max_pixels}")
         fmt = img.format
+        sixteen = _sixteen_bit_rawmode(img)
         img.load()  # full decode: truncated and corrupt files fail here, not at training time
+        if sixteen is not None:
+            img = _exact_16bit(data, img, sixteen)
     except BadImage:
         raise
     except Image.DecompressionBombError as e:
-        raise BadImage("decompression_bomb", str(e)) from None
+        raise BadImage("decompression_bomb", clean_detail(str(e))) from None
     except Exception as e:  # PIL raises many types for bad input
-        text = f"{type(e).__name__}: {e}"
+        text = clean_detail(f"{type(e).__name__}: {e}")
         reason = "truncated" if "truncated" in str(e) or "broken data stream" in str(e) else "undecodable"
         raise BadImage(reason, text) from None
     if min(w, h) < settings.min_side:
         raise BadImage("too_small", f"{w}x{h} < --min-side {settings.min_side}")
     rotated = img.getexif().get(ORIENTATION, 1) != 1
     size = _target_size(w, h, settings)
-    if fmt in FORMAT_EXT and img.mode == "RGB" and not rotated and size is None:
+    if fmt in FORMAT_EXT and img.mode == "RGB" and sixteen is None and not rotated and size is None:
         return data, FORMAT_EXT[fmt], w, h
-    img = _to_rgb(ImageOps.exif_transpose(img) if rotated else img)  # exif_transpose copies even when upright
-    size = _target_size(img.width, img.height, settings)  # again: a 90-degree rotation swaps the sides
-    if size is not None:
-        img = img.resize(size, Image.BICUBIC, reducing_gap=3.0)
-    out = io.BytesIO()
-    options = {} if settings.format == "png" else {"quality": settings.quality}
-    img.save(out, format=PIL_FORMAT[settings.format], **options)
+    try:
+        img = _to_rgb(ImageOps.exif_transpose(img) if rotated else img)  # exif_transpose copies even when upright
+        size = _target_size(img.width, img.height, settings)  # again: a 90-degree rotation swaps the sides
+        if size is not None:
+            img = img.resize(size, Image.BICUBIC, reducing_gap=3.0)
+        out = io.BytesIO()
+        options = {} if settings.format == "png" else {"quality": settings.quality}
+        img.save(out, format=PIL_FORMAT[settings.format], **options)
+    except (OSError, ValueError) as e:  # e.g. WebP holds at most 16383 pixels a side
+        raise BadImage("unencodable", clean_detail(f"{type(e).__name__}: {e}")) from None
     return out.getvalue(), settings.format, img.width, img.height

@@ -1,99 +1,197 @@
-"""Check a finished build and look at it: summary table, counts and sha256 verified, a grid of sample images.
+"""Check a finished build and look at it: summary table, every shard verified, a grid of sample images.
 
-    build-shards inspect OUT_DIR [--grid OUT_DIR/_samples.png] [--samples 32] [--no-verify]
+    build-shards inspect OUT [--grid OUT/_samples.png] [--samples 32] [--no-verify]
 
-Exit status 0 when every shard matches the manifest (size, sha256, sample count, unique keys), 1 otherwise.
+Every shard is read once, as a stream (OUT may be a URL), and checked against the manifest: present, its size and
+sha256, a readable tar (not empty, not truncated), its sample count, keys unique within and across shards, and each
+`.cls` an integer in 0..num_classes-1. Each mismatch is reported as a problem, never a crash: exit status 0 when
+there is none, 1 otherwise. A missing or unusable `_info.json` is a one-line error (exit status 2).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import io
 import json
 import tarfile
 from pathlib import Path
+from typing import Any
 
 from PIL import Image, ImageDraw
 from rich.console import Console
 from rich.table import Table
 
-from common.manifest import read_manifest
-from data_tools.writer import file_sha256
+from common import urls
+from common.errors import UserError
+from common.manifest import ManifestError, read_manifest
 
 IMAGE_EXTS = ("jpg", "png", "webp")
 THUMB = 96
+READ_ERRORS = (tarfile.TarError, OSError, EOFError, ValueError, UnicodeDecodeError)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="build-shards inspect", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("out_dir", help="a build-shards output folder")
-    p.add_argument("--grid", default=None, help="PNG grid of sample images (default: OUT_DIR/_samples.png)")
-    p.add_argument("--samples", type=int, default=32, help="images in the grid")
-    p.add_argument("--no-verify", action="store_true", help="skip reading every shard (sha256, counts, keys)")
-    return p.parse_args(argv)
+    from data_tools.build_shards import HelpFormatter, Parser
+
+    p = Parser(prog="build-shards inspect", description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
+    p.add_argument("out_dir", help="a build-shards output folder or URL")
+    p.add_argument("--grid", default=None, help="PNG grid of sample images (default: OUT/_samples.png)")
+    p.add_argument("--samples", type=int, default=32, help="images in the grid (0: no grid)")
+    p.add_argument("--no-verify", action="store_true", help="skip reading every shard (sha256, counts, keys, labels)")
+    args = p.parse_args(argv)
+    if args.samples < 0:
+        p.error("--samples must be >= 0")
+    return args
 
 
-def shard_keys(path: Path) -> list[str]:
-    """Sample keys of a tar in order, each once (a sample's files are adjacent)."""
+def check_manifest(info: dict, where: str) -> None:
+    """The manifest's structure, before anything relies on it (a damaged one is a one-line error)."""
+    def bad(why: str) -> ManifestError:
+        return ManifestError(f"{where} is not a usable build-shards manifest: {why}")
+
+    splits = info.get("splits")
+    if not isinstance(splits, dict) or not splits:
+        raise bad("no 'splits'")
+    for name, split in splits.items():
+        if not isinstance(split, dict):
+            raise bad(f"split '{name}' is not an object")
+        files, lengths = split.get("filenames"), split.get("shard_lengths")
+        if not isinstance(files, list) or not isinstance(lengths, list) or len(files) != len(lengths):
+            raise bad(f"split '{name}': 'filenames' and 'shard_lengths' must be lists of the same length")
+        if not all(isinstance(f, str) and f and "/" not in f for f in files):
+            raise bad(f"split '{name}': a file name is not a plain name")
+        if not all(isinstance(n, int) and n >= 0 for n in lengths):
+            raise bad(f"split '{name}': 'shard_lengths' must be counts")
+        for key in ("shard_bytes", "shard_sha256"):
+            if key in split and (not isinstance(split[key], list) or len(split[key]) != len(files)):
+                raise bad(f"split '{name}': '{key}' must be a list as long as 'filenames'")
+    if not isinstance(info.get("num_classes", 0), int) or info.get("num_classes", 0) < 0:
+        raise bad("'num_classes' must be a count")
+
+
+class _Hashing(io.RawIOBase):
+    """A stream that hashes and counts what is read through it."""
+
+    def __init__(self, stream: Any) -> None:
+        super().__init__()
+        self.stream, self.sha256, self.size = stream, hashlib.sha256(), 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        data = self.stream.read(len(buffer))
+        self.sha256.update(data)
+        self.size += len(data)
+        buffer[: len(data)] = data
+        return len(data)
+
+
+def check_shard(location: str, name: str, count: int, size: int | None, digest: str | None, num_classes: int,
+                seen: set[str]) -> list[str]:
+    """Problems of one shard against its manifest entry; `seen` collects keys across shards."""
+    problems: list[str] = []
     keys: list[str] = []
-    with tarfile.open(path) as tar:
-        for member in tar:
-            key = member.name.split(".", 1)[0]
-            if not keys or keys[-1] != key:
-                keys.append(key)
-    return keys
-
-
-def verify(out_dir: Path, info: dict) -> list[str]:
-    """Problems found: missing shards, size, sha256 or sample count differing from the manifest, repeated keys."""
-    problems, seen = [], set()
-    for split in info["splits"].values():
-        sizes = split.get("shard_bytes", [None] * len(split["filenames"]))
-        hashes = split.get("shard_sha256", [None] * len(split["filenames"]))
-        for name, n, size, digest in zip(split["filenames"], split["shard_lengths"], sizes, hashes):
-            path = out_dir / name
-            if not path.exists():
-                problems.append(f"{name}: missing")
-                continue
-            if size is not None and path.stat().st_size != size:
-                problems.append(f"{name}: {path.stat().st_size} bytes, manifest says {size}")
-            if digest is not None and file_sha256(path) != digest:
-                problems.append(f"{name}: sha256 differs from the manifest")
-            keys = shard_keys(path)
-            if len(keys) != n:
-                problems.append(f"{name}: {len(keys)} samples, manifest says {n}")
-            repeated = seen.intersection(keys)
-            if repeated or len(set(keys)) != len(keys):
-                problems.append(f"{name}: repeated keys, e.g. {sorted(repeated)[:3]}")
-            seen.update(keys)
+    bad_labels: list[str] = []
+    try:
+        stream = urls.open_url(urls.join(location, name))
+    except FileNotFoundError:
+        return [f"{name}: missing"]
+    except OSError as e:
+        return [f"{name}: cannot be opened ({type(e).__name__}: {e.strerror or e})"]
+    hashing = _Hashing(stream)
+    try:
+        with stream:
+            try:
+                with tarfile.open(fileobj=hashing, mode="r|") as tar:
+                    for member in tar:
+                        key, _, ext = member.name.partition(".")
+                        if not keys or keys[-1] != key:
+                            keys.append(key)
+                        if ext == "cls":
+                            raw = tar.extractfile(member).read()
+                            try:
+                                label = int(raw)
+                            except ValueError:
+                                bad_labels.append(f"{key} ({raw[:20]!r} is not an integer)")
+                                continue
+                            if not 0 <= label < num_classes:
+                                bad_labels.append(f"{key} ({label} not in 0..{num_classes - 1})")
+            except READ_ERRORS as e:
+                what = "empty" if hashing.size == 0 else f"not a complete tar after {hashing.size} bytes"
+                problems.append(f"{name}: {what} ({type(e).__name__}: {' '.join(str(e).split())})")
+            while hashing.read(1 << 20):  # the rest of the file (tar end blocks, padding) for size and sha256
+                pass
+    except OSError as e:
+        problems.append(f"{name}: read failed ({type(e).__name__}: {e})")
+    if size is not None and hashing.size != size:
+        problems.append(f"{name}: {hashing.size} bytes, manifest says {size}")
+    if digest is not None and hashing.sha256.hexdigest() != digest:
+        problems.append(f"{name}: sha256 differs from the manifest")
+    if len(keys) != count:
+        problems.append(f"{name}: {len(keys)} samples, manifest says {count}")
+    if bad_labels:
+        problems.append(f"{name}: {len(bad_labels)} label(s) out of range for num_classes {num_classes}, e.g. "
+                        f"{', '.join(bad_labels[:3])}")
+    repeated = seen.intersection(keys)
+    if repeated or len(set(keys)) != len(keys):
+        problems.append(f"{name}: repeated keys, e.g. {sorted(repeated)[:3] or keys[:1]}")
+    seen.update(keys)
     return problems
 
 
-def sample_grid(out_dir: Path, info: dict, count: int, path: Path) -> int:
-    """Write a PNG grid of the first `count` samples of the first split, each with its label; returns how many."""
+def verify(location: str, info: dict) -> list[str]:
+    """Problems found in every shard of every split (see `check_shard`)."""
+    problems: list[str] = []
+    num_classes = int(info.get("num_classes", 0) or 0)
+    for split in info["splits"].values():
+        n = len(split["filenames"])
+        sizes = split.get("shard_bytes", [None] * n)
+        hashes = split.get("shard_sha256", [None] * n)
+        seen: set[str] = set()
+        for name, count, size, digest in zip(split["filenames"], split["shard_lengths"], sizes, hashes):
+            problems += check_shard(location, name, count, size, digest, num_classes, seen)
+    return problems
+
+
+def _thumbnails(location: str, info: dict, count: int) -> list[tuple[Image.Image, str]]:
+    """Up to `count` (thumbnail, caption) from the first split's readable shards; damaged ones are passed over."""
     split = next(iter(info["splits"].values()))
     names = info.get("class_names") or []
     tiles: list[tuple[Image.Image, str]] = []
     for filename in split["filenames"]:
         samples: dict[str, dict[str, bytes]] = {}
-        with tarfile.open(out_dir / filename) as tar:
-            for member in tar:
-                key, ext = member.name.split(".", 1)
-                samples.setdefault(key, {})[ext] = tar.extractfile(member).read()
+        try:
+            with urls.open_url(urls.join(location, filename)) as stream, tarfile.open(fileobj=stream, mode="r|") as tar:
+                for member in tar:
+                    key, _, ext = member.name.partition(".")
+                    samples.setdefault(key, {})[ext] = tar.extractfile(member).read()
+                    if len(samples) > count:
+                        break
+        except READ_ERRORS:
+            pass
         for key, files in samples.items():
             ext = next((e for e in IMAGE_EXTS if e in files), None)
-            if ext is None:
+            try:
+                img = Image.open(io.BytesIO(files[ext])).convert("RGB") if ext else None
+                label = int(files["cls"]) if "cls" in files else int(json.loads(files.get("json", b"{}"))
+                                                                     .get("label", -1))
+            except (OSError, ValueError, SyntaxError):
                 continue
-            img = Image.open(io.BytesIO(files[ext])).convert("RGB")
+            if img is None:
+                continue
             img.thumbnail((THUMB, THUMB))
-            label = int(files["cls"]) if "cls" in files else json.loads(files.get("json", b"{}")).get("label", -1)
             text = f"{label} {names[label]}" if 0 <= label < len(names) else ("unlabelled" if label < 0 else str(label))
             tiles.append((img, f"{key}\n{text}"[:40]))
             if len(tiles) >= count:
-                break
-        if len(tiles) >= count:
-            break
+                return tiles
+    return tiles
+
+
+def sample_grid(location: str, info: dict, count: int, path: Path) -> int:
+    """Write a PNG grid of the first `count` samples of the first split, each with its label; returns how many."""
+    tiles = _thumbnails(location, info, count)
     cols = min(8, max(1, len(tiles)))
     rows = max(1, -(-len(tiles) // cols))
     cell_h = THUMB + 28
@@ -103,37 +201,44 @@ def sample_grid(out_dir: Path, info: dict, count: int, path: Path) -> int:
         x, y = (i % cols) * THUMB, (i // cols) * cell_h
         grid.paste(img, (x + (THUMB - img.width) // 2, y + (THUMB - img.height) // 2))
         draw.multiline_text((x + 2, y + THUMB + 1), text, fill=(0, 0, 0))
-    grid.save(path)
+    try:
+        grid.save(path)
+    except OSError as e:
+        raise UserError(f"cannot write the grid to {path}: {e.strerror or e}") from None
     return len(tiles)
 
 
 def main(argv: list[str]) -> int:
     """Print the summary, verify, write the grid; returns the exit status."""
     args = parse_args(argv)
-    out_dir = Path(args.out_dir)
-    info = read_manifest(out_dir)
+    location = args.out_dir
+    info = read_manifest(location)
+    check_manifest(info, urls.join(location, "_info.json"))
     console = Console()
-    table = Table(title=f"{out_dir} ({info.get('tool_version', '?')})")
+    table = Table(title=f"{location} ({info.get('tool_version', '?')})")
     for column in ("split", "samples", "shards", "min/max per shard", "MiB"):
         table.add_column(column, justify="right" if column != "split" else "left")
     for name, split in info["splits"].items():
         lengths = split["shard_lengths"] or [0]
-        mib = sum(split.get("shard_bytes", [])) / 2**20
-        table.add_row(name, f"{split['num_samples']:,}", str(len(split["filenames"])),
+        mib = sum(b for b in split.get("shard_bytes", []) if isinstance(b, int)) / 2**20
+        table.add_row(name, f"{sum(split['shard_lengths']):,}", str(len(split["filenames"])),
                       f"{min(lengths)}/{max(lengths)}", f"{mib:,.1f}")
     console.print(table)
-    console.print(f"classes: {info.get('num_classes', 0)}; source: {info.get('source', {}).get('kind', '?')} "
-                  f"{info.get('source', {}).get('path', '')}; seed {info.get('seed')}; "
-                  f"failures: {info.get('num_failures', 0)} "
-                  f"{', '.join(f'{k} {v}' for k, v in info.get('failure_reasons', {}).items())}")
+    source = info.get("source") if isinstance(info.get("source"), dict) else {}
+    reasons = info.get("failure_reasons") if isinstance(info.get("failure_reasons"), dict) else {}
+    console.print(f"classes: {info.get('num_classes', 0)}; source: {source.get('kind', '?')} {source.get('path', '')}; "
+                  f"seed {info.get('seed')}; failures: {info.get('num_failures', 0)} "
+                  f"{', '.join(f'{k} {v}' for k, v in reasons.items())}")
     status = 0
     if not args.no_verify:
-        problems = verify(out_dir, info)
+        problems = verify(location, info)
         for problem in problems:
-            console.print(f"[red]problem:[/red] {problem}")
+            console.print(f"[red]problem:[/red] {problem}", highlight=False)
         console.print("verified: every shard matches the manifest" if not problems else f"{len(problems)} problem(s)")
         status = 1 if problems else 0
-    grid = Path(args.grid) if args.grid else out_dir / "_samples.png"
-    shown = sample_grid(out_dir, info, args.samples, grid)
-    console.print(f"wrote a grid of {shown} samples to {grid}")
+    if args.samples:
+        default = Path(urls.local_path(location)) / "_samples.png" if urls.is_local(location) else Path("_samples.png")
+        grid = Path(args.grid) if args.grid else default
+        shown = sample_grid(location, info, args.samples, grid)
+        console.print(f"wrote a grid of {shown} samples to {grid}")
     return status

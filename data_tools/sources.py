@@ -1,39 +1,66 @@
-"""Readers: where the images come from.
+"""Sources: where the images come from, listed once into a catalog (data_tools/plan.py) before anything is read.
 
-`open_source` turns SOURCE into a `Source`: lists of `Item`s per split (a stable id, a reference, a label) and a
-picklable `reader` that worker processes use to fetch an item's original bytes. Only references are held in
-memory, never image bytes. Kinds:
+`open_source` lists SOURCE into a `Source`: the catalog of inputs (an id, a label, a split per input), the class
+names, and a picklable `reader` that worker processes (or Ray tasks) use to fetch an input's original bytes. Only
+ids are listed, never image bytes, and no Python object is kept per input. Kinds:
 
 * `folder`: one sub-folder of images per class (labels are the sorted sub-folder names, as torchvision and HF do);
-* `unlabelled`: every image under SOURCE, recursively, label -1;
-* `list`: a CSV (header with `path`, optional `label` and `split`) or JSONL file (same keys) of image paths,
-  relative to the list's folder;
-* `hf`: a Hugging Face `datasets` dataset: a `save_to_disk` folder, parquet file(s), a folder of images read with
-  the "imagefolder" builder, or a hub name. Images are read with `Image(decode=False)`: original bytes.
+* `unlabelled`: every image under SOURCE, recursively, label -1 (both: data_tools/folders.py);
+* `list`: a CSV, JSONL or Parquet list of image paths (`path`, optional `label` and `split`), relative to the
+  list's folder; the list may be a local file or an fsspec URL (data_tools/lists.py);
+* `hf`: a Hugging Face `datasets` dataset (data_tools/hf_datasets.py), or with `streaming` its parquet files read
+  where they are, row group by row group (data_tools/hf_stream.py).
+
+This module holds what they share: the user's `SourceSpec`, the listed `Source`, the `FailureLog` of inputs met
+and not used, labels (`LabelTable`), the file reader, and `open_source`, which picks the kind.
 """
 
 from __future__ import annotations
 
-import bisect
-import csv
+import collections
+import hashlib
 import json
 import os
 import re
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
+import numpy as np
+
+from common import urls
 from common.errors import UserError
+from data_tools.plan import EXCLUDED, Catalog, CatalogWriter
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
 SPLIT_NAME = re.compile(r"^[A-Za-z0-9_]+$")  # split names end up in shard names and sample keys
 HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 SPLIT_LIKE = {"train", "val", "valid", "validation", "test"}
 KINDS = ("auto", "folder", "unlabelled", "list", "hf")
+UNLABELLED_ROWS = ("error", "skip", "keep")
+MAX_LABEL_INDEX = 10_000_000  # integer labels are class indices: a larger one is a mistake (or a memory bomb)
+MAX_LABEL_NAMES = 1_000_000  # distinct label names held while listing
 
 
 class SourceError(UserError):
     """SOURCE cannot be read as asked; the message is one line."""
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    """What the user said about SOURCE (the build-shards options that choose and read it)."""
+
+    path: str
+    kind: str = "auto"
+    existing_splits: bool = False
+    split: str | None = None  # hf: comma-separated split names (None: train, or every split with existing_splits)
+    image_column: str = ""  # hf: '' picks 'image' or the first Image column
+    label_column: str = "label"  # hf: '' means unlabelled
+    streaming: bool = False  # hf: read parquet files where they are instead of loading the dataset
+    unlabelled_rows: str = "error"  # a labelled list or dataset with some rows unlabelled: error, skip or keep
+    allow_outside_paths: bool = False  # list rows may name absolute paths, URLs or paths above the list's folder
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,233 +73,204 @@ class Item:
     label: int = -1
 
 
+def os_error_detail(error: OSError) -> str:
+    """An OSError as reproducible text: its type and reason, not the path (which may be a temporary name)."""
+    return f"{type(error).__name__}: {error.strerror or error}"
+
+
+class FailureLog:
+    """Inputs met while listing that are not used, with their reasons, spilled to a JSONL file as they come."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.file = open(self.path, "w", encoding="utf-8")
+        self.count = 0
+        self.reasons: collections.Counter[str] = collections.Counter()
+        self.hash = hashlib.sha256()
+
+    def add(self, source: str, reason: str, detail: str, split: str | None = None) -> None:
+        line = json.dumps({"source": source, "split": split, "reason": reason, "detail": detail}) + "\n"
+        self.file.write(line)
+        self.hash.update(line.encode())
+        self.count += 1
+        self.reasons[reason] += 1
+
+    def close(self) -> None:
+        self.file.close()
+
+
+# ---------------------------------------------------------------- readers (used in worker processes)
+
+def is_url(path: str) -> bool:
+    """Whether `path` is a URL with a scheme of its own (`s3://`, `file://`), not a local path."""
+    scheme = urlparse(path).scheme
+    return len(scheme) > 1
+
+
+def open_seekable(location: str) -> Any:
+    """A seekable binary file: local, or through fsspec (`hf://`, `s3://`, ...)."""
+    if urls.is_local(location):
+        return open(urls.local_path(location), "rb")
+    import fsspec
+
+    return fsspec.open(location, "rb").open()
+
+
 class FileReader:
-    """Reads items whose `ref` is a file path relative to `base` (items share one string for id and path, which
-    halves the memory per input)."""
+    """Reads items whose `ref` is a path: relative to `base` (a folder or a URL), or, for list rows allowed outside
+    it, absolute or a URL of its own. Remote reads have deadlines and bounded retries (common/urls.py)."""
 
     def __init__(self, base: str | Path = "") -> None:
         self.base = str(base)
 
-    def read(self, ref: str | int) -> bytes:
-        with open(os.path.join(self.base, str(ref)), "rb") as f:
-            return f.read()
-
-
-class HFReader:
-    """Reads original image bytes from Hugging Face datasets; `ref` is a row number across all `datasets` in turn.
-
-    The datasets are Arrow tables memory-mapped from disk, so worker processes share them instead of copying."""
-
-    def __init__(self, datasets: list[Any], image_column: str) -> None:
-        self.datasets = datasets
-        self.image_column = image_column
-        self.offsets = [0]
-        for ds in datasets:
-            self.offsets.append(self.offsets[-1] + len(ds))
+    def location(self, ref: str | int) -> str:
+        ref = str(ref)
+        return ref if is_url(ref) or os.path.isabs(ref) else urls.join(self.base, ref)
 
     def read(self, ref: str | int) -> bytes:
-        i = bisect.bisect_right(self.offsets, int(ref)) - 1
-        value = self.datasets[i][int(ref) - self.offsets[i]][self.image_column]
-        if isinstance(value, dict):  # the Image feature, undecoded: {"bytes": ..., "path": ...}
-            if value.get("bytes") is not None:
-                return value["bytes"]
-            value = value.get("path")
-        if isinstance(value, bytes):
-            return value
-        if isinstance(value, str):
-            return FileReader().read(value)
-        raise OSError(f"row {ref} has no image bytes or path in column '{self.image_column}'")
+        where = self.location(ref)
+        if urls.is_local(where):
+            with open(urls.local_path(where), "rb") as f:
+                return f.read()
+        return urls.read_url(where)
 
+    def read_many(self, refs: list) -> Iterator[bytes | OSError]:
+        """Each ref's bytes, or the OSError that reading it raised, in order."""
+        for ref in refs:
+            try:
+                yield self.read(ref)
+            except OSError as e:
+                yield e
+
+
+def image_value_bytes(value: Any, ref: Any, column: str) -> bytes:
+    """The bytes of an undecoded `datasets.Image` value ({"bytes": ..., "path": ...}), bytes, or a path."""
+    if isinstance(value, dict):
+        if value.get("bytes") is not None:
+            return value["bytes"]
+        value = value.get("path")
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, str) and value:
+        return FileReader().read(value)
+    raise OSError(f"row {ref} has no image bytes or path in column '{column}'")
+
+
+# ---------------------------------------------------------------- what open_source returns
 
 @dataclass
 class Source:
-    """What a SOURCE holds: items per split (one unnamed split "" when the source has no splits of its own)."""
+    """A listed SOURCE: its catalog, class names, reader and the inputs met but not listed (`failures`)."""
 
     kind: str
     path: str
-    splits: dict[str, list[Item]]
+    catalog: Catalog
     class_names: list[str]
-    reader: FileReader | HFReader
+    reader: Any  # FileReader, HFReader or ParquetStreamReader: read_many(refs) -> bytes or OSError per ref
+    failures: FailureLog
     details: dict[str, Any] = field(default_factory=dict)
+    ordered: bool = False  # the catalog already is in its final order (no shuffle of single inputs)
+    refs_are_rows: bool = False  # an item's ref is its catalog row (datasets) rather than its id (paths)
+    num_unlabelled: int = 0  # labelled source, unlabelled inputs kept (--unlabelled-rows keep)
+
+    @property
+    def num_inputs(self) -> int:
+        return int(np.count_nonzero(self.catalog.splits != EXCLUDED))
 
     def describe(self) -> dict[str, Any]:
         """The manifest's `source` record."""
-        return {"kind": self.kind, "path": self.path, "num_inputs": sum(len(v) for v in self.splits.values()),
-                **self.details}
+        return {"kind": self.kind, "path": self.path, "num_inputs": self.num_inputs, **self.details}
+
+    def items(self, rows: np.ndarray) -> list[Item]:
+        """The items of catalog `rows`, in that order."""
+        ids = self.catalog.ids(rows)
+        labels = self.catalog.labels[rows].tolist()
+        refs = rows.tolist() if self.refs_are_rows else ids
+        return [Item(i, r, lb) for i, r, lb in zip(ids, refs, labels)]
+
+    def close(self) -> None:
+        self.catalog.close()
 
 
-def _images_under(folder: Path) -> list[Path]:
-    return sorted(f for f in folder.rglob("*") if f.suffix.lower() in IMAGE_SUFFIXES and f.is_file())
-
-
-def _relative(paths: list[Path], root: Path) -> list[str]:
-    return [str(p.relative_to(root)) for p in paths]
-
-
-def _subfolders(folder: Path) -> list[str]:
-    return sorted(p.name for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
-
-
-def _check_split_names(names: list[str], where: str) -> None:
+def check_split_names(names: list[str], where: str) -> None:
     bad = [n for n in names if not SPLIT_NAME.match(n)]
     if bad:
         raise SourceError(f"split names in {where} must be letters, digits or '_' (got {', '.join(bad)})")
 
 
-def image_folder(root: str | Path, *, existing_splits: bool = False, labelled: bool = True) -> Source:
-    """A class-folder tree (`labelled`) or any tree of images (label -1); with `existing_splits`, each sub-folder
-    of `root` is a split holding such a tree, and classes are the union over splits (so labels agree)."""
-    root = Path(root)
-    if not root.is_dir():
-        raise SourceError(f"source folder not found: {root}")
-    split_dirs = {name: root / name for name in _subfolders(root)} if existing_splits else {"": root}
-    if existing_splits:
-        if not split_dirs:
-            raise SourceError(f"--existing-splits: {root} has no split sub-folders (expected {root}/train, ...)")
-        _check_split_names(list(split_dirs), str(root))
-    classes: list[str] = []
-    if labelled:
-        classes = sorted({c for d in split_dirs.values() for c in _subfolders(d)})
-        if not classes:
-            where = f"{root}/<split>" if existing_splits else str(root)
-            raise SourceError(f"{where} has no class sub-folders (expected {where}/<class>/<image>; "
-                              "use --source-kind unlabelled for a plain tree of images)")
-    splits: dict[str, list[Item]] = {}
-    for split, folder in split_dirs.items():
-        if labelled:
-            splits[split] = [Item(rel, rel, label)
-                             for label, name in enumerate(classes) if (folder / name).is_dir()
-                             for rel in _relative(_images_under(folder / name), root)]
+# ---------------------------------------------------------------- labels
+
+class BadLabel(ValueError):
+    """A label value that cannot be a class (a float, a negative index, ...)."""
+
+
+class LabelTable:
+    """Label values as met while listing -> codes (first-seen order); at the end, codes -> class indices.
+
+    Integers (and strings of digits) are class indices, with names '0'..'K-1' unless `names` are given (a
+    ClassLabel's); other strings are names, indexed in sorted order; None, '' and -1 mean unlabelled."""
+
+    def __init__(self, names: list[str] | None = None) -> None:
+        self.names = names
+        self.codes: dict[str, int] = {}
+        self.intlike = True
+
+    def code(self, value: Any) -> int:
+        if value is None or value == "":
+            return -1
+        if isinstance(value, bool) or not isinstance(value, (int, str, np.integer)):
+            raise BadLabel(f"label {value!r} is not an integer or a name")
+        text = str(value).strip() if isinstance(value, str) else str(int(value))
+        if re.fullmatch(r"[-+]?\d+", text):
+            index = int(text)
+            if index == -1:
+                return -1
+            if index < 0 or index >= MAX_LABEL_INDEX:
+                raise BadLabel(f"label {value!r} is not a class index (0 to {MAX_LABEL_INDEX - 1:,}, or -1 for none)")
+            text = str(index)
         else:
-            splits[split] = [Item(rel, rel) for rel in _relative(_images_under(folder), root)]
-    kind = "folder" if labelled else "unlabelled"
-    return Source(kind, str(root), splits, classes, FileReader(root))
+            self.intlike = False
+        code = self.codes.get(text)
+        if code is None:
+            if len(self.codes) >= MAX_LABEL_NAMES:
+                raise SourceError(f"more than {MAX_LABEL_NAMES:,} distinct labels: labels must be class names or "
+                                  "class indices, not per-image values")
+            code = self.codes[text] = len(self.codes)
+        return code
+
+    def finish(self) -> tuple[np.ndarray | None, list[str]]:
+        """(code -> class index lookup table, class names); (None, []) when nothing is labelled."""
+        if not self.codes:
+            return None, []
+        keys = list(self.codes)
+        if self.intlike:
+            index = [int(k) for k in keys]
+            names = list(self.names) if self.names else []
+            if max(index) >= len(names):
+                if self.names:
+                    raise SourceError(f"label {max(index)} is outside the dataset's {len(self.names)} class names")
+                names = [str(i) for i in range(max(index) + 1)]
+            return np.array(index, dtype=np.int32), names
+        names = sorted(keys)
+        position = {n: i for i, n in enumerate(names)}
+        return np.array([position[k] for k in keys], dtype=np.int32), names
 
 
-def _label_table(values: list[Any], names: list[str] | None = None) -> tuple[list[int], list[str]]:
-    """Labels as ints plus class names: ints stay as they are (names '0'..'n-1' unless given); strings become
-    indices into their sorted set; None or '' is unlabelled (-1)."""
-    present = [v for v in values if v is not None and v != ""]
-    if not present:
-        return [-1] * len(values), []
-    if all(isinstance(v, int) or (isinstance(v, str) and re.fullmatch(r"-?\d+", v)) for v in present):
-        ints = [int(v) if v is not None and v != "" else -1 for v in values]
-        return ints, names or [str(i) for i in range(max(ints) + 1)]
-    classes = sorted({str(v) for v in present})
-    index = {c: i for i, c in enumerate(classes)}
-    return [index[str(v)] if v is not None and v != "" else -1 for v in values], classes
-
-
-def path_list(list_file: str | Path, *, existing_splits: bool = False) -> Source:
-    """A CSV or JSONL list of image paths (relative to the list's folder) with optional `label` and `split`."""
-    list_file = Path(list_file)
-    if not list_file.is_file():
-        raise SourceError(f"list file not found: {list_file}")
-    if list_file.suffix.lower() == ".csv":
-        with open(list_file, newline="") as f:
-            rows = list(csv.DictReader(f))
-    elif list_file.suffix.lower() in (".jsonl", ".ndjson"):
-        with open(list_file) as f:
-            rows = [json.loads(line) for line in f if line.strip()]
-    else:
-        raise SourceError(f"list file must end in .csv or .jsonl: {list_file}")
-    if not rows:
-        raise SourceError(f"{list_file} lists no images")
-    if "path" not in rows[0]:
-        raise SourceError(f"{list_file} has no 'path' column (has: {', '.join(rows[0])})")
-    if existing_splits and any(not r.get("split") for r in rows):
-        raise SourceError(f"--existing-splits: every row of {list_file} needs a 'split' value")
-    labels, classes = _label_table([r.get("label") for r in rows])
-    base = list_file.parent
-    splits: dict[str, list[Item]] = {}
-    for row, label in zip(rows, labels):
-        split = str(row["split"]) if existing_splits else ""
-        path = str(row["path"])
-        splits.setdefault(split, []).append(Item(path, path, label))
-    if existing_splits:
-        _check_split_names(list(splits), str(list_file))
-    return Source("list", str(list_file), dict(sorted(splits.items())), classes, FileReader(base))
-
-
-def _load_hf(path: str) -> Any:
-    """A Dataset or DatasetDict from a save_to_disk folder, parquet file(s), an image folder, or a hub name."""
-    import datasets  # imported here: only this source needs it, and it is slow to import
-
-    p = Path(path)
-    try:
-        if p.is_dir() and ((p / "dataset_dict.json").exists() or (p / "state.json").exists()):
-            return datasets.load_from_disk(str(p)), "save_to_disk"
-        if p.is_file() and p.suffix == ".parquet":
-            return datasets.load_dataset("parquet", data_files=str(p)), "parquet"
-        if p.is_dir() and any(p.rglob("*.parquet")):
-            return datasets.load_dataset("parquet", data_dir=str(p)), "parquet"
-        if p.is_dir():
-            return datasets.load_dataset("imagefolder", data_dir=str(p)), "imagefolder"
-        if p.exists():
-            raise SourceError(f"{p} is neither a dataset folder nor a parquet file")
-        return datasets.load_dataset(path), "hub"
-    except SourceError:
-        raise
-    except Exception as e:  # datasets raises many types (ConnectionError offline, FileNotFoundError, ...)
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise SourceError(f"could not load Hugging Face dataset '{path}': {type(e).__name__}: {first}") from None
-
-
-def hf_dataset(path: str, *, split: str = "train", existing_splits: bool = False, image_column: str = "",
-               label_column: str | None = "label") -> Source:
-    """A Hugging Face dataset; `split` may be comma-separated; with `existing_splits` and no `split`, every split
-    of the dataset is used. `label_column` None or '' means unlabelled (also when the column does not exist)."""
-    import datasets
-
-    loaded, how = _load_hf(path)
-    if isinstance(loaded, datasets.DatasetDict):
-        wanted = [s for s in split.split(",") if s] if split else list(loaded)
-        missing = [s for s in wanted if s not in loaded]
-        if missing:
-            raise SourceError(f"split {', '.join(missing)} not in {path} (has: {', '.join(loaded)})")
-        parts = {s: loaded[s] for s in wanted}
-    else:
-        parts = {(split or "train").split(",")[0]: loaded}
-    if not existing_splits and len(parts) > 1:
-        raise SourceError("several --split names need --existing-splits (or pass one split and --val-fraction)")
-    if existing_splits:
-        _check_split_names(list(parts), path)
-    first = next(iter(parts.values()))
-    if not image_column:
-        image_column = "image" if "image" in first.features else next(
-            (k for k, v in first.features.items() if isinstance(v, datasets.Image)), "")
-    if image_column not in first.features:
-        raise SourceError(f"no image column '{image_column or '?'}' in {path} "
-                          f"(columns: {', '.join(first.features)}); pass --image-column")
-    use_labels = bool(label_column) and label_column in first.features
-    names = None
-    if use_labels and isinstance(first.features[label_column], datasets.ClassLabel):
-        names = list(first.features[label_column].names)
-    tables, splits, all_labels, sizes = [], {}, [], []
-    for ds in parts.values():
-        if isinstance(ds.features[image_column], datasets.Image):
-            ds = ds.cast_column(image_column, datasets.Image(decode=False))  # original bytes, no re-encoding
-        all_labels += list(ds[label_column]) if use_labels else [None] * len(ds)
-        tables.append(ds.select_columns([image_column]))
-        sizes.append(len(ds))
-    labels, classes = _label_table(all_labels, names)
-    row = 0
-    for (name, _), n in zip(parts.items(), sizes):
-        splits[name if existing_splits else ""] = [Item(f"{name}/{i}", row + i, labels[row + i]) for i in range(n)]
-        row += n
-    details = {"loader": how, "splits": list(parts), "image_column": image_column,
-               "label_column": label_column if use_labels else None}
-    return Source("hf", path, splits, classes, HFReader(tables, image_column), details)
-
+# ---------------------------------------------------------------- choosing and opening
 
 def detect_kind(path: str) -> str:
-    """`auto`: .csv/.jsonl is a list; a datasets folder, parquet, or a missing path shaped like a hub name
+    """`auto`: .csv/.jsonl is a list; a datasets folder (parquet files in it or in its data/ folder, or a
+    save_to_disk folder), a parquet file, or a missing path shaped like a hub name
     ("name", "owner/name") is `hf`; any other folder is a class-folder tree; any other missing path an error."""
-    p = Path(path)
-    if p.suffix.lower() in (".csv", ".jsonl", ".ndjson"):
+    lowered = (urlparse(path).path if is_url(path) else path).lower()
+    if lowered.endswith((".csv", ".jsonl", ".ndjson")):
         return "list"
+    if lowered.endswith(".parquet") and (is_url(path) or os.path.isfile(path)) and _is_path_list(path):
+        return "list"
+    p = Path(path)
     if p.is_dir():
-        if (p / "dataset_dict.json").exists() or (p / "state.json").exists() or any(p.glob("*.parquet")):
+        if ((p / "dataset_dict.json").exists() or (p / "state.json").exists() or any(p.glob("*.parquet"))
+                or any(p.glob("data/*.parquet"))):  # data/: the Hub's layout
             return "hf"
         return "folder"
     if p.suffix == ".parquet" and p.exists():
@@ -284,20 +282,91 @@ def detect_kind(path: str) -> str:
     raise SourceError(f"cannot tell what kind of source {path} is; pass --source-kind")
 
 
-def open_source(path: str, kind: str = "auto", *, existing_splits: bool = False, split: str = "train",
-                image_column: str = "", label_column: str | None = "label") -> Source:
-    """Open SOURCE as the given kind (see the module docstring)."""
+def _is_path_list(location: str) -> bool:
+    """A parquet file with a string 'path' column and no image column is a list of paths, not a dataset."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        with open_seekable(location) as f:
+            schema = pq.read_schema(f)
+    except (OSError, pa.ArrowException):
+        return False
+    images = [f for f in schema if pa.types.is_struct(f.type) or pa.types.is_binary(f.type)]
+    return "path" in schema.names and pa.types.is_string(schema.field("path").type) and not images
+
+
+def _unlabelled_rows(source: Source, mode: str) -> None:
+    """A labelled source with unlabelled inputs: refuse (error), leave them out and record them (skip), or keep."""
+    catalog = source.catalog
+    if not source.class_names:
+        return
+    missing = np.flatnonzero((catalog.labels < 0) & (catalog.splits != EXCLUDED))
+    if not len(missing):
+        return
+    if mode == "error":
+        example = catalog.ids(missing[:1])[0]
+        raise SourceError(f"{len(missing):,} of {source.num_inputs:,} inputs of {source.path} have no label (first: "
+                          f"{example!r}) while the others have one; pass --unlabelled-rows skip to leave them out, "
+                          "or --unlabelled-rows keep to write them without a label (pretraining only)")
+    if mode == "skip":
+        for start in range(0, len(missing), 65536):
+            chunk = missing[start: start + 65536]
+            for source_id in catalog.ids(chunk):
+                source.failures.add(source_id, "unlabelled", "no label while the other inputs have one")
+        catalog.splits[missing] = EXCLUDED
+    else:
+        source.num_unlabelled = len(missing)
+
+
+def open_source(spec: SourceSpec, workdir: Path, seed: int = 0,
+                progress: Callable[[int, int], None] = lambda rows, done: None) -> Source:
+    """List SOURCE as the given kind (see the module docstring) into a catalog under `workdir` (local scratch
+    space). `seed` orders the files of a streaming dataset. The caller closes the returned source."""
+    kind = spec.kind
     if kind == "auto":
-        kind = detect_kind(path)
+        kind = "hf" if spec.streaming and (os.path.isdir(spec.path) or not os.path.exists(spec.path)) else \
+            detect_kind(spec.path)
+    if kind not in KINDS[1:]:
+        raise SourceError(f"unknown source kind {kind!r} (one of {', '.join(KINDS)})")
+    if spec.streaming and kind != "hf":
+        raise SourceError(f"--streaming reads Hugging Face datasets; {spec.path} is a {kind} source")
+    if spec.unlabelled_rows not in UNLABELLED_ROWS:
+        raise SourceError(f"--unlabelled-rows must be one of {', '.join(UNLABELLED_ROWS)}")
+    writer = CatalogWriter(workdir)
+    failures = FailureLog(Path(workdir) / "listing_failures.jsonl")
+    details: dict[str, Any] = {}
+    ordered = refs_are_rows = False
+    label_map, class_names = None, []
     if kind in ("folder", "unlabelled"):
-        source = image_folder(path, existing_splits=existing_splits, labelled=kind == "folder")
-        if kind == "folder" and not existing_splits and set(source.class_names) <= SPLIT_LIKE:
-            print(f"note: the class folders of {path} look like splits ({', '.join(source.class_names)}); "
+        from data_tools.folders import list_folder
+
+        class_names = list_folder(spec, writer, failures, labelled=kind == "folder")
+        reader: Any = FileReader(spec.path)
+        if kind == "folder" and not spec.existing_splits and set(class_names) <= SPLIT_LIKE:
+            print(f"note: the class folders of {spec.path} look like splits ({', '.join(class_names)}); "
                   "pass --existing-splits to use them as splits")
-        return source
-    if kind == "list":
-        return path_list(path, existing_splits=existing_splits)
-    if kind == "hf":
-        return hf_dataset(path, split=split, existing_splits=existing_splits, image_column=image_column,
-                          label_column=label_column)
-    raise SourceError(f"unknown source kind {kind!r} (one of {', '.join(KINDS)})")
+    elif kind == "list":
+        from data_tools.lists import list_paths
+
+        labels = LabelTable()
+        reader = FileReader(list_paths(spec, writer, failures, labels, progress))
+        label_map, class_names = labels.finish()
+    elif spec.streaming:
+        from data_tools.hf_stream import list_parquet_stream
+
+        reader, details, labels = list_parquet_stream(spec, writer, seed, progress)
+        label_map, class_names = labels.finish()
+        ordered = refs_are_rows = True
+    else:
+        from data_tools.hf_datasets import list_hf
+
+        reader, details, labels = list_hf(spec, writer)
+        label_map, class_names = labels.finish()
+        refs_are_rows = True
+    catalog = writer.finish(label_map)
+    failures.file.flush()
+    source = Source(kind, spec.path, catalog, class_names, reader, failures, details, ordered, refs_are_rows)
+    _unlabelled_rows(source, spec.unlabelled_rows)
+    failures.close()
+    return source

@@ -10,6 +10,7 @@ from common.config import (
     ARCH_KEYS,
     Check,
     DataConfig,
+    ExportConfig,
     ModelConfig,
     OptimConfig,
     TrainConfig,
@@ -115,3 +116,4 @@ class FinetuneConfig:
     optim: FinetuneOptimConfig = section(FinetuneOptimConfig)
     augment: AugmentConfig = section(AugmentConfig)
     train: FinetuneTrainConfig = section(FinetuneTrainConfig)
+    export: ExportConfig = section(ExportConfig)

@@ -10,7 +10,7 @@ normalisation, evaluation crop); the images are decoded as in fine-tuning's eval
 
 Prints loss, top-1, top-5 (more than 5 classes), mean per-class accuracy and per-class accuracy; writes
 `evaluation.json` (all of it, with the confusion matrix), `confusion_matrix.json` and `confusion_matrix.png` to
-`--out`, by default the folder `PATH-eval-SPLIT` beside the export folder PATH (never into the export itself).
+`--out`, by default the folder `PATH-eval-SPLIT` beside the export folder PATH (never into an export).
 """
 
 from __future__ import annotations
@@ -39,13 +39,18 @@ MAX_ROWS = 20  # per-class rows printed; evaluation.json has them all
 
 
 def default_out(checkpoint: str, split: str) -> Path:
-    """`PATH-eval-SPLIT` beside the export folder PATH (or the folder of its weights file); for a Hub or timm name,
-    `NAME-eval-SPLIT` in the current directory."""
+    """`PATH-eval-SPLIT` beside the export folder PATH (or the folder of its weights file), outside any export that
+    holds it (`run/export/best` -> `run/export-best-eval-val`), so that no export folder gains files; for a Hub or timm
+    name, `NAME-eval-SPLIT` in the current directory."""
     path = Path(checkpoint.removeprefix(LOCAL_DIR))
-    if path.exists():
-        folder = path if path.is_dir() else path.parent
-        return folder.with_name(f"{folder.name}-eval-{split}")
-    return Path(re.sub(r"[^\w.-]+", "_", checkpoint) + f"-eval-{split}")
+    if not path.exists():
+        return Path(re.sub(r"[^\w.-]+", "_", checkpoint) + f"-eval-{split}")
+    folder = (path if path.is_dir() else path.parent).absolute()
+    name = folder.name
+    while folder.parent != folder and is_export(folder.parent):
+        folder = folder.parent
+        name = f"{folder.name}-{name}"
+    return folder.parent / f"{name}-eval-{split}"
 
 
 def check_classes(pre: Pretrained, info: dict[str, Any], shards: str, ignore_names: bool) -> str | None:

@@ -56,18 +56,24 @@ def image_paths(items: list[str]) -> list[Path]:
     return paths
 
 
+def prepared_image(path: Path, decoder: ImageDecoder, pre: Pretrained) -> torch.Tensor:
+    """An image file as the model sees it: prepared as build-shards prepared the training images (the encoder
+    settings the export recorded from the shards' manifest), then the evaluation resize and crop. uint8 (3, H, W)."""
+    settings = EncodeSettings.from_record((pre.record.get("data") or {}).get("encoder"))
+    return decoder(prepare_image(path.read_bytes(), settings)[0])
+
+
 @torch.no_grad()
 def predict(model: torch.nn.Module, pre: Pretrained, paths: list[Path], batch_size: int = 64, top_k: int = 1,
             device: str | torch.device = "cpu") -> Iterator[tuple[Path, list[tuple[int, float]]]]:
     """(path, [(class index, probability)] best first) for each image; undecodable images are reported and skipped."""
     decoder = ImageDecoder(pre.model.img_size, train=False, eval_crop_pct=pre.crop_pct or 0.875)
-    settings = EncodeSettings.from_record((pre.record.get("data") or {}).get("encoder"))
     model.to(device)
     for i in range(0, len(paths), batch_size):
         good, images = [], []
         for p in paths[i:i + batch_size]:
             try:
-                images.append(decoder(prepare_image(p.read_bytes(), settings)[0]))
+                images.append(prepared_image(p, decoder, pre))
                 good.append(p)
             except (BadImage, OSError) as e:  # one bad file must not stop the labelling of the others
                 print(f"warning: skipped {p}: {e}", file=sys.stderr)

@@ -20,12 +20,14 @@ from common.checkpoint import save_checkpoint
 from common.config import ConfigError, parse_args, to_dict
 from common.data_stream import build_loaders, normalize
 from common.export import write_export
+from common.hub import check_hub, publish
 from common.manifest import data_record, load_split
 from common.models import count_params
 from common.run_dir import MetricsLog, prepare_run_dir
 from common.runtime import build_optimizer, make_accelerator, optimizer_step, prepare_model, resume_latest
 from common.schedule import describe_lr, lr_at, scaled_lr, set_lr, warmup_steps
 from common.step_meter import StepMeter
+from common.tracking import start_trackers
 from finetune.augment import RandAugmentU8, build_mixup, build_random_erasing, color_jitter
 from finetune.config import DESCRIPTION, FinetuneConfig
 from finetune.ema import build_ema
@@ -43,6 +45,8 @@ def train(cfg: FinetuneConfig) -> None:
     """Run the stage for a loaded config: the spine below reads top to bottom."""
     tc = cfg.train
     accelerator, plan = make_accelerator(tc)
+    if accelerator.is_main_process:
+        check_hub(cfg.export)  # a push at the end of a long run must not fail for want of a token
     set_seed(tc.seed, device_specific=True)
     with accelerator.main_process_first():
         changed = prepare_run_dir(tc.run_dir, cfg, accelerator.is_main_process)
@@ -96,7 +100,7 @@ def train(cfg: FinetuneConfig) -> None:
         f"{f', EMA decay {tc.ema_decay:g} (averages about {1 / (1 - tc.ema_decay):.0f} steps)' if ema else ''} | "
         f"mixed precision {tc.mixed_precision} | run dir {tc.run_dir}"
     )
-    accelerator.init_trackers("finetune", config={k: str(v) for k, v in to_dict(cfg).items()})
+    start_trackers(accelerator, tc, cfg)
 
     def forward(m, batch):
         images, labels = batch["image"], batch["label"]
@@ -161,16 +165,27 @@ def train(cfg: FinetuneConfig) -> None:
                 export(Path(tc.run_dir) / "export" / "best", done, result)
             best_top1 = max(best_top1, result["val_top1"])
             if ema is not None and ema_result["val_top1"] > best_ema_top1:
-                export(Path(tc.run_dir) / "export" / "ema" / "best", done, ema_result, ema.module)
+                export(Path(tc.run_dir) / "export_ema" / "best", done, ema_result, ema.module)
             best_ema_top1 = max(best_ema_top1, ema_result.get("val_top1", -1.0))
         if done % tc.ckpt_every == 0 or done == total_steps:
             save_checkpoint(accelerator, tc.run_dir, done,
                             {"config": to_dict(cfg), "best_top1": best_top1, "best_ema_top1": best_ema_top1,
                              **meter.checkpoint_state()}, tc.keep_last)
 
+    meter.draw()
     export(Path(tc.run_dir) / "export", total_steps, result)
     if ema is not None:
-        export(Path(tc.run_dir) / "export" / "ema", total_steps, ema_result, ema.module)
+        export(Path(tc.run_dir) / "export_ema", total_steps, ema_result, ema.module)
+    if accelerator.is_main_process:  # model cards for every export; the best one (if any) goes to the Hub
+        best = Path(tc.run_dir) / "export" / "best"
+        publish(Path(tc.run_dir) / "export", tc.run_dir, cfg.export, cfg.data.shards, push_it=not best.is_dir())
+        for ema_dir in (Path(tc.run_dir) / "export_ema", Path(tc.run_dir) / "export_ema" / "best"):
+            if ema is not None and ema_dir.is_dir():
+                publish(ema_dir, tc.run_dir, cfg.export, cfg.data.shards, push_it=False)
+        if best.is_dir():
+            url = publish(best, tc.run_dir, cfg.export, cfg.data.shards, push_it=True)
+            if url:
+                accelerator.print(f"uploaded {best} to {url}")
     if result:
         accelerator.print(f"final validation top-1: {result['val_top1']:.4f} on {result['val_samples']} images "
                           f"({num_classes} classes, chance {1 / num_classes:.4f}); best {best_top1:.4f}, "

@@ -12,9 +12,11 @@ from typing import ClassVar, Literal
 from common.config import (
     ARCH_KEYS,
     DataConfig,
+    ExportConfig,
     ModelConfig,
     OptimConfig,
     TrainConfig,
+    above,
     at_least,
     between,
     opt,
@@ -44,6 +46,19 @@ class MPPConfig:
 
 
 @dataclass
+class KnnConfig:
+    """The k-NN monitor (pretrain/knn.py): at each evaluation, when the shards carry labels, k-NN top-1 of validation
+    images against labelled training images, from the [class] token and from the patch mean."""
+
+    train_images: int = opt(5000, "labelled reference images read at each evaluation (0: no k-NN monitor)",
+                            at_least(0))
+    val_images: int = opt(1000, "validation images classified at each evaluation", at_least(1))
+    k: int = opt(20, "neighbours that vote", at_least(1))
+    temperature: float = opt(0.07, "each vote weighs exp(cosine similarity / temperature) (DINO's rule)", above(0))
+    train_split: str = opt("", "the labelled split references come from ('' = data.train_split)")
+
+
+@dataclass
 class PretrainTrainConfig(TrainConfig):
     run_dir: str = opt("runs/pretrain", "run directory (config, metrics, checkpoints, export); re-running resumes")
     steps: int = opt(1000, "optimizer steps (the paper: 1M at batch 4096)", at_least(1))
@@ -62,3 +77,5 @@ class PretrainConfig:
     data: DataConfig = section(DataConfig)
     optim: OptimConfig = section(OptimConfig)
     train: PretrainTrainConfig = section(PretrainTrainConfig)
+    knn: KnnConfig = section(KnnConfig)
+    export: ExportConfig = section(ExportConfig)

@@ -19,13 +19,16 @@ from common.checkpoint import save_checkpoint
 from common.config import parse_args, to_dict
 from common.data_stream import build_loaders, to_device
 from common.export import strip_prefix, write_export
+from common.hub import check_hub, publish
 from common.manifest import data_record, load_split
 from common.models import count_params, create_encoder, norm_stats, patch_size
 from common.run_dir import MetricsLog, prepare_run_dir
 from common.runtime import build_optimizer, make_accelerator, optimizer_step, prepare_model, resume_latest
 from common.schedule import describe_lr, lr_at, scaled_lr, set_lr, warmup_steps
 from common.step_meter import StepMeter
+from common.tracking import start_trackers
 from pretrain.config import DESCRIPTION, PretrainConfig
+from pretrain.knn import knn_monitor
 from pretrain.mpp import MaskedPatchPrediction
 
 
@@ -67,6 +70,8 @@ def train(cfg: PretrainConfig) -> None:
     """Run the stage for a loaded config: the spine below reads top to bottom."""
     tc = cfg.train
     accelerator, plan = make_accelerator(tc)
+    if accelerator.is_main_process:
+        check_hub(cfg.export)  # a push at the end of a long run must not fail for want of a token
     set_seed(tc.seed, device_specific=True)  # a different corruption draw on every process
     with accelerator.main_process_first():
         changed = prepare_run_dir(tc.run_dir, cfg, accelerator.is_main_process)
@@ -75,6 +80,10 @@ def train(cfg: PretrainConfig) -> None:
     # Data: the manifest gives sizes, so every process knows the step counts without scanning shards.
     train_split, info = load_split(cfg.data.shards, cfg.data.train_split)
     val_split = load_split(cfg.data.shards, cfg.data.val_split)[0] if cfg.data.val_split else None
+    # The k-NN monitor's labelled references (pretrain/knn.py); it runs only beside a validation split.
+    knn_split = None
+    if cfg.knn.train_images and val_split is not None:
+        knn_split = load_split(cfg.data.shards, cfg.knn.train_split or cfg.data.train_split)[0]
 
     # Model: timm ViT + the MPP objective (mask token, corruption, head, targets).
     encoder = create_encoder(cfg.model)
@@ -108,11 +117,12 @@ def train(cfg: PretrainConfig) -> None:
         f"optim {cfg.optim.name} {describe_lr(cfg.optim, tc.batch_size)}, warmup {warmup}, cosine to step "
         f"{tc.steps} | mixed precision {tc.mixed_precision} | run dir {tc.run_dir}"
     )
-    accelerator.init_trackers("pretrain", config={k: str(v) for k, v in to_dict(cfg).items()})
+    start_trackers(accelerator, tc, cfg)
 
     batches = iter(loader)
     meter = StepMeter(accelerator, log, start_step=start_step, total_steps=tc.steps, batch_size=tc.batch_size,
                       log_every=tc.log_every, bad_total=resumed.get("bad_samples_total", 0))
+    last_eval: dict[str, float] = {}
     model.train()
     for step in range(start_step, tc.steps):
         lr = lr_at(step, peak_lr, warmup, tc.steps, cfg.optim.min_lr_ratio)
@@ -123,12 +133,23 @@ def train(cfg: PretrainConfig) -> None:
         done = step + 1
         meter.log(done, lr)
         if val_loader is not None and ((tc.eval_every and done % tc.eval_every == 0) or done == tc.steps):
-            meter.log_eval(done, evaluate(accelerator, accelerator.unwrap_model(model), val_loader, tc.seed),
-                           label=f"step {done}", split_size=val_split.num_samples)
+            result = evaluate(accelerator, accelerator.unwrap_model(model), val_loader, tc.seed)
+            if knn_split is not None:
+                knn = knn_monitor(accelerator, accelerator.unwrap_model(model).encoder, knn_split, val_split,
+                                  cfg.data, cfg.model.img_size, plan.micro_batch, cfg.knn, mean, std)
+                model.train()
+                if knn is None:
+                    accelerator.print("note: the k-NN monitor is off: the shards carry no labels")
+                    knn_split = None
+                else:
+                    result.update(knn)
+            meter.log_eval(done, result, label=f"step {done}", split_size=val_split.num_samples)
+            last_eval = result
         if done % tc.ckpt_every == 0 or done == tc.steps:
             save_checkpoint(accelerator, tc.run_dir, done, {"config": to_dict(cfg), **meter.checkpoint_state()},
                             tc.keep_last, rank_state={"mpp_generator": gen.get_state()})
 
+    meter.draw()
     # The hand-off to fine-tuning: the encoder's weights (timm names) and the config to rebuild it. The state dict
     # is gathered on every process (FSDP shards need all of them); the main process writes it.
     state = accelerator.get_state_dict(model)
@@ -138,6 +159,9 @@ def train(cfg: PretrainConfig) -> None:
             std=std, crop_pct=cfg.data.eval_crop_pct, record={
                 "pretrain": {"steps": tc.steps, "batch_size": tc.batch_size, "target": cfg.mpp.target,
                              "mask_ratio": cfg.mpp.mask_ratio, "optimizer": cfg.optim.name, "lr": peak_lr},
-                "data": data_record(cfg.data.shards, info)})
+                "metrics": last_eval, "data": data_record(cfg.data.shards, info)})
         accelerator.print(f"exported encoder to {path}")
+        url = publish(path, tc.run_dir, cfg.export, cfg.data.shards, push_it=True)
+        if url:
+            accelerator.print(f"uploaded to {url}")
     accelerator.end_training()

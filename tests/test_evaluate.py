@@ -50,6 +50,7 @@ def classifier(out: Path, num_classes: int, class_names: list[str] | None) -> Pa
 
 def test_the_numbers_are_those_of_fine_tunings_final_evaluation(run, shards):
     record = json.loads((run / "export" / "config.json").read_text())["vit_mpp"]["metrics"]
+    export_files = sorted(p.relative_to(run) for p in (run / "export").rglob("*"))
     report = evaluate.main(["--checkpoint", str(run / "export"), "--shards", str(shards), "--workers", "0"])
     m = report["metrics"]
     assert m["samples"] == record["val_samples"] == N_VAL
@@ -63,7 +64,14 @@ def test_the_numbers_are_those_of_fine_tunings_final_evaluation(run, shards):
     out = run / "export-eval-val"
     assert json.loads((out / "evaluation.json").read_text()) == report
     assert (out / "confusion_matrix.png").stat().st_size > 1000 and (out / "confusion_matrix.json").is_file()
-    assert sorted(p.name for p in (run / "export").iterdir() if p.is_file()) == ["config.json", "model.safetensors"]
+    assert sorted(p.relative_to(run) for p in (run / "export").rglob("*")) == export_files
+
+
+def test_the_default_out_is_beside_the_outermost_export(run):
+    assert evaluate.default_out(str(run / "export" / "best"), "val") == run / "export-best-eval-val"
+    assert evaluate.default_out(f"local-dir:{run / 'export'}", "test") == run / "export-eval-test"
+    assert evaluate.default_out(str(run / "export" / "model.safetensors"), "val") == run / "export-eval-val"
+    assert evaluate.default_out("hf-hub:me/vit@v1", "val") == Path("hf-hub_me_vit_v1-eval-val")
 
 
 def test_batches_and_workers_do_not_change_the_numbers(run, shards, tmp_path):

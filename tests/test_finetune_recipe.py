@@ -200,15 +200,15 @@ def test_ema_is_evaluated_beside_the_model_and_exported_as_its_own_model(ema_run
     evals = [m for m in map(json.loads, (ema_run / "metrics.jsonl").read_text().splitlines()) if "val_top1" in m]
     assert len(evals) == 2
     assert all({"ema_val_top1", "ema_val_loss", "ema_val_mean_class_acc"} <= m.keys() for m in evals)
-    last = read_export(ema_run / "export" / "ema")
+    last = read_export(ema_run / "export_ema")
     assert last.record["finetune"]["weights"] == "ema" and last.record["finetune"]["ema_decay"] == 0.5
     assert last.record["metrics"]["val_top1"] == evals[-1]["ema_val_top1"]
     assert read_export(ema_run / "export").record["finetune"]["weights"] == "model"
-    best = read_export(ema_run / "export" / "ema" / "best")
+    best = read_export(ema_run / "export_ema" / "best")
     assert best.record["metrics"]["val_top1"] == max(m["ema_val_top1"] for m in evals)
     # the export is the EMA of the last checkpoint, and a plain timm model folder
     _, ema = checkpoint_weights(ema_run, 10)
-    model = timm.create_model(f"local-dir:{ema_run / 'export' / 'ema'}", pretrained=True)
+    model = timm.create_model(f"local-dir:{ema_run / 'export_ema'}", pretrained=True)
     for k, v in model.state_dict().items():
         assert torch.equal(v, ema[k]), k
     assert model.pretrained_cfg["label_names"] == ["a", "b", "c"]
@@ -216,7 +216,7 @@ def test_ema_is_evaluated_beside_the_model_and_exported_as_its_own_model(ema_run
 
 def test_evaluate_on_the_ema_export_gives_the_ema_numbers_of_training(ema_run, shards, tmp_path):
     evals = [m for m in map(json.loads, (ema_run / "metrics.jsonl").read_text().splitlines()) if "val_top1" in m]
-    report = evaluate.main(["--checkpoint", str(ema_run / "export" / "ema"), "--shards", str(shards), "--workers",
+    report = evaluate.main(["--checkpoint", str(ema_run / "export_ema"), "--shards", str(shards), "--workers",
                             "0", "--out", str(tmp_path)])
     assert report["metrics"]["top1"] == evals[-1]["ema_val_top1"]
     assert report["metrics"]["loss"] == pytest.approx(evals[-1]["ema_val_loss"], rel=1e-5)
@@ -226,7 +226,7 @@ def test_a_resumed_run_restores_the_ema_exactly(ema_run, shards, pretrained, tmp
     # The run as if it had been killed after its checkpoint at step 4, then started again.
     resumed = tmp_path / "resumed"
     shutil.copytree(ema_run, resumed, ignore=shutil.ignore_patterns(".lock"))
-    shutil.rmtree(resumed / "export")
+    shutil.rmtree(resumed / "export"), shutil.rmtree(resumed / "export_ema")
     for ckpt in (resumed / "checkpoints").glob("step_*"):
         if int(ckpt.name[5:]) > 4:
             shutil.rmtree(ckpt)
@@ -234,9 +234,8 @@ def test_a_resumed_run_restores_the_ema_exactly(ema_run, shards, pretrained, tmp
     for step in range(5, 11):  # every later step's model and EMA, bit for bit
         for a, b in zip(checkpoint_weights(ema_run, step), checkpoint_weights(resumed, step)):
             assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), step
-    for folder in ("ema", "ema/best"):
-        assert load_file(resumed / "export" / folder / "model.safetensors").keys()
-    a, b = (load_file(r / "export" / "ema" / "model.safetensors") for r in (ema_run, resumed))
+    assert (resumed / "export_ema" / "best" / "model.safetensors").is_file()
+    a, b = (load_file(r / "export_ema" / "model.safetensors") for r in (ema_run, resumed))
     assert all(torch.equal(a[k], b[k]) for k in a)
     state = json.loads((resumed / "checkpoints" / "step_000010" / "trainer_state.json").read_text())
     assert state["best_ema_top1"] == json.loads(
@@ -273,5 +272,5 @@ def test_the_mae_style_recipe_runs_on_tiny_data(shards, pretrained, tmp_path):
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["val_samples"] == 13 and "ema_val_top1" in records[-1]
     assert all(r["bad_samples"] == 0 for r in records if "bad_samples" in r)  # no augmentation error: no bad sample
-    for folder in ("", "best", "ema", "ema/best"):
-        assert read_export(tmp_path / "export" / folder).model.drop_path_rate == 0.1
+    for folder in ("export", "export/best", "export_ema", "export_ema/best"):
+        assert read_export(tmp_path / folder).model.drop_path_rate == 0.1

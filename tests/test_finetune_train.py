@@ -10,14 +10,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 from safetensors.torch import load_file
 
 from common.config import ConfigError, ModelConfig
+from common.data_stream import ImageDecoder, range_segments, read_segment
 from common.export import read_export
+from common.manifest import load_split
 from common.models import create_encoder
 from common.pretrained import resize_pos_embed
 from common.runtime import build_optimizer
 from common.schedule import set_lr
+from data_tools.build_shards import main as build_main
 from finetune import predict
 from finetune.augment import build_mixup, color_jitter
 from finetune.config import AugmentConfig, FinetuneOptimConfig
@@ -145,3 +149,25 @@ def test_mixup_needs_an_even_batch():
     assert build_mixup(AugmentConfig(), 10, 0.1, 7) is None
     with pytest.raises(ConfigError, match="must be even"):
         build_mixup(AugmentConfig(mixup=0.8), 10, 0.1, 7)
+
+
+def test_predict_prepares_images_exactly_as_the_shards_hold_them(probe_run, tmp_path):
+    # predict once skipped EXIF rotation and turned 16-bit greyscale white, so its inputs differed from the shards.
+    src = tmp_path / "src" / "a"
+    src.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    rotated = Image.fromarray(rng.integers(0, 256, (20, 30, 3), dtype=np.uint8))
+    exif = rotated.getexif()
+    exif[0x0112] = 6  # shown rotated by 90 degrees
+    rotated.save(src / "rotated.jpg", exif=exif)
+    Image.fromarray(rng.integers(0, 65536, (24, 24), dtype=np.uint16)).save(src / "grey16.png")
+    build_main([str(tmp_path / "src"), str(tmp_path / "shards"), "--val-fraction", "0", "--workers", "1"])
+    split, info = load_split(tmp_path / "shards", "train")
+    model, pre = predict.load_classifier(probe_run / "export")
+    pre.record["data"] = {"encoder": info["encoder"]}  # the settings these shards were built with
+    decoder = ImageDecoder(pre.model.img_size, train=False, eval_crop_pct=pre.crop_pct)
+    for sample in read_segment(range_segments(split, [0], 0, 2)[0]):
+        source = json.loads(sample["json"])["source"]
+        from_shard = decoder(sample["jpg"])
+        by_predict = predict.prepared_image(src.parent / source, decoder, pre)
+        assert torch.equal(by_predict, from_shard), source

@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import collections
-import functools
-import http.server
 import io
-import threading
 
 import numpy as np
 import pytest
@@ -18,7 +15,7 @@ from common.config import DataConfig
 from common.data_stream import DataError, build_loader
 from common.manifest import ManifestError, load_split, write_manifest
 from data_tools.writer import ShardWriter
-from tests.conftest import serve_directory, write_shard_set
+from tests.conftest import FaultyHandler, serve_directory, serve_faulty, write_shard_set
 
 
 @pytest.fixture
@@ -117,48 +114,21 @@ def test_fewer_shards_than_workers_in_one_process(tmp_path, capsys):
     assert sorted(keys) == [f"train_{i:06d}" for i in range(20)]
 
 
-class _FlakyHandler(http.server.SimpleHTTPRequestHandler):
-    """Serves files, but cuts the connection half-way through a response while `cuts[path]` is positive."""
-
-    cuts: dict[str, int] = {}
-    requests: list[str] = []
-
-    def log_message(self, *args) -> None:
-        pass
-
-    def copyfile(self, source, outputfile) -> None:
-        self.requests.append(self.path)
-        if self.cuts.get(self.path, 0) > 0:
-            self.cuts[self.path] -= 1
-            data = source.read()
-            outputfile.write(data[: len(data) // 2])  # the headers promised all of it
-            outputfile.flush()
-            self.close_connection = True
-            return
-        super().copyfile(source, outputfile)
-
-
 @pytest.fixture
 def flaky(tmp_path):
-    shards = write_shard_set(tmp_path / "s", {"train": [40]}, size=32)
-    _FlakyHandler.cuts, _FlakyHandler.requests = {}, []
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0),
-                                             functools.partial(_FlakyHandler, directory=str(shards)))
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
+    with serve_faulty(write_shard_set(tmp_path / "s", {"train": [40]}, size=32)) as url:
+        yield url
 
 
 def test_a_remote_shard_cut_mid_stream_is_reopened_and_read_on(flaky):
-    _FlakyHandler.cuts["/train-000000.tar"] = 2
+    FaultyHandler.faults["/train-000000.tar"] = ("cut", 2)
     samples = list(data_stream.read_segment(data_stream.Segment(f"{flaky}/train-000000.tar", 5, 40, 40), wait_s=0))
     assert [s["__key__"] for s in samples] == [f"train_{i:06d}" for i in range(5, 40)]  # each once, in order
-    assert _FlakyHandler.requests == ["/train-000000.tar"] * 3
+    assert FaultyHandler.requests == ["/train-000000.tar"] * 3
 
 
 def test_a_remote_shard_that_keeps_breaking_is_a_data_error(flaky):
-    _FlakyHandler.cuts["/train-000000.tar"] = 99
+    FaultyHandler.faults["/train-000000.tar"] = ("cut", 99)
     with pytest.raises(DataError, match=r"the stream broke after sample \d+ of 40 \(3 attempts\)"):
         list(data_stream.read_segment(data_stream.Segment(f"{flaky}/train-000000.tar", 0, 40, 40), retries=2, wait_s=0))
-    assert len(_FlakyHandler.requests) == 3
+    assert len(FaultyHandler.requests) == 3

@@ -99,6 +99,14 @@ BAD_VALUES = [
     ("pretrain", ["optim.lrr=1"], "unknown config key 'optim.lrr'"),
     ("pretrain", ["train.steps=many"], "'train.steps' expects int"),
     ("finetune", ["--config", "configs/finetune/missing.yaml"], "config file not found"),
+    # trackers, the k-NN monitor, the Hub
+    ("pretrain", ["train.project="], "'train.project' must be a non-empty string"),
+    ("pretrain", ["knn.k=0"], "'knn.k' must be >= 1"),
+    ("pretrain", ["knn.temperature=0"], "'knn.temperature' must be > 0"),
+    ("pretrain", ["knn.train_images=-1"], "'knn.train_images' must be >= 0"),
+    ("pretrain", ["knn.val_images=0"], "'knn.val_images' must be >= 1"),
+    ("pretrain", ["export.push_to_hub=not a repo"], "'export.push_to_hub' must be '' or a repo id OWNER/NAME"),
+    ("finetune", ["export.push_to_hub=a/b/c"], "'export.push_to_hub' must be '' or a repo id OWNER/NAME"),
     # the fine-tuning recipe: RandAugment, random erasing, model EMA
     ("finetune", ["augment.auto_augment=rand-m9-x1"], "'augment.auto_augment' must be '' or a timm RandAugment string"),
     ("finetune", ["augment.auto_augment=original"], "'augment.auto_augment' must be '' or a timm RandAugment string"),

@@ -3,13 +3,10 @@ in small data, evaluation that could not count every image. Each ends in recover
 
 from __future__ import annotations
 
-import functools
-import http.server
 import io
 import json
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -23,59 +20,26 @@ from common.data_stream import ShardError
 from data_tools.writer import ShardWriter
 from finetune.train import main as finetune_main
 from pretrain.train import main as pretrain_main
-from tests.conftest import REPO, subprocess_env, write_encoder_export, write_shard_set
-
-
-class _StallingHandler(http.server.SimpleHTTPRequestHandler):
-    """Serves files, but for the first `stalls[path]` requests of a path sends half the body and then goes silent
-    (the connection stays open) until the test ends."""
-
-    stalls: dict[str, int] = {}
-    requests: list[str] = []
-    release = threading.Event()
-
-    def log_message(self, *args) -> None:
-        pass
-
-    def copyfile(self, source, outputfile) -> None:
-        self.requests.append(self.path)
-        if self.stalls.get(self.path, 0) > 0:
-            self.stalls[self.path] -= 1
-            data = source.read()
-            outputfile.write(data[: len(data) // 2])
-            outputfile.flush()
-            self.release.wait(timeout=600)  # silent, connection open: what a hung server or proxy looks like
-            self.close_connection = True
-            return
-        super().copyfile(source, outputfile)
+from tests.conftest import REPO, FaultyHandler, serve_faulty, subprocess_env, write_encoder_export, write_shard_set
 
 
 @pytest.fixture
 def stalling(tmp_path):
-    shards = write_shard_set(tmp_path / "s", {"train": [16, 16], "val": [8]}, size=16)
-    _StallingHandler.stalls, _StallingHandler.requests = {}, []
-    _StallingHandler.release = threading.Event()
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_StallingHandler,
-                                                                                 directory=str(shards)))
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    _StallingHandler.release.set()
-    server.shutdown()
-    server.server_close()
+    with serve_faulty(write_shard_set(tmp_path / "s", {"train": [16, 16], "val": [8]}, size=16)) as url:
+        yield url
 
 
 def test_a_stalled_stream_is_aborted_reopened_and_read_on(stalling):
-    _StallingHandler.stalls["/train-000000.tar"] = 1
+    FaultyHandler.faults["/train-000000.tar"] = ("stall", 1)
     start = time.monotonic()
     seg = data_stream.Segment(f"{stalling}/train-000000.tar", 0, 16, 16)
     keys = [s["__key__"] for s in data_stream.read_segment(seg, retries=2, wait_s=0, timeout=1)]
     assert keys == [f"train_{i:06d}" for i in range(16)]  # each once, in order
-    assert _StallingHandler.requests == ["/train-000000.tar"] * 2 and time.monotonic() - start < 20
+    assert FaultyHandler.requests == ["/train-000000.tar"] * 2 and time.monotonic() - start < 20
 
 
 def test_a_server_that_stays_silent_is_one_error_within_a_bounded_time(stalling):
-    _StallingHandler.stalls["/train-000000.tar"] = 99
+    FaultyHandler.faults["/train-000000.tar"] = ("stall", 99)
     start = time.monotonic()
     seg = data_stream.Segment(f"{stalling}/train-000000.tar", 0, 16, 16)
     with pytest.raises(ShardError, match=r"the stream broke after sample \d+ of 16 \(2 attempts\): StreamStalled: "
@@ -91,7 +55,7 @@ LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--
 def test_two_ranks_reading_from_a_stalling_server_stop_with_an_error_instead_of_hanging(stalling, tmp_path):
     # The failure reported: 2 processes, half a body then silence, `timeout 300` expired with no word.
     for name in ("/train-000000.tar", "/train-000001.tar"):
-        _StallingHandler.stalls[name] = 99
+        FaultyHandler.faults[name] = ("stall", 99)
     start = time.monotonic()
     result = subprocess.run(
         [*LAUNCH, "-m", "pretrain", "--config", "configs/pretrain/tiny.yaml", f"data.shards={stalling}",

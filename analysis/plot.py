@@ -1,0 +1,30 @@
+"""`python -m analysis plot RUN_DIR [RUN_DIR ...] [--out curves.png] [--labels A B ...]`: training curves of runs,
+overlaid (e.g. a fine-tuning from scratch against one from a pretrained encoder), from their metrics.jsonl."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from common.config import ConfigError
+from common.curves import plot_curves, read_metrics
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m analysis plot", description=__doc__.split("\n\n")[0])
+    parser.add_argument("run_dirs", nargs="+", help="run directories (each with its metrics.jsonl)")
+    parser.add_argument("--out", default="curves.png", help="the PNG to write (default: %(default)s)")
+    parser.add_argument("--labels", nargs="+", default=None, help="a legend label per run (default: their paths)")
+    args = parser.parse_args(argv)
+    if args.labels is not None and len(args.labels) != len(args.run_dirs):
+        raise ConfigError(f"--labels gives {len(args.labels)} labels for {len(args.run_dirs)} runs")
+    runs = {}
+    for label, run_dir in zip(args.labels or args.run_dirs, args.run_dirs):
+        records = read_metrics(run_dir)
+        if not records:
+            raise ConfigError(f"{run_dir} has no metrics.jsonl with records: not a run directory of this tool")
+        runs[label] = records
+    out = plot_curves(runs, args.out)
+    if out is None:
+        raise ConfigError("the runs' metrics.jsonl hold none of the metrics plotted (loss, accuracy, lr, ...)")
+    print(f"wrote {Path(out)} ({len(runs)} run{'s' if len(runs) > 1 else ''})")

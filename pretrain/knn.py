@@ -1,0 +1,80 @@
+"""A representation-quality signal during pretraining: k-NN classification of validation images by their nearest
+labelled training images, in the encoder's feature space.
+
+The MPP loss says how well corrupted patches are predicted, not how useful the encoder is; the k-NN top-1 is what
+self-supervised learning users watch to choose a checkpoint. At each evaluation, when the shards carry labels:
+
+* features of the first `knn.train_images` images of the labelled split (`knn.train_split`, default the training
+  split) and of the first `knn.val_images` validation images, with evaluation preprocessing (resize, centre crop),
+  from the encoder's output after its final norm: the [class] token, and the mean of the patch tokens;
+* every validation image gets the classes of its `knn.k` most similar references (cosine), each vote weighted by
+  exp(similarity / `knn.temperature`) as in DINO's k-NN evaluation; top-1 accuracy is reported as
+  `knn_top1_cls` and `knn_top1_avg`.
+
+The cost is bounded: one forward pass (no backward) over at most train_images + val_images images per evaluation,
+split across processes, and a (val_images x train_images) similarity matrix.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator
+from timm.models.vision_transformer import VisionTransformer
+
+from common.config import DataConfig
+from common.data_stream import build_loader, normalize, to_device
+from common.manifest import Split
+from pretrain.config import KnnConfig
+
+
+@torch.no_grad()
+def features(accelerator: Accelerator, encoder: VisionTransformer, split: Split, data: DataConfig,
+             img_size: int | list[int], batch_size: int, limit: int, mean: tuple[float, ...], std: tuple[float, ...],
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """([class] features (N, D), patch-mean features (N, D), labels (N,)) of the first `limit` images of `split`,
+    gathered from every process (each image once)."""
+    _, loader = build_loader(split, data, img_size, batch_size, rank=accelerator.process_index,
+                             world_size=accelerator.num_processes, train=False, limit=limit)
+    cls, avg, labels, valid = [], [], [], []
+    for batch in loader:
+        batch = to_device(batch, accelerator.device)
+        with accelerator.autocast():
+            tokens = encoder.forward_features(normalize(batch["image"], mean, std)).float()  # (B, T, D)
+        cls.append(tokens[:, 0])
+        avg.append(tokens[:, encoder.num_prefix_tokens:].mean(dim=1))
+        labels.append(batch["label"])
+        valid.append(batch["valid"])
+    gathered = accelerator.gather((torch.cat(cls), torch.cat(avg), torch.cat(labels), torch.cat(valid)))
+    keep = gathered[3]
+    return gathered[0][keep], gathered[1][keep], gathered[2][keep]
+
+
+def knn_top1(ref: torch.Tensor, ref_labels: torch.Tensor, query: torch.Tensor, query_labels: torch.Tensor, k: int,
+             temperature: float, chunk: int = 1024) -> float:
+    """Top-1 accuracy of weighted k-NN voting with cosine similarity (DINO's rule)."""
+    num_classes = int(max(ref_labels.max(), query_labels.max())) + 1
+    ref = F.normalize(ref, dim=1)  # (N, D)
+    k = min(k, ref.shape[0])
+    correct = 0
+    for start in range(0, query.shape[0], chunk):  # bounds the (chunk, N) similarity matrix
+        q = F.normalize(query[start:start + chunk], dim=1)  # (Q, D)
+        sims, idx = (q @ ref.T).topk(k, dim=1)  # (Q, k)
+        votes = F.one_hot(ref_labels[idx], num_classes).float() * (sims / temperature).exp().unsqueeze(-1)
+        correct += int((votes.sum(dim=1).argmax(dim=1) == query_labels[start:start + chunk]).sum())
+    return correct / max(1, query.shape[0])
+
+
+def knn_monitor(accelerator: Accelerator, encoder: VisionTransformer, ref_split: Split, val_split: Split,
+                data: DataConfig, img_size: int | list[int], batch_size: int, knn: KnnConfig,
+                mean: tuple[float, ...], std: tuple[float, ...]) -> dict[str, float] | None:
+    """`knn_top1_cls` and `knn_top1_avg`, or None when either split is unlabelled. Leaves the encoder in eval mode."""
+    encoder.eval()
+    ref_cls, ref_avg, ref_y = features(accelerator, encoder, ref_split, data, img_size, batch_size, knn.train_images,
+                                       mean, std)
+    val_cls, val_avg, val_y = features(accelerator, encoder, val_split, data, img_size, batch_size, knn.val_images,
+                                       mean, std)
+    if not len(ref_y) or not len(val_y) or ref_y.min() < 0 or val_y.min() < 0:
+        return None  # unlabelled (label -1): no classes to vote for
+    return {"knn_top1_cls": knn_top1(ref_cls, ref_y, val_cls, val_y, knn.k, knn.temperature),
+            "knn_top1_avg": knn_top1(ref_avg, ref_y, val_avg, val_y, knn.k, knn.temperature)}

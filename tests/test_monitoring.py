@@ -1,0 +1,101 @@
+"""Watching a run: experiment trackers (TensorBoard event files with the expected scalars and the flattened
+config), curves.png for every run and `python -m analysis plot` overlaying runs, and the k-NN monitor."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from analysis.plot import main as plot_main
+from common.cli import run_main
+from pretrain.knn import knn_top1
+from pretrain.train import main as pretrain_main
+from tests.conftest import REPO, subprocess_env
+from tests.faults.test_stream_faults import shard_set
+
+
+def tiny_pretrain(shards: Path, run_dir: Path, *overrides: str) -> None:
+    pretrain_main(["--config", "configs/pretrain/tiny.yaml", f"data.shards={shards}", f"train.run_dir={run_dir}",
+                   "data.num_workers=0", "train.steps=4", "train.eval_every=2", "train.log_every=1", *overrides])
+
+
+def records(run_dir: Path) -> list[dict]:
+    return [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_tensorboard_receives_the_scalars_and_the_flattened_config(demo_shards, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tiny_pretrain(demo_shards, tmp_path, "train.trackers=[tensorboard]", "train.project=demo")
+    events = sorted((tmp_path / "logs" / "demo").rglob("events.out.tfevents.*"))
+    scalars = {}
+    for path in events:
+        acc = EventAccumulator(str(path))
+        acc.Reload()
+        scalars.update({tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]})
+    for tag in ("loss", "acc", "lr", "img_per_s", "frac_mask", "val_loss", "val_acc", "knn_top1_cls"):
+        assert tag in scalars, sorted(scalars)
+    assert len(scalars["loss"]) == 4 and len(scalars["val_loss"]) == 2
+    assert scalars["loss"] == pytest.approx([r["loss"] for r in records(tmp_path) if "loss" in r])
+    hparams = b"".join(p.read_bytes() for p in events)
+    assert b"optim.base_lr" in hparams and b"mpp.mask_ratio" in hparams  # the config, flattened to dotted keys
+
+
+def test_a_tracker_whose_package_is_missing_is_one_line_before_training(demo_shards, tmp_path):
+    result = subprocess.run([sys.executable, "-m", "pretrain", "--config", "configs/pretrain/tiny.yaml",
+                             f"data.shards={demo_shards}", f"train.run_dir={tmp_path / 'run'}",
+                             "train.trackers=[aim]"], capture_output=True, text=True, timeout=300,
+                            env=subprocess_env(), cwd=REPO)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "error: train.trackers names aim, but its package aim is not installed: pip install aim, or remove it "
+        "from train.trackers"]
+    assert not (tmp_path / "run").exists()  # before anything was written
+
+
+def test_every_run_draws_its_curves_and_plot_overlays_runs(demo_shards, tmp_path, capsys):
+    for name, target in (("colour", "mean_color"), ("pixels", "l2")):
+        tiny_pretrain(demo_shards, tmp_path / name, f"mpp.target={target}", "knn.train_images=0")
+        with Image.open(tmp_path / name / "curves.png") as im:
+            assert im.width > 800 and im.height > 300
+    plot_main([str(tmp_path / "colour"), str(tmp_path / "pixels"), "--labels", "mean colour", "L2",
+               "--out", str(tmp_path / "both.png")])
+    with Image.open(tmp_path / "both.png") as im:
+        assert im.width > 800
+    for argv, message in (([str(tmp_path / "colour"), str(tmp_path / "pixels"), "--labels", "one"], "--labels gives"),
+                          ([str(tmp_path / "nowhere")], "has no metrics.jsonl")):
+        with pytest.raises(SystemExit) as e:
+            run_main(plot_main, argv)
+        assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_knn_top1_on_separable_and_on_random_features():
+    g = torch.Generator().manual_seed(0)
+    centres = torch.randn(4, 16, generator=g) * 5
+    ref_y, query_y = torch.arange(200) % 4, torch.arange(100) % 4
+    ref = centres[ref_y] + torch.randn(200, 16, generator=g)
+    query = centres[query_y] + torch.randn(100, 16, generator=g)
+    assert knn_top1(ref, ref_y, query, query_y, k=20, temperature=0.07) == 1.0
+    noise = knn_top1(torch.randn(200, 16, generator=g), ref_y, torch.randn(100, 16, generator=g), query_y, 20, 0.07)
+    assert noise < 0.5  # chance is 0.25
+
+
+def test_the_knn_monitor_reports_on_labelled_shards_and_stays_off_without_labels(demo_shards, tmp_path, capsys):
+    tiny_pretrain(demo_shards, tmp_path / "labelled", "knn.train_images=40", "knn.val_images=16")
+    evals = [r for r in records(tmp_path / "labelled") if "val_loss" in r]
+    assert len(evals) == 2 and all(0 <= r["knn_top1_cls"] <= 1 and 0 <= r["knn_top1_avg"] <= 1 for r in evals)
+    unlabelled = shard_set(tmp_path / "unlabelled", [None] * 24, val=0)
+    (unlabelled / "val-000000.tar").write_bytes((unlabelled / "train-000000.tar").read_bytes())
+    info = json.loads((unlabelled / "_info.json").read_text())
+    info["splits"]["val"] = {**info["splits"]["train"], "name": "val", "filenames": ["val-000000.tar"]}
+    (unlabelled / "_info.json").write_text(json.dumps(info))
+    capsys.readouterr()
+    tiny_pretrain(unlabelled, tmp_path / "plain", "knn.train_images=16", "knn.val_images=8")
+    assert "note: the k-NN monitor is off: the shards carry no labels" in capsys.readouterr().out
+    assert not any("knn_top1_cls" in r for r in records(tmp_path / "plain"))
