@@ -34,7 +34,7 @@ import random
 import sys
 import tarfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -200,19 +200,23 @@ def sample_label(sample: dict[str, Any]) -> int:
 
 
 class ImageDecoder:
-    """Bytes -> augmented uint8 tensor (3, H, W). Train: RandomResizedCrop + flip; eval: resize + center crop.
+    """Bytes -> augmented uint8 tensor (3, H, W). Train: RandomResizedCrop + flip (+ `augment`); eval: resize + center
+    crop.
 
     Decoding and resizing are most of a loader's cost, so: a JPEG large enough is decoded at 1/2, 1/4 or 1/8 scale
     (PIL's draft mode, DCT scaling) when that still leaves enough pixels for the smallest crop; any other JPEG is
     decoded by torchvision (libjpeg-turbo, straight into a tensor); other formats by PIL. The crop and resize then
     run on the uint8 tensor in channels-last layout, where torch's antialiased resize is several times faster than
-    PIL's.
+    PIL's. `augment` (training only, e.g. fine-tuning's RandAugment) takes the uint8 crop (3, H, W), in any memory
+    layout, and returns a uint8 tensor of the same shape; it runs here, in the data-loader workers.
     """
 
     def __init__(self, img_size: int | tuple[int, int], train: bool, crop_scale: tuple[float, float] = (0.35, 1.0),
-                 hflip: bool = True, eval_crop_pct: float = 0.875) -> None:
+                 hflip: bool = True, eval_crop_pct: float = 0.875,
+                 augment: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         h, w = img_hw(img_size)
         self.size = (h, w)
+        self.augment = augment if train else None  # evaluation stays deterministic
         if train:
             ops = [T.RandomResizedCrop((h, w), scale=tuple(crop_scale), antialias=True)]
             if hflip:
@@ -235,7 +239,10 @@ class ImageDecoder:
 
     def __call__(self, data: bytes) -> torch.Tensor:
         x = self.decode(data).unsqueeze(0).contiguous(memory_format=torch.channels_last)  # (1, 3, h, w)
-        return self.transform(x)[0].contiguous()  # (3, H, W) uint8
+        x = self.transform(x)[0]  # (3, H, W) uint8, channels-last in memory
+        if self.augment is not None:
+            x = self.augment(x)
+        return x.contiguous()
 
 
 class ShardStream(IterableDataset):
@@ -424,11 +431,13 @@ def normalize(images: torch.Tensor, mean: tuple[float, ...], std: tuple[float, .
 
 def build_loader(split: Split, data: DataConfig, img_size: int | list[int], micro_batch: int, *, rank: int,
                  world_size: int, train: bool, seed: int = 0, start_batch: int = 0, num_classes: int | None = None,
-                 limit: int | None = None) -> tuple[ShardStream, DataLoader]:
+                 limit: int | None = None, augment: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 ) -> tuple[ShardStream, DataLoader]:
     """The stream and its DataLoader for one rank: endless and shuffled for training, one ordered pass for eval.
-    With `num_classes` every label must be one of the classes."""
+    With `num_classes` every label must be one of the classes; `augment` runs in the workers after the training
+    crop (see ImageDecoder)."""
     decoder = ImageDecoder(img_size, train=train, crop_scale=tuple(data.crop_scale), hflip=data.hflip,
-                           eval_crop_pct=data.eval_crop_pct)
+                           eval_crop_pct=data.eval_crop_pct, augment=augment)
     stream = ShardStream(split, decoder, micro_batch, rank=rank, world_size=world_size, num_workers=data.num_workers,
                          train=train, seed=seed, shuffle_buffer=data.shuffle_buffer, endless=train,
                          start_batch=start_batch, max_bad_fraction=data.max_bad_fraction, num_classes=num_classes,
@@ -440,10 +449,13 @@ def build_loader(split: Split, data: DataConfig, img_size: int | list[int], micr
 
 def build_loaders(train_split: Split, val_split: Split | None, data: DataConfig, img_size: int | list[int],
                   micro_batch: int, *, rank: int, world_size: int, seed: int, start_batch: int,
-                  num_classes: int | None = None) -> tuple[ShardStream, DataLoader, DataLoader | None]:
-    """The training stream and loader (resuming after `start_batch` batches) and the evaluation loader, if any."""
+                  num_classes: int | None = None, augment: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                  ) -> tuple[ShardStream, DataLoader, DataLoader | None]:
+    """The training stream and loader (resuming after `start_batch` batches; `augment` in its workers) and the
+    evaluation loader, if any."""
     stream, loader = build_loader(train_split, data, img_size, micro_batch, rank=rank, world_size=world_size,
-                                  train=True, seed=seed, start_batch=start_batch, num_classes=num_classes)
+                                  train=True, seed=seed, start_batch=start_batch, num_classes=num_classes,
+                                  augment=augment)
     val_loader = None
     if val_split is not None:
         val_loader = build_loader(val_split, data, img_size, micro_batch, rank=rank, world_size=world_size,

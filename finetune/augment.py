@@ -1,15 +1,32 @@
-"""Batch augmentations done on the device: colour jitter, and mixup/cutmix with their soft-target loss.
+"""Training augmentations of fine-tuning, from timm: RandAugment in the data-loader workers; colour jitter, random
+erasing and mixup/cutmix on the device.
 
-Crops and flips happen in the data-loader workers (common/data_stream.py); these two need the whole batch or
-float pixels, so they run on the accelerator, on the uint8-valued batch before normalisation.
+Where each runs, and why:
+
+* Crops and flips run in the workers (common/data_stream.py's ImageDecoder), and so does RandAugment
+  (`RandAugmentU8`): timm's own `rand_augment_transform`, whose ops are PIL operations, applied to a PIL image of the
+  worker's uint8 crop and turned back into a uint8 tensor. So a timm string means exactly what it means in timm and
+  in the MAE/DeiT recipes; torchvision's tensor RandAugment has other ops and scales (no `inc` variants, no magnitude
+  noise). It costs about as much (1.3 against 1.1 ms of CPU per 224 px image, conversions included;
+  docs/finetune.md).
+* Colour jitter works on the uint8-valued batch before normalisation; mixup/cutmix mix the normalised batch.
+* Random erasing (timm's `RandomErasing`) runs on the normalised batch on the device, before mixup, as timm's own
+  loader does it. Its `pixel` noise is N(0, 1) in normalised units, which uint8 pixels cannot hold: with the ViT
+  normalisation (mean = std = 0.5) a third of the noise values would be clipped to 0 or 255 before normalisation.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
+from PIL import Image
 from timm.data import Mixup
+from timm.data.auto_augment import posterize, rand_augment_transform
+from timm.data.random_erasing import RandomErasing
+from torchvision.transforms.v2.functional import pil_to_tensor
 
 from common.config import ConfigError
+from common.models import img_hw
 from finetune.config import AugmentConfig
 
 GRAY = (0.299, 0.587, 0.114)  # ITU-R 601 luma, as torchvision's rgb_to_grayscale
@@ -45,3 +62,38 @@ def build_mixup(aug: AugmentConfig, num_classes: int, label_smoothing: float, mi
         raise ConfigError(f"mixup/cutmix pair images within a batch: the per-device batch {micro_batch} must be even")
     return Mixup(mixup_alpha=aug.mixup, cutmix_alpha=aug.cutmix, prob=aug.mix_prob, switch_prob=aug.switch_prob,
                  label_smoothing=label_smoothing, num_classes=num_classes)
+
+
+class RandAugmentU8:
+    """timm's RandAugment (a config string such as `rand-m9-mstd0.5-inc1`) on a uint8 image tensor (3, H, W).
+
+    The ops' settings are those timm's `create_transform` gives them for MAE/DeiT fine-tuning: geometric ops resample
+    bicubic and fill with the normalisation mean, translations reach 45% of the shorter side.
+    """
+
+    def __init__(self, config_str: str, img_size: int | list[int], mean: tuple[float, ...]) -> None:
+        h, w = img_hw(img_size)
+        hparams = {"translate_const": int(min(h, w) * 0.45), "interpolation": Image.Resampling.BICUBIC,
+                   "img_mean": tuple(min(255, round(255 * m)) for m in mean)}
+        self.transform = rand_augment_transform(config_str, hparams)
+        for op in self.transform.ops:
+            if op.name.startswith("Posterize"):
+                op.aug_fn = _posterize
+
+    def __call__(self, image: torch.Tensor) -> torch.Tensor:
+        hwc = np.ascontiguousarray(image.permute(1, 2, 0).numpy())  # no copy for a channels-last crop
+        return pil_to_tensor(self.transform(Image.fromarray(hwc))).contiguous()  # (3, H, W) uint8
+
+
+def _posterize(img: Image.Image, bits_to_keep: int, **_) -> Image.Image:
+    """timm's posterize, also for 0 bits kept (or fewer), which `PosterizeIncreasing` asks for at magnitude 10 (reached
+    with `mstd` noise): recent Pillow (13 here) raises for it, so in a worker the image would count as undecodable;
+    older Pillow and the TensorFlow original return a black image, as this does."""
+    return Image.new(img.mode, img.size) if bits_to_keep <= 0 else posterize(img, bits_to_keep)
+
+
+def build_random_erasing(aug: AugmentConfig, device: torch.device) -> RandomErasing | None:
+    """timm's RandomErasing for the normalised training batch when `augment.reprob` > 0, else None."""
+    if aug.reprob <= 0:
+        return None
+    return RandomErasing(probability=aug.reprob, mode=aug.remode, max_count=aug.recount, device=device)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 from common.config import (
     ARCH_KEYS,
+    Check,
     DataConfig,
     ExportConfig,
     ModelConfig,
@@ -51,10 +53,32 @@ class FinetuneOptimConfig(OptimConfig):
                                           "null = the same LR everywhere (paper)", between(0, 1, lo_open=True))
 
 
+# timm's RandAugment string (timm.data.auto_augment.rand_augment_transform): `rand` then dash-separated sections.
+# timm skips a section it does not know; here a typo is an error instead.
+RAND_SECTION = re.compile(r"m\d+|n\d+|p\d*\.?\d+|mstd\d*\.?\d+|mmax\d+|inc[01]|t(weights|3a|3aw)")
+
+
+def is_rand_augment(text: str) -> bool:
+    """Whether `text` is '' (off) or a RandAugment string timm parses, e.g. `rand-m9-mstd0.5-inc1`."""
+    parts = text.split("-")
+    return text == "" or (parts[0] == "rand" and all(RAND_SECTION.fullmatch(p) for p in parts[1:]))
+
+
 @dataclass
 class AugmentConfig:
-    """Augmentations applied on the device to the training batch (crops and flips are in `data`)."""
+    """Training-only augmentations beyond the crops and flips of `data`: RandAugment in the data-loader workers;
+    colour jitter, random erasing and mixup/cutmix on the device."""
 
+    auto_augment: str = opt("", "RandAugment in timm's syntax, applied in the data-loader workers after crop and flip "
+                                "(MAE/DeiT: rand-m9-mstd0.5-inc1); '' = off", Check(
+        is_rand_augment, "'' or a timm RandAugment string: rand then -sections from m<int>, n<int>, p<float>, "
+                         "mstd<float>, mmax<int>, inc<0|1>, t<weights|3a|3aw> (e.g. rand-m9-mstd0.5-inc1)"))
+    reprob: float = opt(0.0, "random erasing: probability per image (MAE/DeiT: 0.25; 0 = off), timm's "
+                             "RandomErasing on the normalised batch", between(0, 1))
+    remode: Literal["pixel", "rand", "const"] = opt(
+        "pixel", "random erasing fill, in normalised units: pixel = per-pixel normal noise (MAE/DeiT), rand = one "
+                 "normal colour per rectangle, const = 0 (the mean colour)")
+    recount: int = opt(1, "random erasing: up to this many rectangles per erased image", at_least(1))
     color_jitter: float = opt(0.0, "brightness/contrast/saturation jitter strength (0.4 is common; 0 = off)",
                               between(0, 1))
     mixup: float = opt(0.0, "mixup alpha (0 = off)", at_least(0))
@@ -72,14 +96,18 @@ class FinetuneTrainConfig(TrainConfig):
     epochs: int = opt(10, "passes over the training split", at_least(1))
     label_smoothing: float = opt(0.0, "label smoothing of the cross-entropy", between(0, 1, hi_open=True))
     eval_every_epochs: int = opt(1, "evaluate on the validation split every N epochs (and at the end)", at_least(1))
+    ema_decay: float = opt(0.0, "model EMA (timm's ModelEmaV3) decay per optimizer step, e.g. 0.9999 (it averages "
+                                "over about 1 / (1 - decay) steps); evaluated and exported beside the model; 0 = off",
+                           between(0, 1, hi_open=True))
 
 
 @dataclass
 class FinetuneConfig:
-    # What a resumed run cannot change: the checkpoint's tensors (model, head, optimizer state) have these shapes.
+    # What a resumed run cannot change: the checkpoint's tensors (model, head, optimizer state, EMA weights when
+    # train.ema_decay > 0) have these shapes, and a checkpoint holds EMA weights only if the run had them.
     FIXED_ON_RESUME: ClassVar[tuple[str, ...]] = (*(f"model.{k}" for k in ARCH_KEYS), "model.img_size",
                                                   "model.global_pool", "num_classes", "optim.name", "train.mode",
-                                                  "init.checkpoint")
+                                                  "init.checkpoint", "train.ema_decay")
 
     init: InitConfig = section(InitConfig)
     model: ModelConfig = section(ModelConfig)

@@ -107,6 +107,17 @@ BAD_VALUES = [
     ("pretrain", ["knn.val_images=0"], "'knn.val_images' must be >= 1"),
     ("pretrain", ["export.push_to_hub=not a repo"], "'export.push_to_hub' must be '' or a repo id OWNER/NAME"),
     ("finetune", ["export.push_to_hub=a/b/c"], "'export.push_to_hub' must be '' or a repo id OWNER/NAME"),
+    # the fine-tuning recipe: RandAugment, random erasing, model EMA
+    ("finetune", ["augment.auto_augment=rand-m9-x1"], "'augment.auto_augment' must be '' or a timm RandAugment string"),
+    ("finetune", ["augment.auto_augment=original"], "'augment.auto_augment' must be '' or a timm RandAugment string"),
+    ("finetune", ["augment.auto_augment=rand-m9.5"], "'augment.auto_augment' must be '' or a timm RandAugment string"),
+    ("finetune", ["augment.reprob=1.5"], "'augment.reprob' must be in [0, 1]"),
+    ("finetune", ["augment.reprob=-0.25"], "'augment.reprob' must be in [0, 1]"),
+    ("finetune", ["augment.remode=noise"], "'augment.remode' expects one of"),
+    ("finetune", ["augment.recount=0"], "'augment.recount' must be >= 1"),
+    ("finetune", ["train.ema_decay=1.0"], "'train.ema_decay' must be in [0, 1)"),
+    ("finetune", ["train.ema_decay=-0.1"], "'train.ema_decay' must be in [0, 1)"),
+    ("finetune", ["train.ema_decay=high"], "'train.ema_decay' expects float"),
 ]
 MAINS = {"pretrain": pretrain_main, "finetune": finetune_main}
 IDS = [" ".join(o) for _, o, _ in BAD_VALUES]

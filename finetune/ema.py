@@ -1,0 +1,31 @@
+"""Model EMA (`train.ema_decay`): timm's ModelEmaV3, an exponential moving average of the weights, kept on the device.
+
+After every optimizer step `ema = decay * ema + (1 - decay) * weights`, starting from the initial weights; it
+averages over about 1 / (1 - decay) steps. Every process keeps its own copy, updated from its own replica of the
+model, which data parallelism keeps identical, so the copies stay equal without communication. Accelerate saves
+the EMA weights in each checkpoint (the main process writes them) and restores them on every process with
+`load_state`, exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType
+from timm.utils import ModelEmaV3
+
+from common.config import ConfigError
+
+
+def build_ema(accelerator: Accelerator, model: torch.nn.Module, decay: float) -> ModelEmaV3 | None:
+    """An EMA of `model` (the plain model, before `accelerator.prepare`), registered for checkpointing; None when
+    `decay` is 0. Call it before resuming, so that `load_state` restores it."""
+    if decay <= 0:
+        return None
+    if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+        # Each process holds a shard of the weights there, and an EMA of a shard is no model to evaluate or export.
+        raise ConfigError("train.ema_decay needs the whole model on every process: it does not work with FSDP or "
+                          "DeepSpeed; set train.ema_decay=0")
+    ema = ModelEmaV3(model, decay=decay)
+    accelerator.register_for_checkpointing(ema)
+    return ema

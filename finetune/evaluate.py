@@ -1,0 +1,177 @@
+"""Evaluation without training: a fine-tuned classifier on a split of shards, like timm's validate.py.
+
+    python -m finetune.evaluate --checkpoint runs/demo/finetune/export/best --shards runs/demo/shards [--split val]
+    accelerate launch --multi_gpu --num_processes 8 -m finetune.evaluate --checkpoint ... --shards ...
+
+The numbers come from fine-tuning's own `evaluate` (finetune/evaluation.py): every process reads its range of the
+split, padded with invalid samples, and the sums and the confusion matrix are reduced once, so each image counts
+exactly once whatever the number of processes. The export gives the model and its preprocessing (input size,
+normalisation, evaluation crop); the images are decoded as in fine-tuning's evaluations.
+
+Prints loss, top-1, top-5 (more than 5 classes), mean per-class accuracy and per-class accuracy; writes
+`evaluation.json` (all of it, with the confusion matrix), `confusion_matrix.json` and `confusion_matrix.png` to
+`--out`, by default the folder `PATH-eval-SPLIT` beside the export folder PATH (never into an export).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+
+from common.cli import run_main
+from common.config import ConfigError, DataConfig
+from common.data_stream import build_loader
+from common.export import is_export
+from common.manifest import load_split
+from common.pretrained import LOCAL_DIR, Pretrained
+from common.runtime import stop_with_launcher
+from finetune.evaluation import evaluate, per_class_accuracy, write_confusion
+from finetune.predict import load_classifier
+
+MAX_ROWS = 20  # per-class rows printed; evaluation.json has them all
+
+
+def default_out(checkpoint: str, split: str) -> Path:
+    """`PATH-eval-SPLIT` beside the export folder PATH (or the folder of its weights file), outside any export that
+    holds it (`run/export/best` -> `run/export-best-eval-val`), so that no export folder gains files; for a Hub or timm
+    name, `NAME-eval-SPLIT` in the current directory."""
+    path = Path(checkpoint.removeprefix(LOCAL_DIR))
+    if not path.exists():
+        return Path(re.sub(r"[^\w.-]+", "_", checkpoint) + f"-eval-{split}")
+    folder = (path if path.is_dir() else path.parent).absolute()
+    name = folder.name
+    while folder.parent != folder and is_export(folder.parent):
+        folder = folder.parent
+        name = f"{folder.name}-{name}"
+    return folder.parent / f"{name}-eval-{split}"
+
+
+def check_classes(pre: Pretrained, info: dict[str, Any], shards: str, ignore_names: bool) -> str | None:
+    """Raise a ConfigError when the shards' classes are not the classifier's; a warning (or None) otherwise.
+
+    Labels are class indices, so shards whose class names differ (another set, or the same names in another order)
+    would be scored against the wrong classes: an error, unless `ignore_names` (e.g. classes renamed since training).
+    Shards that name no classes are checked label by label as they are read.
+    """
+    names = list(info.get("class_names") or [])
+    count = info.get("num_classes") or len(names)
+    if count and count != pre.num_classes:
+        raise ConfigError(f"the classifier has {pre.num_classes} classes but the shards at {shards} have {count}: "
+                          "evaluate it on shards of the classes it was trained on")
+    if not names or not pre.class_names or names == list(pre.class_names):
+        return None
+    if sorted(names) == sorted(pre.class_names):
+        what = "the same names in another order"
+    else:
+        i = next(i for i, (a, b) in enumerate(zip(pre.class_names, names)) if a != b)
+        what = f"class {i} is {pre.class_names[i]!r} in the classifier, {names[i]!r} in the shards"
+    message = f"the shards' class names differ from the classifier's ({what}): labels would be scored as other classes"
+    if not ignore_names:
+        raise ConfigError(f"{message}; --ignore-class-names evaluates anyway")
+    return f"warning: {message} (--ignore-class-names: evaluating anyway)"
+
+
+def make_accelerator(mixed_precision: str) -> Accelerator:
+    """An Accelerator for any process count; CPU processes talk over gloo (as common.runtime.make_accelerator)."""
+    stop_with_launcher()
+    cpu = not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    return Accelerator(cpu=cpu, mixed_precision=mixed_precision)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m finetune.evaluate", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--checkpoint", required=True,
+                        help="fine-tuning export folder (or its model.safetensors, local-dir:PATH, hf-hub:NAME)")
+    parser.add_argument("--shards", required=True, help="build-shards output (folder or URL with _info.json)")
+    parser.add_argument("--split", default="val", help="split to evaluate (default: val)")
+    parser.add_argument("--out", help="folder for evaluation.json and the confusion matrix (default: PATH-eval-SPLIT "
+                                      "beside the export folder PATH)")
+    parser.add_argument("--batch-size", type=int, default=64, help="images per process and batch")
+    parser.add_argument("--workers", type=int, default=2, help="data-loader workers per process")
+    parser.add_argument("--mixed-precision", choices=("no", "bf16", "fp16"), default="no")
+    parser.add_argument("--ignore-class-names", action="store_true",
+                        help="evaluate even when the shards' class names differ from the classifier's")
+    args = parser.parse_args(argv)
+    if args.batch_size < 1 or args.workers < 0:
+        raise ConfigError("--batch-size must be at least 1 and --workers at least 0")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Evaluate, print the summary on the main process, write `--out`; returns what evaluation.json holds."""
+    args = parse_args(argv)
+    out = Path(args.out) if args.out else default_out(args.checkpoint, args.split)
+    if out.exists() and (not out.is_dir() or is_export(out)):
+        raise ConfigError(f"--out {out} is {'an export' if out.is_dir() else 'a file'}: give a folder for the results")
+    accelerator = make_accelerator(args.mixed_precision)
+    model, pre = load_classifier(args.checkpoint)
+    split, info = load_split(args.shards, args.split)
+    warning = check_classes(pre, info, args.shards, args.ignore_class_names)
+    if warning:
+        accelerator.print(warning)
+    data = DataConfig(num_workers=args.workers, eval_crop_pct=pre.crop_pct or 0.875)
+    _, loader = build_loader(split, data, pre.model.img_size, args.batch_size, rank=accelerator.process_index,
+                             world_size=accelerator.num_processes, train=False, num_classes=pre.num_classes)
+    model.to(accelerator.device)
+    result, confusion = evaluate(accelerator, model, loader, pre.mean, pre.std, pre.num_classes)
+
+    metrics = {k.removeprefix("val_"): v for k, v in result.items()}
+    unread = split.num_samples - metrics["samples"]
+    if unread:  # undecodable images: counted nowhere, said here
+        metrics["unread"] = unread
+        accelerator.print(f"warning: {unread} of the {split.num_samples} images of split '{args.split}' could not be "
+                          "decoded and were not counted")
+    names = pre.class_names or info.get("class_names") or [str(i) for i in range(pre.num_classes)]
+    report = {"checkpoint": args.checkpoint, "shards": args.shards, "split": args.split,
+              "num_processes": accelerator.num_processes, "metrics": metrics, "class_names": list(names),
+              "per_class_acc": per_class_accuracy(confusion).tolist(), "per_class_count": confusion.sum(1).tolist(),
+              "confusion": confusion.tolist()}
+    if accelerator.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "evaluation.json").write_text(json.dumps(report, indent=1) + "\n")
+        write_confusion(confusion, names, out, title=f"{args.split}: top-1 {metrics['top1']:.4f} on "
+                                                     f"{metrics['samples']} images")
+        print_report(report, out)
+    accelerator.end_training()
+    return report
+
+
+def print_report(report: dict[str, Any], out: Path) -> None:
+    """The summary table, then per-class accuracy (the lowest MAX_ROWS when there are more classes)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    m = report["metrics"]
+    summary = Table()
+    summary.add_column("metric")
+    summary.add_column("value", justify="right")
+    for key in ("loss", "top1", "top5", "mean_class_acc"):
+        if key in m:
+            summary.add_row(key, f"{m[key]:.4f}")
+    summary.add_row("images", f"{m['samples']}" + (f" ({m['unread']} unreadable)" if m.get("unread") else ""))
+    rows = sorted(range(len(report["class_names"])), key=lambda i: report["per_class_acc"][i])
+    shown = rows if len(rows) <= MAX_ROWS else rows[:MAX_ROWS]
+    per_class = Table(title="per-class accuracy" if shown is rows else
+                      f"per-class accuracy: the {MAX_ROWS} lowest of {len(rows)} classes")
+    for name, justify in (("class", "right"), ("name", "left"), ("images", "right"), ("accuracy", "right")):
+        per_class.add_column(name, justify=justify)
+    for i in sorted(shown) if shown is rows else shown:
+        per_class.add_row(str(i), str(report["class_names"][i]), str(report["per_class_count"][i]),
+                          f"{report['per_class_acc'][i]:.4f}")
+    console = Console()
+    console.print(f"{report['checkpoint']} on split '{report['split']}' of {report['shards']} "
+                  f"({report['num_processes']} process(es))", highlight=False)
+    console.print(summary)
+    console.print(per_class)
+    console.print(f"written: {out / 'evaluation.json'}, {out / 'confusion_matrix.png'}")
+
+
+if __name__ == "__main__":
+    run_main(main)
