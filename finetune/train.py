@@ -176,16 +176,14 @@ def train(cfg: FinetuneConfig) -> None:
     export(Path(tc.run_dir) / "export", total_steps, result)
     if ema is not None:
         export(Path(tc.run_dir) / "export_ema", total_steps, ema_result, ema.module)
-    if accelerator.is_main_process:  # model cards for every export; the best one (if any) goes to the Hub
-        best = Path(tc.run_dir) / "export" / "best"
-        publish(Path(tc.run_dir) / "export", tc.run_dir, cfg.export, cfg.data.shards, push_it=not best.is_dir())
-        for ema_dir in (Path(tc.run_dir) / "export_ema", Path(tc.run_dir) / "export_ema" / "best"):
-            if ema is not None and ema_dir.is_dir():
-                publish(ema_dir, tc.run_dir, cfg.export, cfg.data.shards, push_it=False)
-        if best.is_dir():
-            url = publish(best, tc.run_dir, cfg.export, cfg.data.shards, push_it=True)
-            if url:
-                accelerator.print(f"uploaded {best} to {url}")
+    if accelerator.is_main_process:  # a model card for every export; the best model (else the last) goes to the Hub
+        run = Path(tc.run_dir)
+        upload = run / "export" / "best" if (run / "export" / "best").is_dir() else run / "export"
+        for folder in (run / "export", run / "export" / "best", run / "export_ema", run / "export_ema" / "best"):
+            if folder.is_dir() and (ema is not None or "export_ema" not in folder.parts):
+                url = publish(folder, tc.run_dir, cfg.export, cfg.data.shards, push_it=folder == upload)
+                if url:
+                    accelerator.print(f"uploaded {folder} to {url}")
     if result:
         accelerator.print(f"final validation top-1: {result['val_top1']:.4f} on {result['val_samples']} images "
                           f"({num_classes} classes, chance {1 / num_classes:.4f}); best {best_top1:.4f}, "

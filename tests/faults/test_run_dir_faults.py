@@ -68,7 +68,8 @@ def test_a_second_run_on_a_locked_run_dir_gets_one_line_naming_the_holder(demo_s
     first = subprocess.Popen([sys.executable, *pretrain(demo_shards, run_dir, "train.steps=100000")], cwd=REPO,
                              env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        wait_for(lambda: holder(run_dir).get("pid") == first.pid, "the first run to lock its run dir")
+        wait_for(lambda: holder(run_dir).get("pid") == first.pid and (run_dir / "config.yaml").is_file(),
+                 "the first run to lock its run dir and write its config")
         config_before = (run_dir / "config.yaml").read_text()
         second = run(pretrain(demo_shards, run_dir, "train.steps=5", "optim.lr=0.5"))
         lines = second.stderr.strip().splitlines()
