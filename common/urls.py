@@ -27,11 +27,12 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, TypeVar
 from urllib.parse import urlparse
 
 from common.errors import UserError
 
+T = TypeVar("T")
 READ_TIMEOUT_S = 60.0  # no byte for this long: the stream is stalled
 BUFFER = 1 << 20  # remote reads are buffered in 1 MiB pieces: few deadline round trips per shard
 RETRIES = 3  # a failed remote read is retried this many times, after WAIT_S, then twice that, ...
@@ -131,90 +132,6 @@ def _abort(stream: Any) -> None:
         pass
 
 
-class _DeadlineReader(io.RawIOBase):
-    """A remote stream whose opening and every read must finish within `timeout` seconds.
-
-    The calls run in one helper thread; the caller waits on them with a timeout. On a timeout the stream is aborted
-    from another thread (which unblocks the helper) and `StreamStalled` is raised.
-    """
-
-    def __init__(self, url: str, timeout: float) -> None:
-        super().__init__()
-        self.url, self.timeout = url, timeout
-        self._stream: Any = None
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="url-read")
-        self._stream = self._call(lambda: _open_raw(url, timeout), "connecting")
-
-    def _call(self, fn: Callable[[], Any], doing: str) -> Any:
-        future = self._pool.submit(fn)
-        try:
-            return future.result(timeout=self.timeout)
-        except concurrent.futures.TimeoutError:
-            threading.Thread(target=_abort, args=(self._stream,), daemon=True).start()
-            self._pool.shutdown(wait=False)
-            self._stream = None
-            raise StreamStalled(f"{self.url}: no data for {self.timeout:g} s while {doing}") from None
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: Any) -> int:
-        if self._stream is None:
-            raise StreamStalled(f"{self.url}: the stream was aborted")
-        stream = self._stream
-        data = self._call(lambda: _read_some(stream, len(buffer)), "reading")
-        buffer[: len(data)] = data
-        return len(data)
-
-    def close(self) -> None:
-        if self.closed:
-            return
-        try:
-            if self._stream is not None:
-                self._call(self._stream.close, "closing")
-        finally:
-            self._stream = None
-            self._pool.shutdown(wait=False)
-            super().close()
-
-
-def open_url(url: str, timeout: float = READ_TIMEOUT_S) -> BinaryIO:
-    """A binary stream of `url`: a local file, or a buffered remote stream whose every read has a deadline."""
-    if is_local(url):
-        return open(local_path(url), "rb", buffering=BUFFER)
-    return io.BufferedReader(_DeadlineReader(url, timeout), buffer_size=BUFFER)
-
-
-def read_url(url: str, timeout: float = READ_TIMEOUT_S, retries: int = RETRIES, wait_s: float = WAIT_S) -> bytes:
-    """The whole content of a (small) file at `url`; remote reads are retried `retries` times with backoff.
-
-    Raises the last OSError when every attempt failed (FileNotFoundError and HTTP 4xx are not retried).
-    """
-    attempt = 0
-    while True:
-        try:
-            with open_url(url, timeout) as f:
-                return f.read()
-        except OSError as e:
-            if is_local(url) or is_permanent(e) or attempt >= retries:
-                raise
-        time.sleep(wait_s * 2**attempt)
-        attempt += 1
-
-
-def _bounded(fn: Callable[[], Any], timeout: float) -> None:
-    """Run `fn` in a daemon thread and wait for it at most `timeout` seconds; its errors are ignored (clean-up)."""
-    def quiet() -> None:
-        try:
-            fn()
-        except Exception:  # clean-up after a failure: nothing more to report
-            pass
-
-    worker = threading.Thread(target=quiet, daemon=True)
-    worker.start()
-    worker.join(timeout)
-
-
 class _DaemonCaller:
     """Runs calls one at a time in a daemon thread: a call stuck on a dead connection is abandoned, and never keeps
     the process from exiting (a ThreadPoolExecutor's threads are joined at exit)."""
@@ -240,6 +157,99 @@ class _DaemonCaller:
 
     def stop(self) -> None:
         self.calls.put((None, None))
+
+
+class _DeadlineReader(io.RawIOBase):
+    """A remote stream whose opening and every read must finish within `timeout` seconds.
+
+    The calls run in a daemon thread (`_DaemonCaller`); the caller waits on each with a timeout. On a timeout the
+    stream is aborted from another thread (which unblocks the stuck call) and `StreamStalled` is raised; a call
+    that stays stuck is abandoned and never keeps the process from exiting.
+    """
+
+    def __init__(self, url: str, timeout: float) -> None:
+        super().__init__()
+        self.url, self.timeout = url, timeout
+        self._stream: Any = None
+        self._caller = _DaemonCaller()
+        self._stream = self._call(lambda: _open_raw(url, timeout), "connecting")
+
+    def _call(self, fn: Callable[[], Any], doing: str) -> Any:
+        try:
+            return self._caller.call(fn, self.timeout)
+        except concurrent.futures.TimeoutError:
+            threading.Thread(target=_abort, args=(self._stream,), daemon=True).start()
+            self._caller.stop()
+            self._stream = None
+            raise StreamStalled(f"{self.url}: no data for {self.timeout:g} s while {doing}") from None
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        if self._stream is None:
+            raise StreamStalled(f"{self.url}: the stream was aborted")
+        stream = self._stream
+        data = self._call(lambda: _read_some(stream, len(buffer)), "reading")
+        buffer[: len(data)] = data
+        return len(data)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        try:
+            if self._stream is not None:
+                self._call(self._stream.close, "closing")
+        finally:
+            self._stream = None
+            self._caller.stop()
+            super().close()
+
+
+def open_url(url: str, timeout: float = READ_TIMEOUT_S) -> BinaryIO:
+    """A binary stream of `url`: a local file, or a buffered remote stream whose every read has a deadline."""
+    if is_local(url):
+        return open(local_path(url), "rb", buffering=BUFFER)
+    return io.BufferedReader(_DeadlineReader(url, timeout), buffer_size=BUFFER)
+
+
+def _with_retries(action: Callable[[], T], url: str, retries: int, wait_s: float) -> T:
+    """`action()`, repeated after an OSError `retries` times, after `wait_s`, then twice that, ...; a local path or
+    an error that retrying cannot help (a missing file, HTTP 4xx, a refused permission) is raised at once."""
+    attempt = 0
+    while True:
+        try:
+            return action()
+        except OSError as e:
+            if is_local(url) or is_permanent(e) or attempt >= retries:
+                raise
+        time.sleep(wait_s * 2**attempt)
+        attempt += 1
+
+
+def read_url(url: str, timeout: float = READ_TIMEOUT_S, retries: int = RETRIES, wait_s: float = WAIT_S) -> bytes:
+    """The whole content of a (small) file at `url`; remote reads are retried `retries` times with backoff.
+
+    Raises the last OSError when every attempt failed (FileNotFoundError and HTTP 4xx are not retried).
+    """
+    def read() -> bytes:
+        with open_url(url, timeout) as f:
+            return f.read()
+
+    return _with_retries(read, url, retries, wait_s)
+
+
+def _bounded(fn: Callable[[], Any], timeout: float) -> None:
+    """Run `fn` in a daemon thread and wait for it at most `timeout` seconds; its errors are ignored (clean-up)."""
+    def quiet() -> None:
+        try:
+            fn()
+        except Exception:  # clean-up after a failure: nothing more to report
+            pass
+
+    worker = threading.Thread(target=quiet, daemon=True)
+    worker.start()
+    worker.join(timeout)
 
 
 def _upload_once(path: str, url: str, timeout: float) -> None:
@@ -287,13 +297,4 @@ def upload_file(path: str, url: str, timeout: float = READ_TIMEOUT_S, retries: i
     started again, `retries` times with backoff. Raises the last OSError when every attempt failed (a missing
     bucket or a refused permission is not retried).
     """
-    attempt = 0
-    while True:
-        try:
-            _upload_once(path, url, timeout)
-            return
-        except OSError as e:
-            if is_permanent(e) or attempt >= retries:
-                raise
-        time.sleep(wait_s * 2**attempt)
-        attempt += 1
+    _with_retries(lambda: _upload_once(path, url, timeout), url, retries, wait_s)
