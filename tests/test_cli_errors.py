@@ -29,3 +29,23 @@ def test_help_lists_every_key():
     assert result.returncode == 0
     for key in ("mpp.mask_ratio", "mpp.target", "optim.base_lr", "train.batch_size", "data.shards"):
         assert key in result.stdout
+
+
+@pytest.mark.parametrize("rank, expected", [("0", "error: bad value"), ("1", "error: [rank 1] bad value")])
+def test_under_a_launcher_the_main_rank_prints_and_a_silent_rank_speaks_only_if_still_running(
+        rank, expected, monkeypatch, capsys):
+    # A rank other than the main one waits: the launcher normally ends it once the main one has printed. If it was
+    # not ended (the main one did not meet the error), it prints the line itself, so a line always appears.
+    from common import cli
+    from common.config import ConfigError
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setattr(cli, "QUIET_WAIT_S", 0.01)
+
+    def main(argv):
+        raise ConfigError("bad value")
+
+    with pytest.raises(SystemExit) as e:
+        cli.run_main(main, [])
+    assert e.value.code == 2 and capsys.readouterr().err.strip() == expected
