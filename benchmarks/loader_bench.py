@@ -85,6 +85,18 @@ def worker_peak_rss_mib(before: set[int]) -> list[float]:
     return peaks
 
 
+def time_loader(loader, per_epoch: int, before: set[int]) -> tuple[float, int, list[float]]:
+    """Run a warm-up epoch of `loader`, then time one (the loader is restarted when an epoch ends): (seconds,
+    images, its workers' peak RSS). `before`: the child processes that existed before the loader's workers."""
+
+    def endless():
+        while True:
+            yield from loader
+
+    seconds, images = time_epochs(endless(), per_epoch)
+    return seconds, images, worker_peak_rss_mib(before)
+
+
 def time_epochs(batches, per_epoch: int) -> tuple[float, int]:
     """Run a warm-up epoch, then time one: (seconds, images)."""
     for _ in range(per_epoch):
@@ -102,8 +114,7 @@ def bench_ours(shards: Path, args: argparse.Namespace) -> tuple[float, int, list
                       persistent_workers=True)
     before = {c.pid for c in psutil.Process().children()}
     stream, loader = build_loader(split, data, args.size, args.batch, rank=0, world_size=1, train=True, seed=0)
-    seconds, images = time_epochs(iter(loader), stream.batches_per_epoch)
-    return seconds, images, worker_peak_rss_mib(before)
+    return time_loader(loader, stream.batches_per_epoch, before)
 
 
 def bench_imagefolder(folder: Path, args: argparse.Namespace) -> tuple[float, int, list[float]]:
@@ -113,13 +124,7 @@ def bench_imagefolder(folder: Path, args: argparse.Namespace) -> tuple[float, in
     before = {c.pid for c in psutil.Process().children()}
     loader = DataLoader(dataset, batch_size=args.batch, shuffle=True, num_workers=args.workers, drop_last=True,
                         persistent_workers=True, prefetch_factor=2)
-
-    def endless():
-        while True:
-            yield from loader
-
-    seconds, images = time_epochs(endless(), len(loader))
-    return seconds, images, worker_peak_rss_mib(before)
+    return time_loader(loader, len(loader), before)
 
 
 def pil_transform(args: argparse.Namespace) -> T.Compose:
@@ -142,13 +147,7 @@ def bench_webdataset(shards: Path, args: argparse.Namespace) -> tuple[float, int
     before = {c.pid for c in psutil.Process().children()}
     loader = wds.WebLoader(dataset, batch_size=None, num_workers=args.workers, persistent_workers=True,
                            prefetch_factor=2)
-
-    def endless():
-        while True:
-            yield from loader
-
-    seconds, images = time_epochs(endless(), per_worker * args.workers)
-    return seconds, images, worker_peak_rss_mib(before)
+    return time_loader(loader, per_worker * args.workers, before)
 
 
 def bench_timm(shards: Path, args: argparse.Namespace) -> tuple[float, int, list[float]]:
@@ -161,13 +160,7 @@ def bench_timm(shards: Path, args: argparse.Namespace) -> tuple[float, int, list
     before = {c.pid for c in psutil.Process().children()}
     loader = DataLoader(dataset, batch_size=args.batch, num_workers=args.workers, drop_last=True,
                         persistent_workers=True, prefetch_factor=2)
-
-    def endless():
-        while True:
-            yield from loader
-
-    seconds, images = time_epochs(endless(), len(loader))
-    return seconds, images, worker_peak_rss_mib(before)
+    return time_loader(loader, len(loader), before)
 
 
 def main() -> None:

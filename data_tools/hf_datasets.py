@@ -6,7 +6,6 @@ datasets: data_tools/hf_stream.py.)
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +13,7 @@ from data_tools.plan import CatalogWriter
 from data_tools.sources import (
     BadLabel,
     LabelTable,
+    Reader,
     SourceError,
     SourceSpec,
     check_split_names,
@@ -21,7 +21,7 @@ from data_tools.sources import (
 )
 
 
-class HFReader:
+class HFReader(Reader):
     """Reads original image bytes from Hugging Face datasets; `ref` is a row number across all `datasets` in turn.
 
     The datasets are Arrow tables memory-mapped from disk, so worker processes share them instead of copying."""
@@ -38,12 +38,6 @@ class HFReader:
         return image_value_bytes(self.datasets[i][int(ref) - self.offsets[i]][self.image_column], ref,
                                  self.image_column)
 
-    def read_many(self, refs: list) -> Iterator[bytes | OSError]:
-        for ref in refs:
-            try:
-                yield self.read(ref)
-            except OSError as e:
-                yield e
 
 
 def _load_hf(path: str) -> Any:

@@ -23,7 +23,7 @@ from typing import Any
 from common import urls
 from data_tools.hf_datasets import choose_splits, hf_error, pick_image_column
 from data_tools.plan import CatalogWriter
-from data_tools.sources import BadLabel, LabelTable, SourceError, SourceSpec, image_value_bytes, open_seekable
+from data_tools.sources import BadLabel, LabelTable, Reader, SourceError, SourceSpec, image_value_bytes, open_seekable
 
 
 def resolve_files(path: str) -> tuple[dict[str, list[str]], str]:
@@ -56,7 +56,7 @@ def _features(location: str) -> Any:
         return datasets.Features.from_arrow_schema(pq.read_schema(f))
 
 
-class ParquetStreamReader:
+class ParquetStreamReader(Reader):
     """Reads image bytes from parquet files; a ref is a row number across `files` in turn (the catalog's order).
 
     Consecutive refs in the same row group cost one read of that row group's image column. A file or row group

@@ -116,7 +116,22 @@ def open_seekable(location: str) -> Any:
     return fsspec.open(location, "rb").open()
 
 
-class FileReader:
+class Reader:
+    """What worker processes read an input's original bytes with: `read(ref)`, and `read_many(refs)` in order."""
+
+    def read(self, ref: str | int) -> bytes:
+        raise NotImplementedError
+
+    def read_many(self, refs: list) -> Iterator[bytes | OSError]:
+        """Each ref's bytes, or the OSError that reading it raised, in order."""
+        for ref in refs:
+            try:
+                yield self.read(ref)
+            except OSError as e:
+                yield e
+
+
+class FileReader(Reader):
     """Reads items whose `ref` is a path: relative to `base` (a folder or a URL), or, for list rows allowed outside
     it, absolute or a URL of its own. Remote reads have deadlines and bounded retries (common/urls.py)."""
 
@@ -133,14 +148,6 @@ class FileReader:
             with open(urls.local_path(where), "rb") as f:
                 return f.read()
         return urls.read_url(where)
-
-    def read_many(self, refs: list) -> Iterator[bytes | OSError]:
-        """Each ref's bytes, or the OSError that reading it raised, in order."""
-        for ref in refs:
-            try:
-                yield self.read(ref)
-            except OSError as e:
-                yield e
 
 
 def image_value_bytes(value: Any, ref: Any, column: str) -> bytes:
