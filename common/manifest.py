@@ -87,11 +87,16 @@ def load_split(location: str | Path, split: str) -> tuple[Split, dict[str, Any]]
     return Split(name=split, urls=urls, lengths=lengths), info
 
 
+def manifest_text(info: dict[str, Any]) -> str:
+    """The manifest as written, the same text wherever it goes (a one-machine build and a merge compare equal)."""
+    return json.dumps(info, indent=1, sort_keys=False) + "\n"
+
+
 def write_manifest(out_dir: str | Path, info: dict[str, Any]) -> None:
     """Write the manifest atomically: it is the commit point of a build, so it must never be half-written."""
     out_dir = Path(out_dir)
     tmp = out_dir / (MANIFEST_NAME + ".tmp")
-    tmp.write_text(json.dumps(info, indent=1, sort_keys=False) + "\n")
+    tmp.write_text(manifest_text(info))
     os.replace(tmp, out_dir / MANIFEST_NAME)
 
 
@@ -115,5 +120,5 @@ def write_manifest_url(location: str, info: dict[str, Any]) -> None:
 
     with tempfile.TemporaryDirectory(prefix="manifest-") as tmp:
         path = Path(tmp) / MANIFEST_NAME
-        path.write_text(json.dumps(info, indent=1, sort_keys=False) + "\n")
+        path.write_text(manifest_text(info))
         upload_file(str(path), join(location, MANIFEST_NAME))
