@@ -4,7 +4,8 @@
     for step in ...:
         meter.add(optimizer_step(...))          # what the step's micro-batches produced
         meter.log(step + 1, lr, epoch=...)      # prints and records when a log is due
-        meter.log_eval(step + 1, result)        # an evaluation's numbers, when there is one
+        meter.log_eval(step + 1, result, label="step N", split_size=n)   # an evaluation's numbers
+    meter.draw()                                # curves.png, also after every evaluation
 
 A log averages each metric over the optimizer steps actually summed since the previous log (a resumed run's first
 log may cover fewer than `log_every` steps), then over processes; undecodable samples are summed over processes.
