@@ -2,7 +2,7 @@
 
 import sys
 
-from common.cli import run_main
+from vit_mpp.cli import run_main
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["plot"]:

@@ -1,7 +1,7 @@
 """`python -m analysis CHECKPOINT [--images a.jpg ...] [--shards DIR] [--out DIR]`: the ViT paper's analysis figures
 and a parameter/memory table for any checkpoint.
 
-CHECKPOINT is anything fine-tuning starts from (common/pretrained.py): an export of either stage (its folder or
+CHECKPOINT is anything fine-tuning starts from (vit_mpp/pretrained.py): an export of either stage (its folder or
 `model.safetensors`; `local-dir:PATH`), `hf-hub:NAME` or a timm pretrained name, or a timm state dict
 (`.safetensors`, weights-only `.pth`) or original ViT `.npz` together with `--model NAME --img-size N`.
 Written to `--out` (default: `analysis/` beside the checkpoint):
@@ -34,12 +34,12 @@ from timm.models.vision_transformer import VisionTransformer
 
 from analysis import attention_stats as stats
 from analysis import figures
-from common.config import ConfigError, ModelConfig
-from common.data_stream import ImageDecoder, image_bytes, normalize, range_segments, read_segment
-from common.manifest import load_split
-from common.models import grid_size, img_hw, norm_stats, patch_size
-from common.pretrained import HUB, LOCAL_DIR, Pretrained, build_model, checkpoint_kind, read_pretrained
 from data_tools.images import EncodeSettings, prepare_image
+from vit_mpp.config import ConfigError, ModelConfig
+from vit_mpp.data_stream import ImageDecoder, image_bytes, normalize, range_segments, read_segment
+from vit_mpp.manifest import load_split
+from vit_mpp.models import grid_size, img_hw, norm_stats, patch_size
+from vit_mpp.pretrained import HUB, LOCAL_DIR, Pretrained, build_model, checkpoint_kind, read_pretrained
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from common.config import ConfigError
-from common.curves import plot_curves, read_metrics
+from vit_mpp.config import ConfigError
+from vit_mpp.curves import plot_curves, read_metrics
 
 
 def main(argv: list[str] | None = None) -> None:

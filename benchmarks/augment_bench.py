@@ -25,10 +25,10 @@ from torchvision.transforms import v2 as T
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.loader_bench import make_images  # noqa: E402
-from common.config import DataConfig  # noqa: E402
-from common.data_stream import build_loader  # noqa: E402
-from common.manifest import load_split  # noqa: E402
 from finetune.augment import RandAugmentU8  # noqa: E402
+from vit_mpp.config import DataConfig  # noqa: E402
+from vit_mpp.data_stream import build_loader  # noqa: E402
+from vit_mpp.manifest import load_split  # noqa: E402
 
 
 def cpu_ms_per_image(shards: Path, args: argparse.Namespace, augment) -> float:

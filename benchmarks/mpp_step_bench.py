@@ -20,10 +20,10 @@ import timm
 import torch
 import torch.nn.functional as F
 
-from common.config import ModelConfig
-from common.models import create_encoder
 from pretrain.config import MPPConfig
 from pretrain.mpp import MaskedPatchPrediction
+from vit_mpp.config import ModelConfig
+from vit_mpp.models import create_encoder
 
 
 def timed_steps(step, steps: int, device: str) -> list[float]:

@@ -1,4 +1,4 @@
-"""What the deadline on remote reads costs: shard samples read over loopback HTTP through common/urls.py
+"""What the deadline on remote reads costs: shard samples read over loopback HTTP through vit_mpp/urls.py
 (urllib, every read under an idle deadline in a helper thread), against webdataset's `gopen` (a curl pipe without a
 deadline, what the stream used before) and a local file, all on the same tar and measured in the same run.
 
@@ -20,9 +20,9 @@ from pathlib import Path
 import numpy as np
 import webdataset as wds
 
-from common import urls
 from data_tools.writer import ShardWriter
 from tests.conftest import serve_directory
+from vit_mpp import urls
 
 
 def count_samples(stream) -> int:

@@ -42,10 +42,6 @@ from rich.progress import (
 )
 from rich.text import Text
 
-from common import urls
-from common.cli import run_main
-from common.errors import UserError
-from common.manifest import MANIFEST_NAME
 from data_tools.executors import BuildStopped, LocalExecutor, RayExecutor, require_ray
 from data_tools.images import EncodeSettings
 from data_tools.journal import Journal, fingerprint, intact, is_journal, journal_name, last_is_whole, read_journals
@@ -54,8 +50,11 @@ from data_tools.plan import Layout, Parts, RangeRef, SplitPlan, iter_ranges, num
 from data_tools.shard_ranges import RangeTask, WorkContext
 from data_tools.sources import KINDS, UNLABELLED_ROWS, Source, SourceError, SourceSpec, open_source
 from data_tools.store import LocalStore, OutputError, RemoteStore, open_store
+from vit_mpp import __version__, urls
+from vit_mpp.cli import run_main
+from vit_mpp.errors import UserError
+from vit_mpp.manifest import MANIFEST_NAME
 
-TOOL_VERSION = "0.4.0"
 EXECUTORS = ("local", "ray")
 ONE_MACHINE = Parts(0, 1)
 
@@ -231,7 +230,7 @@ class Plan:
         self.base = {"name": Path(str(spec.path).rstrip("/")).name, "num_classes": len(source.class_names),
                      "class_names": source.class_names, "source": source.describe(), **layout.to_dict(),
                      "encoder": encode.to_dict(), "num_unlabelled": source.num_unlabelled,
-                     "tool_version": TOOL_VERSION}
+                     "tool_version": __version__}
         self.fingerprint = fingerprint(source.catalog.digest,
                                        {**self.base, "unlabelled_rows": spec.unlabelled_rows})
 
@@ -510,7 +509,7 @@ def _terminate(signum: int, frame: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`build-shards`: user mistakes end in one line and exit status 2 (common.cli.run_main); a build that stops
+    """`build-shards`: user mistakes end in one line and exit status 2 (vit_mpp.cli.run_main); a build that stops
     for another reason (a worker died, an upload kept failing: 1; Ctrl-C or SIGTERM: 130) in one line too, saying
     that re-running the same command resumes it. Anything else is a bug and keeps its traceback."""
     previous = signal.signal(signal.SIGTERM, _terminate) if _in_main_thread() else None

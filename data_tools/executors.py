@@ -23,9 +23,9 @@ from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wai
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
-from common.errors import UserError
 from data_tools.shard_ranges import RangeTask, WorkContext, init_worker, run_task, write_range
 from data_tools.store import LocalStore, RemoteStore
+from vit_mpp.errors import UserError
 
 
 class BuildStopped(Exception):

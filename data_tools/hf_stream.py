@@ -20,10 +20,10 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from common import urls
 from data_tools.hf_datasets import choose_splits, hf_error, pick_image_column
 from data_tools.plan import CatalogWriter
 from data_tools.sources import BadLabel, LabelTable, Reader, SourceError, SourceSpec, image_value_bytes, open_seekable
+from vit_mpp import urls
 
 
 def resolve_files(path: str) -> tuple[dict[str, list[str]], str]:

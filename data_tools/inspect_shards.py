@@ -22,9 +22,9 @@ from PIL import Image, ImageDraw
 from rich.console import Console
 from rich.table import Table
 
-from common import urls
-from common.errors import UserError
-from common.manifest import ManifestError, read_manifest
+from vit_mpp import urls
+from vit_mpp.errors import UserError
+from vit_mpp.manifest import ManifestError, read_manifest
 
 IMAGE_EXTS = ("jpg", "png", "webp")
 THUMB = 96

@@ -16,7 +16,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 from urllib.parse import urlparse
 
-from common import urls
 from data_tools.plan import CatalogWriter
 from data_tools.sources import (
     SPLIT_NAME,
@@ -29,6 +28,7 @@ from data_tools.sources import (
     open_seekable,
     os_error_detail,
 )
+from vit_mpp import urls
 
 
 class _CountingReader(io.RawIOBase):

@@ -16,11 +16,11 @@ import collections
 import hashlib
 import json
 
-from common.errors import UserError
-from common.manifest import write_manifest_url
 from data_tools.journal import intact, read_journals
 from data_tools.plan import iter_ranges
 from data_tools.store import LocalStore, RemoteStore, open_store
+from vit_mpp.errors import UserError
+from vit_mpp.manifest import write_manifest_url
 
 FAILURES_NAME = "failures.jsonl"
 LISTING_FAILURES_NAME = "_listing_failures.jsonl"  # inputs met while listing and not used; written by part 0

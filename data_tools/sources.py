@@ -30,9 +30,9 @@ from urllib.parse import urlparse
 
 import numpy as np
 
-from common import urls
-from common.errors import UserError
 from data_tools.plan import EXCLUDED, Catalog, CatalogWriter
+from vit_mpp import urls
+from vit_mpp.errors import UserError
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
 SPLIT_NAME = re.compile(r"^[A-Za-z0-9_]+$")  # split names end up in shard names and sample keys
@@ -133,7 +133,7 @@ class Reader:
 
 class FileReader(Reader):
     """Reads items whose `ref` is a path: relative to `base` (a folder or a URL), or, for list rows allowed outside
-    it, absolute or a URL of its own. Remote reads have deadlines and bounded retries (common/urls.py)."""
+    it, absolute or a URL of its own. Remote reads have deadlines and bounded retries (vit_mpp/urls.py)."""
 
     def __init__(self, base: str | Path = "") -> None:
         self.base = str(base)

@@ -18,8 +18,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from common import urls
-from common.errors import UserError
+from vit_mpp import urls
+from vit_mpp.errors import UserError
 
 
 class OutputError(UserError):

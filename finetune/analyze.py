@@ -3,7 +3,7 @@
 import sys
 
 from analysis.analyze import main
-from common.cli import run_main
+from vit_mpp.cli import run_main
 
 if __name__ == "__main__":
     print("note: `python -m finetune.analyze` is now `python -m analysis`; this alias goes in the next release",

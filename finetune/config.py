@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
-from common.config import (
+from vit_mpp.config import (
     ARCH_KEYS,
     Check,
     DataConfig,

@@ -25,15 +25,15 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 
-from common.cli import run_main
-from common.config import ConfigError, DataConfig
-from common.data_stream import build_loader
-from common.export import is_export
-from common.manifest import load_split
-from common.pretrained import LOCAL_DIR, Pretrained
-from common.runtime import stop_with_launcher
 from finetune.evaluation import evaluate, per_class_accuracy, write_confusion
 from finetune.predict import load_classifier
+from vit_mpp.cli import run_main
+from vit_mpp.config import ConfigError, DataConfig
+from vit_mpp.data_stream import build_loader
+from vit_mpp.export import is_export
+from vit_mpp.manifest import load_split
+from vit_mpp.pretrained import LOCAL_DIR, Pretrained
+from vit_mpp.runtime import stop_with_launcher
 
 MAX_ROWS = 20  # per-class rows printed; evaluation.json has them all
 
@@ -79,7 +79,7 @@ def check_classes(pre: Pretrained, info: dict[str, Any], shards: str, ignore_nam
 
 
 def make_accelerator(mixed_precision: str) -> Accelerator:
-    """An Accelerator for any process count; CPU processes talk over gloo (as common.runtime.make_accelerator)."""
+    """An Accelerator for any process count; CPU processes talk over gloo (as vit_mpp.runtime.make_accelerator)."""
     stop_with_launcher()
     cpu = not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1
     return Accelerator(cpu=cpu, mixed_precision=mixed_precision)

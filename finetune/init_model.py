@@ -2,7 +2,7 @@
 
 The fine-tuning rule of the ViT paper: drop the pretraining head, attach a D x K linear layer initialised to zero
 (weights and bias; timm's `reset_classifier` does not zero it), keep the patch size and resize the position
-embeddings to the new resolution (common/pretrained.py).
+embeddings to the new resolution (vit_mpp/pretrained.py).
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import dataclasses
 import torch
 from timm.models.vision_transformer import VisionTransformer
 
-from common.config import ARCH_KEYS, ConfigError, ModelConfig
-from common.models import architecture, create_encoder, norm_stats
-from common.pretrained import build_model, read_pretrained
 from finetune.config import InitConfig
+from vit_mpp.config import ARCH_KEYS, ConfigError, ModelConfig
+from vit_mpp.models import architecture, create_encoder, norm_stats
+from vit_mpp.pretrained import build_model, read_pretrained
 
 
 def attach_zero_head(model: VisionTransformer, num_classes: int) -> None:

@@ -21,12 +21,12 @@ from pathlib import Path
 
 import torch
 
-from common.checkpoint import CheckpointError
-from common.cli import run_main
-from common.config import ConfigError, ModelConfig
-from common.data_stream import IMAGE_EXTENSIONS, ImageDecoder, normalize
-from common.pretrained import Pretrained, build_model, read_pretrained
 from data_tools.images import BadImage, EncodeSettings, prepare_image
+from vit_mpp.checkpoint import CheckpointError
+from vit_mpp.cli import run_main
+from vit_mpp.config import ConfigError, ModelConfig
+from vit_mpp.data_stream import IMAGE_EXTENSIONS, ImageDecoder, normalize
+from vit_mpp.pretrained import Pretrained, build_model, read_pretrained
 
 
 def load_classifier(checkpoint: str | Path) -> tuple[torch.nn.Module, Pretrained]:

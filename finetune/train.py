@@ -16,24 +16,24 @@ import torch.nn.functional as F
 from accelerate.utils import set_seed
 from timm.loss import SoftTargetCrossEntropy
 
-from common.checkpoint import save_checkpoint
-from common.config import ConfigError, parse_args, to_dict
-from common.data_stream import build_loaders, normalize
-from common.export import write_export
-from common.hub import check_hub, publish
-from common.manifest import data_record, load_split
-from common.models import count_params
-from common.run_dir import MetricsLog, prepare_run_dir
-from common.runtime import build_optimizer, make_accelerator, optimizer_step, prepare_model, resume_latest
-from common.schedule import describe_lr, lr_at, scaled_lr, set_lr, warmup_steps
-from common.step_meter import StepMeter
-from common.tracking import start_trackers
 from finetune.augment import RandAugmentU8, build_mixup, build_random_erasing, color_jitter
 from finetune.config import DESCRIPTION, FinetuneConfig
 from finetune.ema import build_ema
 from finetune.evaluation import evaluate, per_class_accuracy, write_confusion
 from finetune.init_model import build_classifier
 from finetune.modes import freeze_encoder, set_train_mode
+from vit_mpp.checkpoint import save_checkpoint
+from vit_mpp.config import ConfigError, parse_args, to_dict
+from vit_mpp.data_stream import build_loaders, normalize
+from vit_mpp.export import write_export
+from vit_mpp.hub import check_hub, publish
+from vit_mpp.manifest import data_record, load_split
+from vit_mpp.models import count_params
+from vit_mpp.run_dir import MetricsLog, prepare_run_dir
+from vit_mpp.runtime import build_optimizer, make_accelerator, optimizer_step, prepare_model, resume_latest
+from vit_mpp.schedule import describe_lr, lr_at, scaled_lr, set_lr, warmup_steps
+from vit_mpp.step_meter import StepMeter
+from vit_mpp.tracking import start_trackers
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -3,9 +3,9 @@
 The config is read and checked before torch is imported, so a bad config fails in a fraction of a second.
 """
 
-from common.cli import run_main
-from common.config import parse_args
 from pretrain.config import DESCRIPTION, PretrainConfig
+from vit_mpp.cli import run_main
+from vit_mpp.config import parse_args
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
-from common.config import (
+from vit_mpp.config import (
     ARCH_KEYS,
     DataConfig,
     ExportConfig,

@@ -22,10 +22,10 @@ import torch.nn.functional as F
 from accelerate import Accelerator
 from timm.models.vision_transformer import VisionTransformer
 
-from common.config import DataConfig
-from common.data_stream import build_loader, normalize, to_device
-from common.manifest import Split
 from pretrain.config import KnnConfig
+from vit_mpp.config import DataConfig
+from vit_mpp.data_stream import build_loader, normalize, to_device
+from vit_mpp.manifest import Split
 
 
 @torch.no_grad()

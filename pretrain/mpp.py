@@ -15,10 +15,10 @@ from timm.models._manipulate import checkpoint_seq
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
-from common.config import ConfigError
-from common.models import patch_size
 from pretrain import targets as tg
 from pretrain.config import MPPConfig
+from vit_mpp.config import ConfigError
+from vit_mpp.models import patch_size
 
 MASK, RANDOM, KEEP = 0, 1, 2
 

@@ -15,21 +15,21 @@ from pathlib import Path
 import torch
 from accelerate.utils import set_seed
 
-from common.checkpoint import save_checkpoint
-from common.config import parse_args, to_dict
-from common.data_stream import build_loaders, to_device
-from common.export import strip_prefix, write_export
-from common.hub import check_hub, publish
-from common.manifest import data_record, load_split
-from common.models import count_params, create_encoder, norm_stats, patch_size
-from common.run_dir import MetricsLog, prepare_run_dir
-from common.runtime import build_optimizer, make_accelerator, optimizer_step, prepare_model, resume_latest
-from common.schedule import describe_lr, lr_at, scaled_lr, set_lr, warmup_steps
-from common.step_meter import StepMeter
-from common.tracking import start_trackers
 from pretrain.config import DESCRIPTION, PretrainConfig
 from pretrain.knn import knn_monitor
 from pretrain.mpp import MaskedPatchPrediction
+from vit_mpp.checkpoint import save_checkpoint
+from vit_mpp.config import parse_args, to_dict
+from vit_mpp.data_stream import build_loaders, to_device
+from vit_mpp.export import strip_prefix, write_export
+from vit_mpp.hub import check_hub, publish
+from vit_mpp.manifest import data_record, load_split
+from vit_mpp.models import count_params, create_encoder, norm_stats, patch_size
+from vit_mpp.run_dir import MetricsLog, prepare_run_dir
+from vit_mpp.runtime import build_optimizer, make_accelerator, optimizer_step, prepare_model, resume_latest
+from vit_mpp.schedule import describe_lr, lr_at, scaled_lr, set_lr, warmup_steps
+from vit_mpp.step_meter import StepMeter
+from vit_mpp.tracking import start_trackers
 
 
 def corruption_generator(device: torch.device, seed: int, rank: int) -> torch.Generator:

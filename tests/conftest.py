@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from common.config import ModelConfig
-from common.export import write_export
-from common.manifest import write_manifest
 from data_tools.build_shards import main as build_shards_main
 from data_tools.demo_images import generate
 from data_tools.writer import ShardWriter
+from vit_mpp.config import ModelConfig
+from vit_mpp.export import write_export
+from vit_mpp.manifest import write_manifest
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -15,10 +15,10 @@ from safetensors.torch import save_file
 
 from analysis import attention_stats as stats
 from analysis.analyze import main as analyze_main
-from common.cli import run_main
-from common.config import ModelConfig
-from common.models import create_encoder
 from tests.conftest import write_encoder_export
+from vit_mpp.cli import run_main
+from vit_mpp.config import ModelConfig
+from vit_mpp.models import create_encoder
 
 TINY = ModelConfig(name="vit_tiny_patch16_224", img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2)
 

@@ -22,11 +22,11 @@ import fsspec
 import pytest
 from fsspec.implementations.memory import MemoryFileSystem
 
-from common import urls
 from data_tools.build_shards import main as build_main
 from tests.conftest import REPO, subprocess_env
 from tests.test_build_parts import result_files
 from tests.test_build_shards import make_tree
+from vit_mpp import urls
 
 
 class _BrokenUpload:

@@ -19,11 +19,11 @@ import pytest
 import webdataset as wds
 from PIL import Image
 
-from common.manifest import load_split
 from data_tools import shard_ranges
 from data_tools.build_shards import main as build_main
 from data_tools.plan import plan_ranges
 from tests.conftest import REPO, run_module, subprocess_env
+from vit_mpp.manifest import load_split
 
 
 def image_bytes(rng: np.random.Generator, w: int = 24, h: int = 20, fmt: str = "JPEG", mode: str = "RGB") -> bytes:

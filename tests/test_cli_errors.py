@@ -36,8 +36,8 @@ def test_under_a_launcher_the_main_rank_prints_and_a_silent_rank_speaks_only_if_
         rank, expected, monkeypatch, capsys):
     # A rank other than the main one waits: the launcher normally ends it once the main one has printed. If it was
     # not ended (the main one did not meet the error), it prints the line itself, so a line always appears.
-    from common import cli
-    from common.config import ConfigError
+    from vit_mpp import cli
+    from vit_mpp.config import ConfigError
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", rank)

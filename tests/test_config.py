@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from common.config import ConfigError, load_config, parse_args, to_dict
 from finetune.config import FinetuneConfig
 from pretrain.config import PretrainConfig
+from vit_mpp.config import ConfigError, load_config, parse_args, to_dict
 
 
 def test_defaults_follow_the_paper_recipe():

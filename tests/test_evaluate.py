@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.cli import run_main
-from common.config import ModelConfig
-from common.export import write_export
-from common.models import create_encoder
 from finetune import evaluate
 from finetune.train import main as finetune_main
 from tests.conftest import REPO, run_module, subprocess_env, write_encoder_export, write_shard_set
+from vit_mpp.cli import run_main
+from vit_mpp.config import ModelConfig
+from vit_mpp.export import write_export
+from vit_mpp.models import create_encoder
 
 SMALL = dict(patch_size=4, embed_dim=32, depth=1, num_heads=2)
 N_VAL = 13

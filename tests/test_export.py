@@ -1,4 +1,4 @@
-"""The hand-off format (common/export.py) and the one route from a checkpoint to a model (common/pretrained.py):
+"""The hand-off format (vit_mpp/export.py) and the one route from a checkpoint to a model (vit_mpp/pretrained.py):
 exports load in timm exactly, predict and analysis rebuild the trained classifier exactly (token and avg pooling),
 older exports still load, and an interrupted export is never half-visible."""
 
@@ -15,16 +15,16 @@ import torch
 from safetensors.torch import save_file
 
 from analysis.analyze import load_model
-from common.checkpoint import CheckpointError
-from common.config import ModelConfig, to_dict
-from common.export import read_export, write_export
-from common.models import create_encoder
-from common.pretrained import read_pretrained
 from finetune import predict
 from finetune.config import InitConfig
 from finetune.init_model import build_classifier
 from finetune.train import main as finetune_main
 from tests.conftest import write_encoder_export, write_shard_set
+from vit_mpp.checkpoint import CheckpointError
+from vit_mpp.config import ModelConfig, to_dict
+from vit_mpp.export import read_export, write_export
+from vit_mpp.models import create_encoder
+from vit_mpp.pretrained import read_pretrained
 
 SMALL = ModelConfig(img_size=16, patch_size=4, embed_dim=32, depth=1, num_heads=2)
 

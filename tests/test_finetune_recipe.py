@@ -16,11 +16,6 @@ from accelerate import Accelerator
 from PIL import Image
 from safetensors.torch import load_file
 
-from common.config import ConfigError, DataConfig, ModelConfig, load_config
-from common.data_stream import ImageDecoder, build_loader
-from common.export import read_export
-from common.manifest import load_split
-from common.models import create_encoder
 from finetune import evaluate
 from finetune.augment import RandAugmentU8, build_random_erasing
 from finetune.config import AugmentConfig, FinetuneConfig, InitConfig
@@ -28,6 +23,11 @@ from finetune.ema import build_ema
 from finetune.init_model import build_classifier
 from finetune.train import main
 from tests.conftest import png_bytes, write_encoder_export, write_shard_set
+from vit_mpp.config import ConfigError, DataConfig, ModelConfig, load_config
+from vit_mpp.data_stream import ImageDecoder, build_loader
+from vit_mpp.export import read_export
+from vit_mpp.manifest import load_split
+from vit_mpp.models import create_encoder
 
 SMALL = dict(patch_size=4, embed_dim=32, depth=1, num_heads=2)
 

@@ -13,20 +13,20 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
-from common.config import ConfigError, ModelConfig
-from common.data_stream import ImageDecoder, range_segments, read_segment
-from common.export import read_export
-from common.manifest import load_split
-from common.models import create_encoder
-from common.pretrained import resize_pos_embed
-from common.runtime import build_optimizer
-from common.schedule import set_lr
 from data_tools.build_shards import main as build_main
 from finetune import predict
 from finetune.augment import build_mixup, color_jitter
 from finetune.config import AugmentConfig, FinetuneOptimConfig
 from finetune.train import main
 from tests.conftest import png_bytes, write_encoder_export, write_shard_set
+from vit_mpp.config import ConfigError, ModelConfig
+from vit_mpp.data_stream import ImageDecoder, range_segments, read_segment
+from vit_mpp.export import read_export
+from vit_mpp.manifest import load_split
+from vit_mpp.models import create_encoder
+from vit_mpp.pretrained import resize_pos_embed
+from vit_mpp.runtime import build_optimizer
+from vit_mpp.schedule import set_lr
 
 SMALL = dict(patch_size=4, embed_dim=32, depth=1, num_heads=2)
 

@@ -13,14 +13,14 @@ import pytest
 import timm
 import torch
 
-from common.checkpoint import CheckpointError
-from common.config import ExportConfig, ModelConfig
-from common.hub import push
-from common.models import create_encoder
 from finetune.config import InitConfig
 from finetune.init_model import build_classifier
 from pretrain.train import main as pretrain_main
 from tests.conftest import REPO, subprocess_env, write_encoder_export
+from vit_mpp.checkpoint import CheckpointError
+from vit_mpp.config import ExportConfig, ModelConfig
+from vit_mpp.hub import push
+from vit_mpp.models import create_encoder
 
 SMALL = ModelConfig(img_size=16, patch_size=4, embed_dim=32, depth=1, num_heads=2)
 

@@ -10,7 +10,7 @@ import pytest
 from tests.conftest import REPO
 
 DEPENDENCIES = {"torch", "torchvision", "timm", "accelerate", "webdataset", "datasets", "rich", "safetensors", "yaml",
-                "PIL", "numpy", "matplotlib", "fsspec", "scipy", "sklearn", "common", "data_tools", "pretrain",
+                "PIL", "numpy", "matplotlib", "fsspec", "scipy", "sklearn", "vit_mpp", "data_tools", "pretrain",
                 "finetune", "tests"}
 
 

@@ -13,11 +13,11 @@ import torch
 from PIL import Image
 
 from analysis.plot import main as plot_main
-from common.cli import run_main
 from pretrain.knn import knn_top1
 from pretrain.train import main as pretrain_main
 from tests.conftest import REPO, subprocess_env
 from tests.faults.test_stream_faults import shard_set
+from vit_mpp.cli import run_main
 
 
 def tiny_pretrain(shards: Path, run_dir: Path, *overrides: str) -> None:

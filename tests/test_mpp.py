@@ -7,11 +7,11 @@ import itertools
 import pytest
 import torch
 
-from common.config import ModelConfig
-from common.models import create_encoder
 from pretrain import targets as tg
 from pretrain.config import MPPConfig
 from pretrain.mpp import KEEP, MASK, RANDOM, MaskedPatchPrediction, apply_corruption, draw_corruption
+from vit_mpp.config import ModelConfig
+from vit_mpp.models import create_encoder
 
 
 def seeded(seed: int = 0) -> torch.Generator:

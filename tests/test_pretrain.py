@@ -14,11 +14,11 @@ import timm
 import torch
 from safetensors.torch import load_file
 
-from common.config import ModelConfig
-from common.models import create_encoder
 from pretrain.config import MPPConfig
 from pretrain.mpp import MaskedPatchPrediction
 from tests.conftest import REPO, subprocess_env, write_encoder_export
+from vit_mpp.config import ModelConfig
+from vit_mpp.models import create_encoder
 
 
 def test_export_loads_with_timm_create_model_local_dir_with_the_same_outputs(tmp_path):

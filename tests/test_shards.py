@@ -13,8 +13,8 @@ import pytest
 import webdataset as wds
 from PIL import Image
 
-from common.manifest import load_split
 from data_tools.writer import ShardWriter
+from vit_mpp.manifest import load_split
 
 
 def read_all(shards: Path, split: str) -> list[dict]:

@@ -1,4 +1,4 @@
-"""The step bookkeeping both loops share (common/step_meter.py): averages over the steps actually summed (also in
+"""The step bookkeeping both loops share (vit_mpp/step_meter.py): averages over the steps actually summed (also in
 a resumed run's first log), bad samples counted in both stages, and a tiny run that really trains."""
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ import torch
 from accelerate import Accelerator
 from safetensors.torch import load_file
 
-from common.config import ModelConfig
-from common.models import create_encoder
-from common.run_dir import MetricsLog
-from common.step_meter import StepMeter
 from finetune.train import main as finetune_main
 from pretrain.train import main as pretrain_main
 from tests.conftest import write_encoder_export, write_shard_set
 from tests.test_stream_io import bad_shard_set
+from vit_mpp.config import ModelConfig
+from vit_mpp.models import create_encoder
+from vit_mpp.run_dir import MetricsLog
+from vit_mpp.step_meter import StepMeter
 
 
 def records(run_dir: Path) -> list[dict]:

@@ -6,10 +6,10 @@ import collections
 
 import pytest
 
-from common.config import DataConfig
-from common.data_stream import DataError, build_loader
-from common.manifest import load_split
 from tests.conftest import write_shard_set
+from vit_mpp.config import DataConfig
+from vit_mpp.data_stream import DataError, build_loader
+from vit_mpp.manifest import load_split
 
 UNEVEN = {"train": [7, 1, 12, 4], "val": [5, 2]}  # 24 train samples in 4 uneven shards, 7 val
 

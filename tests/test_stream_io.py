@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from common import data_stream
-from common.cli import run_main
-from common.config import DataConfig
-from common.data_stream import DataError, build_loader
-from common.manifest import ManifestError, load_split, write_manifest
 from data_tools.writer import ShardWriter
 from tests.conftest import FaultyHandler, serve_directory, serve_faulty, write_shard_set
+from vit_mpp import data_stream
+from vit_mpp.cli import run_main
+from vit_mpp.config import DataConfig
+from vit_mpp.data_stream import DataError, build_loader
+from vit_mpp.manifest import ManifestError, load_split, write_manifest
 
 
 @pytest.fixture

@@ -14,13 +14,13 @@ import torch
 from safetensors.torch import save_file
 
 from analysis.analyze import main as analyze_main
-from common.cli import run_main
-from common.config import ModelConfig
-from common.models import create_encoder
 from finetune.predict import main as predict_main
 from finetune.train import main as finetune_main
 from pretrain.train import main as pretrain_main
 from tests.conftest import write_encoder_export, write_shard_set
+from vit_mpp.cli import run_main
+from vit_mpp.config import ModelConfig
+from vit_mpp.models import create_encoder
 
 CFG = ModelConfig(img_size=16, patch_size=4, embed_dim=32, depth=1, num_heads=2)
 

@@ -11,10 +11,10 @@ import sys
 
 import pytest
 
-from common.cli import run_main
 from finetune.__main__ import main as finetune_main
 from pretrain.__main__ import main as pretrain_main
 from tests.conftest import REPO, subprocess_env
+from vit_mpp.cli import run_main
 
 # (stage, overrides, what the one line must contain)
 BAD_VALUES = [

@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from common import data_stream
-from common.cli import run_main
-from common.data_stream import ShardError
 from data_tools.writer import ShardWriter
 from finetune.train import main as finetune_main
 from pretrain.train import main as pretrain_main
 from tests.conftest import REPO, FaultyHandler, serve_faulty, subprocess_env, write_encoder_export, write_shard_set
+from vit_mpp import data_stream
+from vit_mpp.cli import run_main
+from vit_mpp.data_stream import ShardError
 
 
 @pytest.fixture
@@ -103,8 +103,8 @@ def shard_set(root: Path, labels: list[int | None], corrupt: set[int] = frozense
 def encoder_export(tmp_path_factory) -> Path:
     import torch
 
-    from common.config import ModelConfig
-    from common.models import create_encoder
+    from vit_mpp.config import ModelConfig
+    from vit_mpp.models import create_encoder
 
     torch.manual_seed(0)
     cfg = ModelConfig(img_size=16, patch_size=4, embed_dim=32, depth=1, num_heads=2)

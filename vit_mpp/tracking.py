@@ -1,7 +1,7 @@
 """Experiment trackers through Accelerate (TensorBoard, W&B, MLflow, ...): checked before training starts, and sent
 the whole resolved config flattened to dotted keys (`optim.base_lr`), so runs can be filtered on any setting.
 
-    train.trackers: [tensorboard]      # any of common.config.TRACKERS; each needs its own package
+    train.trackers: [tensorboard]      # any of vit_mpp.config.TRACKERS; each needs its own package
     train.project: vit-mpp             # W&B/MLflow project; TensorBoard writes to run_dir/logs/<project>/
     train.run_name: ...                # the run's name in the tracker (default: the run directory's path)
 """
@@ -14,7 +14,7 @@ from typing import Any
 
 from accelerate import Accelerator
 
-from common.config import ConfigError, TrainConfig, flatten, to_dict
+from vit_mpp.config import ConfigError, TrainConfig, flatten, to_dict
 
 # The package each tracker imports (Accelerate skips a tracker whose package is missing, with only a log message).
 PACKAGES = {"tensorboard": ("tensorboard", "tensorboardX"), "wandb": ("wandb",), "comet_ml": ("comet_ml",),

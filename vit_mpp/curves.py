@@ -1,6 +1,6 @@
 """Training curves as a picture, from runs' metrics.jsonl: no tracker needed.
 
-Every run writes `run_dir/curves.png` at each evaluation and at the end (common/step_meter.py), and
+Every run writes `run_dir/curves.png` at each evaluation and at the end (vit_mpp/step_meter.py), and
 `python -m analysis plot RUN_DIR [RUN_DIR ...]` overlays several runs (e.g. from scratch against pretrained). A
 panel is drawn for each group of metrics that some run logged: pretraining shows loss, MPP accuracy, the learning
 rate, images/s, the validation numbers and the k-NN monitor; fine-tuning shows the training loss, validation top-1
@@ -14,7 +14,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from common.plots import plt, save_figure
+from vit_mpp.plots import plt, save_figure
 
 CURVES_NAME = "curves.png"
 # (panel title, [(metrics.jsonl key, legend suffix)]) in drawing order; a panel appears when any run logged a key.

@@ -5,7 +5,7 @@ Layout of a run directory:
     run_dir/config.yaml                      resolved config of the run
     run_dir/metrics.jsonl                    one JSON object per logged step / evaluation
     run_dir/checkpoints/step_000500/         accelerate state (model, optimizer, scaler, RNG) + trainer_state.json
-    run_dir/export/                          the weights handed on (common/export.py)
+    run_dir/export/                          the weights handed on (vit_mpp/export.py)
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 
-from common.errors import UserError
+from vit_mpp.errors import UserError
 
 TRAINER_STATE = "trainer_state.json"  # written last: a checkpoint without it is incomplete and ignored
 

@@ -15,11 +15,11 @@ from accelerate import Accelerator, PartialState
 from accelerate.utils import ProjectConfiguration
 from timm.optim import param_groups_layer_decay, param_groups_weight_decay
 
-from common.checkpoint import CheckpointError, complete_checkpoints, load_checkpoint
-from common.config import ConfigError, OptimConfig, TrainConfig
-from common.data_stream import to_device
-from common.run_dir import MetricsLog
-from common.tracking import check_trackers
+from vit_mpp.checkpoint import CheckpointError, complete_checkpoints, load_checkpoint
+from vit_mpp.config import ConfigError, OptimConfig, TrainConfig
+from vit_mpp.data_stream import to_device
+from vit_mpp.run_dir import MetricsLog
+from vit_mpp.tracking import check_trackers
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ def make_accelerator(train: TrainConfig) -> tuple[Accelerator, BatchPlan]:
         gradient_accumulation_steps=plan.accum_steps,
         log_with=train.trackers or None,
         project_config=project,
-        step_scheduler_with_optimizer=False,  # the LR is set by hand from the step (see common/schedule.py)
+        step_scheduler_with_optimizer=False,  # the LR is set by hand from the step (see vit_mpp/schedule.py)
     )
     if cpu and os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and accelerator.is_main_process:
         # accelerate silently drops FSDP for CPU processes; say so rather than let a user believe it sharded

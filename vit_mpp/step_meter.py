@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 
-from common.curves import write_run_curves
-from common.run_dir import MetricsLog
+from vit_mpp.curves import write_run_curves
+from vit_mpp.run_dir import MetricsLog
 
 SHOWN = ("loss", "acc")  # the metrics the progress line shows, besides lr, rate and eta
 

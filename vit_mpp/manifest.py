@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common.errors import UserError
-from common.urls import is_local, join, local_path, read_url
+from vit_mpp.errors import UserError
+from vit_mpp.urls import is_local, join, local_path, read_url
 
 MANIFEST_NAME = "_info.json"
 
@@ -42,7 +42,7 @@ class Split:
 
 
 def read_manifest(location: str | Path) -> dict[str, Any]:
-    """Read `_info.json` from a shard directory (local path, or a URL: http(s), s3://, ... see common/urls.py)."""
+    """Read `_info.json` from a shard directory (local path, or a URL: http(s), s3://, ... see vit_mpp/urls.py)."""
     location = str(location)
     path = join(location, MANIFEST_NAME)
     if is_local(location) and not os.path.isdir(local_path(location)):
@@ -110,13 +110,13 @@ def data_record(location: str | Path, info: dict[str, Any]) -> dict[str, Any]:
 
 def write_manifest_url(location: str, info: dict[str, Any]) -> None:
     """Write the manifest into a local folder (as `write_manifest`) or to a URL through fsspec, as one upload that
-    appears whole or not at all (common/urls.py `upload_file`); the bytes are the same either way."""
+    appears whole or not at all (vit_mpp/urls.py `upload_file`); the bytes are the same either way."""
     if is_local(location):
         write_manifest(local_path(location), info)
         return
     import tempfile
 
-    from common.urls import upload_file
+    from vit_mpp.urls import upload_file
 
     with tempfile.TemporaryDirectory(prefix="manifest-") as tmp:
         path = Path(tmp) / MANIFEST_NAME

@@ -10,7 +10,7 @@ deadline, so a server that stops sending can never hang a run:
 
 On top of each, opening and every read run under an idle deadline (`timeout`, default `READ_TIMEOUT_S`): when no
 byte arrives in that time, the stream is aborted (socket closed, command killed) and `StreamStalled` (an OSError)
-is raised. Callers retry a bounded number of times (`common.data_stream.read_segment`, `read_url`), then fail with
+is raised. Callers retry a bounded number of times (`vit_mpp.data_stream.read_segment`, `read_url`), then fail with
 one line. Local files have no deadline: a read from a hung network mount cannot be interrupted from Python.
 """
 
@@ -30,7 +30,7 @@ from collections.abc import Callable
 from typing import Any, BinaryIO, TypeVar
 from urllib.parse import urlparse
 
-from common.errors import UserError
+from vit_mpp.errors import UserError
 
 T = TypeVar("T")
 READ_TIMEOUT_S = 60.0  # no byte for this long: the stream is stalled

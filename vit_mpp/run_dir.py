@@ -19,9 +19,9 @@ from typing import Any
 
 import yaml
 
-from common.checkpoint import latest_checkpoint
-from common.config import ConfigError, flatten, save_config, to_dict
-from common.errors import UserError
+from vit_mpp.checkpoint import latest_checkpoint
+from vit_mpp.config import ConfigError, flatten, save_config, to_dict
+from vit_mpp.errors import UserError
 
 LOCK_NAME = ".lock"
 _held: dict[str, int] = {}  # run dir -> descriptor of its lock, kept open (so held) until this process ends

@@ -18,8 +18,8 @@ from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 
 import yaml
 
-from common import urls
-from common.errors import UserError
+from vit_mpp import urls
+from vit_mpp.errors import UserError
 
 T = TypeVar("T")
 
@@ -321,7 +321,7 @@ class ModelConfig:
 
 @dataclasses.dataclass
 class DataConfig:
-    """Where the shards are and how they are streamed (see common/data_stream.py)."""
+    """Where the shards are and how they are streamed (see vit_mpp/data_stream.py)."""
 
     shards: str = opt("", "directory or URL holding the shards and their _info.json (from build-shards)")
     train_split: str = opt("train", "split used for training")

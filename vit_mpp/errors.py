@@ -1,8 +1,8 @@
 """The one base class of user errors: a mistake in what the user gave (a config value, a path, a file, the data).
 
-Every stage's entry point (`common.cli.run_main`) turns a `UserError` into one line, `error: ...`, and exit status 2.
+Every stage's entry point (`vit_mpp.cli.run_main`) turns a `UserError` into one line, `error: ...`, and exit status 2.
 Anything else is a bug and keeps its traceback. Subclasses live beside the code that raises them (ConfigError in
-common/config.py, ManifestError in common/manifest.py, ...), so a module never needs the CLI to raise one.
+vit_mpp/config.py, ManifestError in vit_mpp/manifest.py, ...), so a module never needs the CLI to raise one.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from common.config import OptimConfig
+from vit_mpp.config import OptimConfig
 
 
 def scaled_lr(optim: OptimConfig, batch_size: int) -> float:

@@ -17,7 +17,7 @@ How the work is split (the part that keeps many processes in step):
   fewer steps than the others would hang the run in a collective. Undecodable samples are replaced (training) or
   marked invalid (evaluation) in place, so they cannot desynchronise the ranks either; more than
   `max_bad_fraction` of them (checked from the 100th sample of a worker's range, and at its end) is a DataError.
-* Remote reads have deadlines (common/urls.py): a stalled stream is aborted and reopened, then a ShardError.
+* Remote reads have deadlines (vit_mpp/urls.py): a stalled stream is aborted and reopened, then a ShardError.
 
 Batches leave the workers as uint8 images (B, 3, H, W); `to_device` moves them (non-blocking) and
 `normalize` turns them into float on the device, so the MPP targets can be computed from the raw pixels.
@@ -46,11 +46,11 @@ from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms import v2 as T
 from torchvision.transforms.v2.functional import pil_to_tensor
 
-from common import urls
-from common.config import DataConfig
-from common.errors import UserError
-from common.manifest import Split
-from common.models import img_hw
+from vit_mpp import urls
+from vit_mpp.config import DataConfig
+from vit_mpp.errors import UserError
+from vit_mpp.manifest import Split
+from vit_mpp.models import img_hw
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
 

@@ -17,7 +17,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from common.errors import UserError
+from vit_mpp.errors import UserError
 
 QUIET_WAIT_S = 10.0
 

@@ -3,7 +3,7 @@ analysis all take (`read_pretrained`, then `build_model`).
 
 Formats (`kind`; `auto` tells them apart from the name alone):
 
-* `export`: an export of this tool (common/export.py; its folder or weights file, current or older format), or any
+* `export`: an export of this tool (vit_mpp/export.py; its folder or weights file, current or older format), or any
   timm Hugging Face folder (config.json + model.safetensors); `local-dir:PATH` names one explicitly;
 * `hub`: `hf-hub:OWNER/NAME[@REVISION]`, a Hugging Face Hub repo in that layout, or a timm model name with pretrained
   weights (`vit_base_patch16_224.augreg_in21k`), resolved through huggingface_hub and timm. Offline, a model in the
@@ -38,10 +38,10 @@ from safetensors.torch import load_file
 from timm.layers import resample_abs_pos_embed
 from timm.models.vision_transformer import VisionTransformer, _load_weights
 
-from common.checkpoint import CheckpointError
-from common.config import ModelConfig
-from common.export import is_export, read_export
-from common.models import create_encoder, norm_stats, patch_size
+from vit_mpp.checkpoint import CheckpointError
+from vit_mpp.config import ModelConfig
+from vit_mpp.export import is_export, read_export
+from vit_mpp.models import create_encoder, norm_stats, patch_size
 
 TORCH_SUFFIXES = (".pth", ".pt", ".bin")
 NPZ_PREFIXES = ("", "opt/target/", "params/")  # where the original checkpoints keep their parameters

@@ -14,10 +14,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from common.config import ConfigError, ExportConfig
-from common.curves import CURVES_NAME
-from common.errors import UserError
-from common.export import read_export
+from vit_mpp.config import ConfigError, ExportConfig
+from vit_mpp.curves import CURVES_NAME
+from vit_mpp.errors import UserError
+from vit_mpp.export import read_export
 
 CARD_NAME = "README.md"
 FIGURES = ("curves.png", "analysis/position_similarity.png", "analysis/embedding_filters.png",

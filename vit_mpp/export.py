@@ -34,9 +34,10 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from common.checkpoint import CheckpointError, fsync
-from common.config import ConfigError, ModelConfig, from_dict, to_dict
-from common.models import create_encoder, img_hw
+from vit_mpp import __version__
+from vit_mpp.checkpoint import CheckpointError, fsync
+from vit_mpp.config import ConfigError, ModelConfig, from_dict, to_dict
+from vit_mpp.models import create_encoder, img_hw
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
@@ -103,7 +104,8 @@ def write_export(out_dir: str | Path, state: dict[str, torch.Tensor], model_cfg:
     weights_new, config_new = out_dir / (WEIGHTS + ".new"), out_dir / (CONFIG + ".new")
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
     save_file(tensors, str(weights_new), metadata={"format": "pt", "export_id": export_id})
-    ours = {"kind": kind, "export_id": export_id, "model": to_dict(model_cfg), **(record or {})}
+    ours = {"kind": kind, "export_id": export_id, "tool_version": __version__, "model": to_dict(model_cfg),
+            **(record or {})}
     model_config: dict[str, Any] = {RECORD: ours, "pretrained_cfg": {"tag": "vit-mpp"}}
     if class_names:
         model_config["label_names"] = list(class_names)

@@ -8,7 +8,7 @@ import timm
 import torch
 from timm.models.vision_transformer import VisionTransformer
 
-from common.config import ConfigError, ModelConfig
+from vit_mpp.config import ConfigError, ModelConfig
 
 
 def img_hw(img_size: int | list[int] | tuple[int, ...]) -> tuple[int, int]:

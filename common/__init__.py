@@ -1,1 +1,0 @@
-"""Code shared by data_tools, pretrain and finetune: config, manifest, data stream, checkpoints."""
