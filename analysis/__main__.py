@@ -6,7 +6,7 @@ from vit_mpp.cli import run_main
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["plot"]:
-        from analysis.plot import main as plot_main
+        from analysis.compare_runs import main as plot_main
 
         run_main(plot_main, sys.argv[2:])
     else:

@@ -33,7 +33,7 @@ from rich.table import Table
 from timm.models.vision_transformer import VisionTransformer
 
 from analysis import attention_stats as stats
-from analysis import figures
+from analysis import paper_figures
 from data_tools.images import EncodeSettings, prepare_image
 from vit_mpp.config import ConfigError, ModelConfig
 from vit_mpp.data_stream import ImageDecoder, image_bytes, normalize, range_segments, read_segment
@@ -163,11 +163,11 @@ def attention_figures(model: VisionTransformer, images: torch.Tensor, names: lis
             j = start + i
             if j < num_maps:
                 path = out / f"attention_{j}_{names[j]}.png"
-                figures.plot_attention(batch[i].permute(1, 2, 0).numpy(), rollout[i], layers[i], names[j], path)
+                paper_figures.plot_attention(batch[i].permute(1, 2, 0).numpy(), rollout[i], layers[i], names[j], path)
                 maps.append(path.name)
     dist = dist_sum / len(images)  # (L, heads)
     uniform = float(stats.patch_distances(grid, p).mean())  # a head attending to every patch equally
-    figures.plot_attention_distance(dist, uniform, img_hw(tuple(model.patch_embed.img_size)), len(images),
+    paper_figures.plot_attention_distance(dist, uniform, img_hw(tuple(model.patch_embed.img_size)), len(images),
                                     out / "attention_distance.png")
     return {"attention_maps": maps,
             "mean_attention_distance_px": [[round(float(v), 2) for v in row] for row in dist],
@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> None:
     }
 
     sim = stats.position_similarity(model.pos_embed.detach(), pos_prefix)  # (N, N)
-    figures.plot_position_similarity(sim, grid, out / "position_similarity.png")
+    paper_figures.plot_position_similarity(sim, grid, out / "position_similarity.png")
     # One number that says whether the embeddings learned the 2D layout: neighbours vs all other patches.
     near = stats.patch_distances(grid, 1) == 1  # (N, N) 4-neighbourhood
     off = ~torch.eye(sim.shape[0], dtype=torch.bool)
@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
     summary["pos_similarity_all_pairs"] = round(float(sim[off].mean()), 4) if off.any() else None
 
     pcs, explained = stats.patch_embedding_pcs(model.patch_embed.proj.weight.detach(), args.components)
-    figures.plot_filters(pcs, explained, out / "embedding_filters.png")
+    paper_figures.plot_filters(pcs, explained, out / "embedding_filters.png")
     summary["filter_pc_explained_variance"] = [round(float(v), 4) for v in explained]
 
     settings = EncodeSettings.from_record((pre.record.get("data") or {}).get("encoder"))

@@ -11,7 +11,7 @@ process per format:
 3. materialises the item list of every shard range (1000 inputs each), as the build's driver does just before it
    hands a range to a worker, and throws it away.
 
-It prints the seconds of each phase and the child's peak resident memory (ru_maxrss), which the issue bounds by
+It prints the seconds of each phase and the child's peak resident memory (ru_maxrss), which the target bounds by
 2 GiB (VmHWM, the process's own peak). With --folder N it also lists a tree of N empty .jpg files in 1000 class
 folders (the walk keeps only the entries of the folders on its current path).
 """

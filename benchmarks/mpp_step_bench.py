@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from pretrain.config import MPPConfig
 from pretrain.mpp import MaskedPatchPrediction
 from vit_mpp.config import ModelConfig
-from vit_mpp.models import create_encoder
+from vit_mpp.models import create_vit
 
 
 def timed_steps(step, steps: int, device: str) -> list[float]:
@@ -61,7 +61,7 @@ def main() -> None:
 
     sup = timm.create_model(args.model, pretrained=False, num_classes=1000, img_size=args.img_size).to(dev)
     sup_opt = torch.optim.AdamW(sup.parameters(), lr=1e-4, **fused)
-    mpp = MaskedPatchPrediction(create_encoder(ModelConfig(name=args.model, img_size=args.img_size)), MPPConfig(),
+    mpp = MaskedPatchPrediction(create_vit(ModelConfig(name=args.model, img_size=args.img_size)), MPPConfig(),
                                 (0.5,) * 3, (0.5,) * 3).to(dev)
     mpp_opt = torch.optim.AdamW(mpp.parameters(), lr=1e-4, **fused)
     sup_fwd = torch.compile(sup) if args.compile else sup

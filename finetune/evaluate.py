@@ -3,7 +3,7 @@
     python -m finetune.evaluate --checkpoint runs/demo/finetune/export/best --shards runs/demo/shards [--split val]
     accelerate launch --multi_gpu --num_processes 8 -m finetune.evaluate --checkpoint ... --shards ...
 
-The numbers come from fine-tuning's own `evaluate` (finetune/evaluation.py): every process reads its range of the
+The numbers come from fine-tuning's own `evaluate` (finetune/scoring.py): every process reads its range of the
 split, padded with invalid samples, and the sums and the confusion matrix are reduced once, so each image counts
 exactly once whatever the number of processes. The export gives the model and its preprocessing (input size,
 normalisation, evaluation crop); the images are decoded as in fine-tuning's evaluations.
@@ -17,23 +17,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 from pathlib import Path
 from typing import Any
 
-import torch
-from accelerate import Accelerator
-
-from finetune.evaluation import evaluate, per_class_accuracy, write_confusion
-from finetune.predict import load_classifier
+from finetune.scoring import evaluate, per_class_accuracy, write_confusion
+from vit_mpp.accelerator import make_eval_accelerator
 from vit_mpp.cli import run_main
 from vit_mpp.config import ConfigError, DataConfig
 from vit_mpp.data_stream import build_loader
 from vit_mpp.export import is_export
 from vit_mpp.manifest import load_split
-from vit_mpp.pretrained import LOCAL_DIR, Pretrained
-from vit_mpp.runtime import stop_with_launcher
+from vit_mpp.pretrained import LOCAL_DIR, Pretrained, load_classifier
+from vit_mpp.step_meter import with_unread
 
 MAX_ROWS = 20  # per-class rows printed; evaluation.json has them all
 
@@ -78,13 +74,6 @@ def check_classes(pre: Pretrained, info: dict[str, Any], shards: str, ignore_nam
     return f"warning: {message} (--ignore-class-names: evaluating anyway)"
 
 
-def make_accelerator(mixed_precision: str) -> Accelerator:
-    """An Accelerator for any process count; CPU processes talk over gloo (as vit_mpp.runtime.make_accelerator)."""
-    stop_with_launcher()
-    cpu = not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1
-    return Accelerator(cpu=cpu, mixed_precision=mixed_precision)
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m finetune.evaluate", description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", required=True,
@@ -110,7 +99,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out = Path(args.out) if args.out else default_out(args.checkpoint, args.split)
     if out.exists() and (not out.is_dir() or is_export(out)):
         raise ConfigError(f"--out {out} is {'an export' if out.is_dir() else 'a file'}: give a folder for the results")
-    accelerator = make_accelerator(args.mixed_precision)
+    accelerator = make_eval_accelerator(args.mixed_precision)
     model, pre = load_classifier(args.checkpoint)
     split, info = load_split(args.shards, args.split)
     warning = check_classes(pre, info, args.shards, args.ignore_class_names)
@@ -122,12 +111,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     model.to(accelerator.device)
     result, confusion = evaluate(accelerator, model, loader, pre.mean, pre.std, pre.num_classes)
 
-    metrics = {k.removeprefix("val_"): v for k, v in result.items()}
-    unread = split.num_samples - metrics["samples"]
-    if unread:  # undecodable images: counted nowhere, said here
-        metrics["unread"] = unread
-        accelerator.print(f"warning: {unread} of the {split.num_samples} images of split '{args.split}' could not be "
-                          "decoded and were not counted")
+    metrics, warning = with_unread(result, split.num_samples)  # the keys of fine-tuning's own evaluation records
+    if warning:
+        accelerator.print(warning)
     names = pre.class_names or info.get("class_names") or [str(i) for i in range(pre.num_classes)]
     report = {"checkpoint": args.checkpoint, "shards": args.shards, "split": args.split,
               "num_processes": accelerator.num_processes, "metrics": metrics, "class_names": list(names),
@@ -136,8 +122,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
         (out / "evaluation.json").write_text(json.dumps(report, indent=1) + "\n")
-        write_confusion(confusion, names, out, title=f"{args.split}: top-1 {metrics['top1']:.4f} on "
-                                                     f"{metrics['samples']} images")
+        write_confusion(confusion, names, out, title=f"{args.split}: top-1 {metrics['val_top1']:.4f} on "
+                                                     f"{metrics['val_samples']} images")
         print_report(report, out)
     accelerator.end_training()
     return report
@@ -152,10 +138,11 @@ def print_report(report: dict[str, Any], out: Path) -> None:
     summary = Table()
     summary.add_column("metric")
     summary.add_column("value", justify="right")
-    for key in ("loss", "top1", "top5", "mean_class_acc"):
+    for key in ("val_loss", "val_top1", "val_top5", "val_mean_class_acc"):
         if key in m:
-            summary.add_row(key, f"{m[key]:.4f}")
-    summary.add_row("images", f"{m['samples']}" + (f" ({m['unread']} unreadable)" if m.get("unread") else ""))
+            summary.add_row(key.removeprefix("val_"), f"{m[key]:.4f}")
+    summary.add_row("images", f"{m['val_samples']}" + (f" ({m['val_unread']} unreadable)" if m.get("val_unread")
+                                                        else ""))
     rows = sorted(range(len(report["class_names"])), key=lambda i: report["per_class_acc"][i])
     shown = rows if len(rows) <= MAX_ROWS else rows[:MAX_ROWS]
     per_class = Table(title="per-class accuracy" if shown is rows else

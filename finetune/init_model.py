@@ -14,7 +14,7 @@ from timm.models.vision_transformer import VisionTransformer
 
 from finetune.config import InitConfig
 from vit_mpp.config import ARCH_KEYS, ConfigError, ModelConfig
-from vit_mpp.models import architecture, create_encoder, norm_stats
+from vit_mpp.models import architecture, create_vit, norm_stats
 from vit_mpp.pretrained import build_model, read_pretrained
 
 
@@ -42,7 +42,7 @@ def build_classifier(init: InitConfig, model_cfg: ModelConfig, num_classes: int,
         model = build_model(model_cfg, pre, interp=init.posemb_interp)  # headless: attach_zero_head adds it
         mean, std = pre.mean, pre.std
     else:  # from scratch
-        model = create_encoder(model_cfg)
+        model = create_vit(model_cfg)
     attach_zero_head(model, num_classes)
     default_mean, default_std = norm_stats(model)
     mean, std = _chosen_stats(init, mean or default_mean, std or default_std)

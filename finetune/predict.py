@@ -22,31 +22,20 @@ from pathlib import Path
 import torch
 
 from data_tools.images import BadImage, EncodeSettings, prepare_image
-from vit_mpp.checkpoint import CheckpointError
 from vit_mpp.cli import run_main
-from vit_mpp.config import ConfigError, ModelConfig
-from vit_mpp.data_stream import IMAGE_EXTENSIONS, ImageDecoder, normalize
-from vit_mpp.pretrained import Pretrained, build_model, read_pretrained
-
-
-def load_classifier(checkpoint: str | Path) -> tuple[torch.nn.Module, Pretrained]:
-    """The fine-tuned classifier of an export (folder, weights file, local-dir: or hf-hub:) in eval mode, and what
-    the export says about it (normalisation, crop, class names, provenance)."""
-    pre = read_pretrained(str(checkpoint), ModelConfig())
-    if pre.model is None or not pre.num_classes:
-        raise CheckpointError(f"{checkpoint} is not a fine-tuned classifier export (it has no classifier head or "
-                              "names no architecture): use a finetune export")
-    return build_model(pre.model, pre, pre.num_classes, keep_head=True).eval(), pre
+from vit_mpp.config import ConfigError
+from vit_mpp.data_stream import ImageDecoder, normalize
+from vit_mpp.image_formats import IMAGE_EXTENSIONS, is_image_file
+from vit_mpp.pretrained import Pretrained, load_classifier
 
 
 def image_paths(items: list[str]) -> list[Path]:
     """The image files named, and those found (recursively, sorted) in the folders named."""
-    suffixes = {f".{e}" for e in IMAGE_EXTENSIONS}
     paths: list[Path] = []
     for item in items:
         p = Path(item)
         if p.is_dir():
-            paths.extend(sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in suffixes))
+            paths.extend(sorted(f for f in p.rglob("*") if f.is_file() and is_image_file(f)))
         elif p.is_file():
             paths.append(p)
         else:

@@ -28,7 +28,8 @@ DESCRIPTION = "Masked patch prediction pretraining of a timm ViT."
 
 @dataclass
 class MPPConfig:
-    """The corruption rule and target (SPEC.md: 50% corrupted; of those 80% [mask], 10% random patch, 10% kept)."""
+    """The corruption rule and target (docs/method.md: 50% corrupted; of those 80% [mask], 10% random patch, 10%
+    kept)."""
 
     mask_ratio: float = opt(0.5, "fraction of patches corrupted per image (exactly round(ratio * N))",
                             between(0, 1, lo_open=True))

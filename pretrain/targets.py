@@ -1,6 +1,6 @@
 """Masked-patch-prediction targets, computed from the un-normalised uint8 pixels of a batch.
 
-Quantisation (SPEC.md): a value v in 0..255 falls in level floor(v * 2**bits / 256); with 3 bits the levels are
+Quantisation (docs/method.md): a value v in 0..255 falls in level floor(v * 2**bits / 256); with 3 bits the levels are
 0..7 and a colour (r, g, b) is the class r * 64 + g * 8 + b (one of 512). Means are computed exactly in integers,
 so a patch whose mean sits on a bin edge always lands in the upper bin.
 

@@ -18,7 +18,7 @@ from analysis.analyze import main as analyze_main
 from tests.conftest import write_encoder_export
 from vit_mpp.cli import run_main
 from vit_mpp.config import ModelConfig
-from vit_mpp.models import create_encoder
+from vit_mpp.models import create_vit
 
 TINY = ModelConfig(name="vit_tiny_patch16_224", img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2)
 
@@ -51,7 +51,7 @@ def test_attention_to_own_patch_has_zero_distance():
 
 
 def test_uniform_attention_distance_matches_closed_form():
-    model = create_encoder(TINY).eval()
+    model = create_vit(TINY).eval()
     for blk in model.blocks:  # q = k = 0: every logit is 0, so every query attends uniformly to every token
         blk.attn.qkv.weight.data[: 2 * model.embed_dim].zero_()
         blk.attn.qkv.bias.data[: 2 * model.embed_dim].zero_()
@@ -69,7 +69,7 @@ def test_uniform_attention_distance_matches_closed_form():
 def test_attention_probs_reproduce_the_block_output():
     """The recomputed probabilities, applied to v, give what timm's (fused) attention module outputs."""
     torch.manual_seed(0)
-    model = create_encoder(TINY).eval()
+    model = create_vit(TINY).eval()
     attn = model.blocks[1].attn
     seen = {}
     handle = attn.register_forward_hook(lambda m, args, out: seen.update(x=args[0], out=out))
@@ -104,7 +104,7 @@ def test_param_table_vit_base_four_classes():
 @pytest.fixture()
 def tiny_export(tmp_path):
     torch.manual_seed(0)
-    return write_encoder_export(tmp_path / "export", create_encoder(TINY), TINY)
+    return write_encoder_export(tmp_path / "export", create_vit(TINY), TINY)
 
 
 def test_cli_end_to_end(tiny_export, tmp_path):
@@ -125,7 +125,7 @@ def test_cli_end_to_end(tiny_export, tmp_path):
         with Image.open(out / name) as im:
             assert 200 <= im.width <= 2000 and 150 <= im.height <= 2000, (name, im.size)
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["grid"] == [4, 4] and summary["params"] == sum(p.numel() for p in create_encoder(TINY).parameters())
+    assert summary["grid"] == [4, 4] and summary["params"] == sum(p.numel() for p in create_vit(TINY).parameters())
     assert len(summary["mean_attention_distance_px"]) == 2 and len(summary["filter_pc_explained_variance"]) == 8
     assert (out / "params.csv").read_text().splitlines()[-1].startswith("total,")
 

@@ -18,7 +18,7 @@ from tests.conftest import REPO, run_module, subprocess_env, write_encoder_expor
 from vit_mpp.cli import run_main
 from vit_mpp.config import ModelConfig
 from vit_mpp.export import write_export
-from vit_mpp.models import create_encoder
+from vit_mpp.models import create_vit
 
 SMALL = dict(patch_size=4, embed_dim=32, depth=1, num_heads=2)
 N_VAL = 13
@@ -35,7 +35,7 @@ def run(shards, tmp_path_factory) -> Path:
     """A linear probe of a random encoder (a large LR, so its predictions differ from class to class)."""
     torch.manual_seed(0)
     cfg = ModelConfig(img_size=16, **SMALL)
-    encoder = write_encoder_export(tmp_path_factory.mktemp("encoder"), create_encoder(cfg), cfg)
+    encoder = write_encoder_export(tmp_path_factory.mktemp("encoder"), create_vit(cfg), cfg)
     run_dir = tmp_path_factory.mktemp("probe")
     finetune_main(["--config", "configs/finetune/tiny.yaml", f"data.shards={shards}", f"train.run_dir={run_dir}",
                    f"init.checkpoint={encoder}", "data.num_workers=0", "train.mode=linear_probe", "optim.lr=0.5"])
@@ -44,7 +44,7 @@ def run(shards, tmp_path_factory) -> Path:
 
 def classifier(out: Path, num_classes: int, class_names: list[str] | None) -> Path:
     cfg = ModelConfig(img_size=24, **SMALL)
-    return write_export(out, create_encoder(cfg, num_classes).state_dict(), cfg, kind="classifier",
+    return write_export(out, create_vit(cfg, num_classes).state_dict(), cfg, kind="classifier",
                         num_classes=num_classes, mean=(0.5,) * 3, std=(0.5,) * 3, class_names=class_names)
 
 
@@ -53,9 +53,9 @@ def test_the_numbers_are_those_of_fine_tunings_final_evaluation(run, shards):
     export_files = sorted(p.relative_to(run) for p in (run / "export").rglob("*"))
     report = evaluate.main(["--checkpoint", str(run / "export"), "--shards", str(shards), "--workers", "0"])
     m = report["metrics"]
-    assert m["samples"] == record["val_samples"] == N_VAL
-    assert (m["top1"], m["mean_class_acc"]) == (record["val_top1"], record["val_mean_class_acc"])
-    assert m["loss"] == pytest.approx(record["val_loss"], rel=1e-6)  # the same sum, added in another order
+    assert m["val_samples"] == record["val_samples"] == N_VAL
+    assert (m["val_top1"], m["val_mean_class_acc"]) == (record["val_top1"], record["val_mean_class_acc"])
+    assert m["val_loss"] == pytest.approx(record["val_loss"], rel=1e-6)  # the same sum, added in another order
     trained = json.loads((run / "confusion_matrix.json").read_text())  # the final evaluation's
     assert report["confusion"] == trained["confusion"] and len({tuple(r) for r in trained["confusion"]}) > 1
     assert report["per_class_acc"] == pytest.approx(trained["per_class_acc"], abs=1e-6)
@@ -79,9 +79,9 @@ def test_batches_and_workers_do_not_change_the_numbers(run, shards, tmp_path):
                          "--out", str(tmp_path / "a")])
     other = evaluate.main(["--checkpoint", str(run / "export" / "best"), "--shards", str(shards), "--workers", "2",
                            "--batch-size", "5", "--out", str(tmp_path / "b")])
-    assert one["confusion"] == other["confusion"] and one["metrics"]["samples"] == N_VAL
+    assert one["confusion"] == other["confusion"] and one["metrics"]["val_samples"] == N_VAL
     best = json.loads((run / "export" / "best" / "config.json").read_text())["vit_mpp"]["metrics"]
-    assert one["metrics"]["top1"] == best["val_top1"]
+    assert one["metrics"]["val_top1"] == best["val_top1"]
 
 
 def test_two_processes_count_each_sample_once_and_agree_with_one(run, shards, tmp_path):
@@ -95,9 +95,9 @@ def test_two_processes_count_each_sample_once_and_agree_with_one(run, shards, tm
     two = json.loads((tmp_path / "two" / "evaluation.json").read_text())
     one = evaluate.main(["--checkpoint", str(run / "export"), "--shards", str(shards), "--workers", "0",
                          "--out", str(tmp_path / "one")])
-    assert two["num_processes"] == 2 and two["metrics"]["samples"] == N_VAL  # 7 + 6 images, padded to 2 x 7
-    assert two["confusion"] == one["confusion"] and two["metrics"]["top1"] == one["metrics"]["top1"]
-    assert two["metrics"]["loss"] == pytest.approx(one["metrics"]["loss"], rel=1e-6)
+    assert two["num_processes"] == 2 and two["metrics"]["val_samples"] == N_VAL  # 7 + 6 images, padded to 2 x 7
+    assert two["confusion"] == one["confusion"] and two["metrics"]["val_top1"] == one["metrics"]["val_top1"]
+    assert two["metrics"]["val_loss"] == pytest.approx(one["metrics"]["val_loss"], rel=1e-6)
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +109,7 @@ def bad(shards, tmp_path_factory) -> dict[str, Path]:
     info = json.loads((unnamed / "_info.json").read_text())
     info.pop("class_names"), info.pop("num_classes")
     (unnamed / "_info.json").write_text(json.dumps(info))
-    return {"encoder": write_encoder_export(root / "encoder", create_encoder(ModelConfig(img_size=16, **SMALL)),
+    return {"encoder": write_encoder_export(root / "encoder", create_vit(ModelConfig(img_size=16, **SMALL)),
                                             ModelConfig(img_size=16, **SMALL)),
             "two": classifier(root / "two", 2, ["a", "b"]), "two_unnamed": classifier(root / "two_unnamed", 2, None),
             "renamed": classifier(root / "renamed", 3, ["a", "b", "x"]),
@@ -162,5 +162,5 @@ def test_renamed_classes_are_evaluated_with_a_warning_when_asked(bad, shards, tm
     report = evaluate.main(["--checkpoint", str(bad["renamed"]), "--shards", str(shards), "--workers", "0",
                             "--ignore-class-names"])
     assert "warning: the shards' class names differ" in capsys.readouterr().out
-    assert report["class_names"] == ["a", "b", "x"] and report["metrics"]["samples"] == N_VAL
+    assert report["class_names"] == ["a", "b", "x"] and report["metrics"]["val_samples"] == N_VAL
     assert (bad["renamed"].parent / "renamed-eval-val" / "evaluation.json").is_file()

@@ -20,10 +20,9 @@ from finetune.config import InitConfig
 from finetune.init_model import build_classifier
 from finetune.train import main as finetune_main
 from tests.conftest import write_encoder_export, write_shard_set
-from vit_mpp.checkpoint import CheckpointError
 from vit_mpp.config import ModelConfig, to_dict
-from vit_mpp.export import read_export, write_export
-from vit_mpp.models import create_encoder
+from vit_mpp.export import ExportError, read_export, write_export
+from vit_mpp.models import create_vit
 from vit_mpp.pretrained import read_pretrained
 
 SMALL = ModelConfig(img_size=16, patch_size=4, embed_dim=32, depth=1, num_heads=2)
@@ -32,7 +31,7 @@ SMALL = ModelConfig(img_size=16, patch_size=4, embed_dim=32, depth=1, num_heads=
 def classifier(pool: str, seed: int = 0) -> tuple[torch.nn.Module, ModelConfig]:
     torch.manual_seed(seed)
     cfg = dataclasses.replace(SMALL, img_size=[16, 24], global_pool=pool)
-    model = create_encoder(cfg, num_classes=3).eval()
+    model = create_vit(cfg, num_classes=3).eval()
     torch.nn.init.normal_(model.head.weight)  # a trained-looking head: zero would hide differences
     return model, cfg
 
@@ -58,7 +57,7 @@ def trained(tmp_path_factory):
     root = tmp_path_factory.mktemp("trained")
     shards = write_shard_set(root / "shards", {"train": [16], "val": [5]})
     torch.manual_seed(0)
-    write_encoder_export(root / "pretrain", create_encoder(SMALL), SMALL)
+    write_encoder_export(root / "pretrain", create_vit(SMALL), SMALL)
     runs = {}
     for pool in ("token", "avg"):
         runs[pool] = root / pool
@@ -74,7 +73,7 @@ def test_predict_and_analysis_rebuild_the_trained_classifier_exactly(trained, po
     # The model as training built it: its resolved config, with the exported weights loaded strictly.
     ft = read_export(run / "export")
     assert ft.model.global_pool == pool and ft.record["kind"] == "classifier"
-    reference = create_encoder(ft.model, num_classes=ft.num_classes).eval()
+    reference = create_vit(ft.model, num_classes=ft.num_classes).eval()
     reference.load_state_dict(ft.state)
     assert torch.count_nonzero(reference.head.weight) > 0
     x = torch.randn(4, 3, 24, 24)  # the training resolution of configs/finetune/tiny.yaml
@@ -85,14 +84,14 @@ def test_predict_and_analysis_rebuild_the_trained_classifier_exactly(trained, po
     torch.testing.assert_close(by_analysis(x), expected, rtol=0, atol=0)
     assert (mean, std) == (pre.mean, pre.std)
     other = "avg" if pool == "token" else "token"  # the test can tell the two apart
-    wrong = create_encoder(dataclasses.replace(ft.model, global_pool=other), num_classes=ft.num_classes).eval()
+    wrong = create_vit(dataclasses.replace(ft.model, global_pool=other), num_classes=ft.num_classes).eval()
     wrong.load_state_dict(ft.state)
     assert not torch.allclose(wrong(x), expected)
 
 
 def test_older_exports_still_load(tmp_path):
     torch.manual_seed(0)
-    encoder = create_encoder(SMALL)
+    encoder = create_vit(SMALL)
     save_file(encoder.state_dict(), str(tmp_path / "encoder.safetensors"))
     (tmp_path / "encoder.json").write_text(json.dumps({"model": to_dict(SMALL), "mean": [0.1, 0.2, 0.3],
                                                        "std": [0.4, 0.5, 0.6], "pretrain": {"steps": 3}}))
@@ -141,6 +140,6 @@ def test_an_export_killed_before_its_renames_keeps_the_previous_one(tmp_path):
 def test_weights_that_do_not_fit_are_not_exported(tmp_path):
     model, cfg = classifier("token")
     state = {k: v for k, v in model.state_dict().items() if k != "norm.bias"}
-    with pytest.raises(CheckpointError, match=r"missing \['norm.bias'\]"):
+    with pytest.raises(ExportError, match=r"missing \['norm.bias'\]"):
         write_export(tmp_path, state, cfg, kind="classifier", num_classes=3, mean=(0.5,) * 3, std=(0.5,) * 3)
     assert not (tmp_path / "config.json").exists()

@@ -12,8 +12,8 @@ from finetune.init_model import build_classifier
 from tests.conftest import write_encoder_export
 from vit_mpp.checkpoint import CheckpointError
 from vit_mpp.config import ConfigError, ModelConfig, load_config
-from vit_mpp.export import strip_prefix
-from vit_mpp.models import create_encoder
+from vit_mpp.export import ExportError, strip_prefix
+from vit_mpp.models import create_vit
 from vit_mpp.pretrained import checkpoint_kind, read_state_dict, resize_pos_embed
 
 SMALL = dict(patch_size=4, embed_dim=32, depth=1, num_heads=2)
@@ -22,7 +22,7 @@ SMALL = dict(patch_size=4, embed_dim=32, depth=1, num_heads=2)
 @pytest.fixture
 def encoder() -> torch.nn.Module:
     torch.manual_seed(0)
-    return create_encoder(ModelConfig(img_size=16, **SMALL))  # a 4 x 4 grid
+    return create_vit(ModelConfig(img_size=16, **SMALL))  # a 4 x 4 grid
 
 
 def assert_loaded(model, encoder, new_grid=(4, 4)):
@@ -73,7 +73,7 @@ def test_export(tmp_path, encoder):
 def test_an_export_with_no_weights_under_the_prefix_is_refused(tmp_path, encoder):
     # What a torch.compile wrapper's `_orig_mod.encoder.*` keys once produced: an empty encoder file.
     state = {f"_orig_mod.encoder.{k}": v for k, v in encoder.state_dict().items()}
-    with pytest.raises(CheckpointError, match="no weights under 'encoder.'"):
+    with pytest.raises(ExportError, match="no weights under 'encoder.'"):
         strip_prefix(state, "encoder.")
 
 
@@ -87,7 +87,7 @@ def test_timm_pth_weights_only(tmp_path, encoder, wrap):
 
 
 def test_timm_safetensors_with_non_square_grid(tmp_path, encoder):
-    wide = create_encoder(ModelConfig(img_size=[16, 24], **SMALL))  # a 4 x 6 grid: not inferable, given by init.grid
+    wide = create_vit(ModelConfig(img_size=[16, 24], **SMALL))  # a 4 x 6 grid: not inferable, given by init.grid
     save_file(wide.state_dict(), str(tmp_path / "w.safetensors"))
     init = InitConfig(checkpoint=str(tmp_path / "w.safetensors"))
     with pytest.raises(CheckpointError, match=r"not a square grid: set init.grid"):

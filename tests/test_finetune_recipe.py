@@ -27,7 +27,7 @@ from vit_mpp.config import ConfigError, DataConfig, ModelConfig, load_config
 from vit_mpp.data_stream import ImageDecoder, build_loader
 from vit_mpp.export import read_export
 from vit_mpp.manifest import load_split
-from vit_mpp.models import create_encoder
+from vit_mpp.models import create_vit
 
 SMALL = dict(patch_size=4, embed_dim=32, depth=1, num_heads=2)
 
@@ -43,7 +43,7 @@ def pretrained(tmp_path_factory) -> Path:
     torch.manual_seed(0)
     out = tmp_path_factory.mktemp("pretrain_export")
     cfg = ModelConfig(img_size=16, **SMALL)
-    return write_encoder_export(out, create_encoder(cfg), cfg)
+    return write_encoder_export(out, create_vit(cfg), cfg)
 
 
 def finetune(shards: Path, run_dir: Path, init: Path, *overrides: str) -> None:
@@ -218,8 +218,8 @@ def test_evaluate_on_the_ema_export_gives_the_ema_numbers_of_training(ema_run, s
     evals = [m for m in map(json.loads, (ema_run / "metrics.jsonl").read_text().splitlines()) if "val_top1" in m]
     report = evaluate.main(["--checkpoint", str(ema_run / "export_ema"), "--shards", str(shards), "--workers",
                             "0", "--out", str(tmp_path)])
-    assert report["metrics"]["top1"] == evals[-1]["ema_val_top1"]
-    assert report["metrics"]["loss"] == pytest.approx(evals[-1]["ema_val_loss"], rel=1e-5)
+    assert report["metrics"]["val_top1"] == evals[-1]["ema_val_top1"]
+    assert report["metrics"]["val_loss"] == pytest.approx(evals[-1]["ema_val_loss"], rel=1e-5)
 
 
 def test_a_resumed_run_restores_the_ema_exactly(ema_run, shards, pretrained, tmp_path):

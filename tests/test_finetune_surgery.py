@@ -13,7 +13,7 @@ from finetune.init_model import attach_zero_head, build_classifier
 from tests.conftest import write_encoder_export
 from vit_mpp.checkpoint import CheckpointError
 from vit_mpp.config import ModelConfig
-from vit_mpp.models import create_encoder
+from vit_mpp.models import create_vit
 from vit_mpp.pretrained import load_weights, resize_pos_embed
 
 SMALL = dict(patch_size=4, embed_dim=32, depth=1, num_heads=2)
@@ -21,7 +21,7 @@ SMALL = dict(patch_size=4, embed_dim=32, depth=1, num_heads=2)
 
 def test_zero_head_gives_zero_logits():
     torch.manual_seed(0)
-    model = create_encoder(ModelConfig(img_size=16, **SMALL))
+    model = create_vit(ModelConfig(img_size=16, **SMALL))
     attach_zero_head(model, 10)
     assert model.head.weight.shape == (10, 32)
     assert torch.count_nonzero(model.head.weight) == 0 and torch.count_nonzero(model.head.bias) == 0
@@ -59,7 +59,7 @@ def test_bicubic_matches_timm():
 def test_loading_an_export_at_a_larger_non_square_size(tmp_path):
     torch.manual_seed(0)
     pre_cfg = ModelConfig(img_size=16, **SMALL)
-    encoder = create_encoder(pre_cfg)
+    encoder = create_vit(pre_cfg)
     write_encoder_export(tmp_path, encoder, pre_cfg)
     model, _, _, resolved = build_classifier(InitConfig(checkpoint=str(tmp_path)), ModelConfig(img_size=[24, 32]), 5)
     assert resolved.embed_dim == 32 and model.patch_embed.grid_size == (6, 8)
@@ -71,11 +71,11 @@ def test_loading_an_export_at_a_larger_non_square_size(tmp_path):
 
 
 def test_patch_size_change_and_mismatched_keys_are_errors():
-    src = create_encoder(ModelConfig(img_size=16, **SMALL))
-    other_patch = create_encoder(ModelConfig(img_size=16, patch_size=8, embed_dim=32, depth=1, num_heads=2))
+    src = create_vit(ModelConfig(img_size=16, **SMALL))
+    other_patch = create_vit(ModelConfig(img_size=16, patch_size=8, embed_dim=32, depth=1, num_heads=2))
     with pytest.raises(CheckpointError, match="patch size"):
         load_weights(other_patch, src.state_dict(), (4, 4))
-    deeper = create_encoder(ModelConfig(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2))
+    deeper = create_vit(ModelConfig(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2))
     with pytest.raises(CheckpointError, match=r"missing keys \['blocks\.1\."):
         load_weights(deeper, src.state_dict(), (4, 4))
 
@@ -83,8 +83,8 @@ def test_patch_size_change_and_mismatched_keys_are_errors():
 def test_loading_into_a_model_with_a_head_and_fc_norm_keeps_them_new():
     # Average-pooled timm ViTs have an fc_norm; a classifier has a head: neither comes from the encoder weights.
     torch.manual_seed(0)
-    src = create_encoder(ModelConfig(img_size=16, **SMALL))
-    dst = create_encoder(ModelConfig(img_size=16, **SMALL), num_classes=3)
+    src = create_vit(ModelConfig(img_size=16, **SMALL))
+    dst = create_vit(ModelConfig(img_size=16, **SMALL), num_classes=3)
     dst.reset_classifier(3, global_pool="avg")
     dst.fc_norm = torch.nn.LayerNorm(32)
     load_weights(dst, src.state_dict(), (4, 4))
@@ -95,7 +95,7 @@ def test_avg_pool_head_reads_the_mean_of_the_normed_patch_tokens(tmp_path):
     # An MPP loss never reaches the [class] token, so probes and fine-tunes may read the patch tokens instead.
     torch.manual_seed(0)
     pre_cfg = ModelConfig(img_size=16, **SMALL)
-    encoder = create_encoder(pre_cfg)
+    encoder = create_vit(pre_cfg)
     write_encoder_export(tmp_path, encoder, pre_cfg)
     token, *_ = build_classifier(InitConfig(checkpoint=str(tmp_path)), ModelConfig(img_size=16), 3)
     avg, *_ = build_classifier(InitConfig(checkpoint=str(tmp_path)), ModelConfig(img_size=16, global_pool="avg"), 3)

@@ -23,9 +23,9 @@ from vit_mpp.config import ConfigError, ModelConfig
 from vit_mpp.data_stream import ImageDecoder, range_segments, read_segment
 from vit_mpp.export import read_export
 from vit_mpp.manifest import load_split
-from vit_mpp.models import create_encoder
+from vit_mpp.models import create_vit
+from vit_mpp.optimizer import build_optimizer
 from vit_mpp.pretrained import resize_pos_embed
-from vit_mpp.runtime import build_optimizer
 from vit_mpp.schedule import set_lr
 
 SMALL = dict(patch_size=4, embed_dim=32, depth=1, num_heads=2)
@@ -34,7 +34,7 @@ SMALL = dict(patch_size=4, embed_dim=32, depth=1, num_heads=2)
 @pytest.fixture(scope="module")
 def pretrained(tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor]]:
     torch.manual_seed(0)
-    encoder = create_encoder(ModelConfig(img_size=16, **SMALL))
+    encoder = create_vit(ModelConfig(img_size=16, **SMALL))
     out = tmp_path_factory.mktemp("pretrain_export")
     write_encoder_export(out, encoder, ModelConfig(img_size=16, **SMALL))
     return out, {k: v.detach().clone() for k, v in encoder.state_dict().items()}
@@ -126,7 +126,7 @@ def test_adamw_recipe_with_layer_decay_mixup_and_jitter(shards, pretrained, tmp_
 
 
 def test_layer_decay_scales_the_lr_by_depth():
-    model = create_encoder(ModelConfig(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2), num_classes=3)
+    model = create_vit(ModelConfig(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2), num_classes=3)
     opt = build_optimizer(model, FinetuneOptimConfig(name="adamw", weight_decay=0.05, impl="single"), 1.0, 0.5)
     set_lr(opt, 1.0)
     by_param = {id(p): g["lr"] for g in opt.param_groups for p in g["params"]}

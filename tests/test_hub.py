@@ -20,7 +20,7 @@ from tests.conftest import REPO, subprocess_env, write_encoder_export
 from vit_mpp.checkpoint import CheckpointError
 from vit_mpp.config import ExportConfig, ModelConfig
 from vit_mpp.hub import push
-from vit_mpp.models import create_encoder
+from vit_mpp.models import create_vit
 
 SMALL = ModelConfig(img_size=16, patch_size=4, embed_dim=32, depth=1, num_heads=2)
 
@@ -55,7 +55,7 @@ def test_push_uploads_the_folder_and_a_failure_keeps_the_export(tmp_path, monkey
     import huggingface_hub
 
     torch.manual_seed(0)
-    write_encoder_export(tmp_path, create_encoder(SMALL), SMALL)
+    write_encoder_export(tmp_path, create_vit(SMALL), SMALL)
     (tmp_path / "README.md").write_text("card")
     RecordingApi.calls = []
     monkeypatch.setattr(huggingface_hub, "HfApi", RecordingApi)
@@ -102,7 +102,7 @@ def test_init_from_a_cached_hub_model_works_offline_and_an_uncached_one_is_one_l
     from huggingface_hub import constants
 
     torch.manual_seed(0)
-    encoder = create_encoder(SMALL)
+    encoder = create_vit(SMALL)
     write_encoder_export(hub_cache(tmp_path, "someone/tiny-mpp"), encoder, SMALL, mean=(0.1, 0.2, 0.3))
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
-from analysis.plot import main as plot_main
+from analysis.compare_runs import main as plot_main
 from pretrain.knn import knn_top1
 from pretrain.train import main as pretrain_main
 from tests.conftest import REPO, subprocess_env

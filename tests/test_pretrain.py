@@ -18,13 +18,13 @@ from pretrain.config import MPPConfig
 from pretrain.mpp import MaskedPatchPrediction
 from tests.conftest import REPO, subprocess_env, write_encoder_export
 from vit_mpp.config import ModelConfig
-from vit_mpp.models import create_encoder
+from vit_mpp.models import create_vit
 
 
 def test_export_loads_with_timm_create_model_local_dir_with_the_same_outputs(tmp_path):
     torch.manual_seed(0)
     cfg = ModelConfig(name="vit_small_patch16_224", img_size=[32, 48], patch_size=8, depth=2)
-    encoder = create_encoder(cfg).eval()
+    encoder = create_vit(cfg).eval()
     write_encoder_export(tmp_path, encoder, cfg, mean=(0.1, 0.2, 0.3), std=(0.3, 0.2, 0.1))
     model = timm.create_model(f"local-dir:{tmp_path}", pretrained=True).eval()
     x = torch.randn(2, 3, 32, 48)
@@ -45,7 +45,7 @@ def _structured_images(n: int, size: int, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("target", ["mean_color", "pixels_4x4", "l2"])
 def test_every_target_trains(target):
     torch.manual_seed(0)
-    enc = create_encoder(ModelConfig(img_size=16, patch_size=4, embed_dim=64, depth=2, num_heads=4))
+    enc = create_vit(ModelConfig(img_size=16, patch_size=4, embed_dim=64, depth=2, num_heads=4))
     model = MaskedPatchPrediction(enc, MPPConfig(target=target), (0.5,) * 3, (0.5,) * 3)
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
     images = _structured_images(64, 16, seed=1)
@@ -97,7 +97,7 @@ def test_compiled_training_exports_every_encoder_weight(demo_shards, tmp_path):
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     exported = load_file(run_dir / "export" / "model.safetensors")
     cfg = json.loads((run_dir / "export" / "config.json").read_text())["vit_mpp"]["model"]
-    expected = create_encoder(ModelConfig(**cfg)).state_dict()
+    expected = create_vit(ModelConfig(**cfg)).state_dict()
     assert exported.keys() == {k for k in expected if not k.startswith("head.")}
     trained = load_file(run_dir / "checkpoints" / "step_000003" / "model.safetensors")
     torch.testing.assert_close(exported["blocks.0.attn.qkv.weight"], trained["encoder.blocks.0.attn.qkv.weight"])

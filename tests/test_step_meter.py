@@ -16,7 +16,7 @@ from pretrain.train import main as pretrain_main
 from tests.conftest import write_encoder_export, write_shard_set
 from tests.test_stream_io import bad_shard_set
 from vit_mpp.config import ModelConfig
-from vit_mpp.models import create_encoder
+from vit_mpp.models import create_vit
 from vit_mpp.run_dir import MetricsLog
 from vit_mpp.step_meter import StepMeter
 
@@ -77,7 +77,7 @@ def test_fine_tuning_counts_and_reports_bad_samples(tmp_path):
     (shards / "_info.json").write_text(json.dumps(info))
     torch.manual_seed(0)
     cfg = ModelConfig(img_size=16, patch_size=4, embed_dim=32, depth=1, num_heads=2)
-    write_encoder_export(tmp_path / "pre", create_encoder(cfg), cfg)
+    write_encoder_export(tmp_path / "pre", create_vit(cfg), cfg)
     finetune_main(["--config", "configs/finetune/tiny.yaml", f"data.shards={shards}",
                    f"train.run_dir={tmp_path / 'ft'}", f"init.checkpoint={tmp_path / 'pre'}", "data.num_workers=0",
                    "train.epochs=1", "data.max_bad_fraction=0.5", "data.shuffle_buffer=1", "train.log_every=1"])

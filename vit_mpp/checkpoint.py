@@ -6,26 +6,32 @@ Layout of a run directory:
     run_dir/metrics.jsonl                    one JSON object per logged step / evaluation
     run_dir/checkpoints/step_000500/         accelerate state (model, optimizer, scaler, RNG) + trainer_state.json
     run_dir/export/                          the weights handed on (vit_mpp/export.py)
+
+Every rank saves and loads its part of the state; a checkpoint is complete once its marker (trainer_state.json) is
+written, after every rank's files are synced, so a crash at any moment leaves a complete checkpoint or one that
+resume ignores.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 from accelerate import Accelerator
 
+from vit_mpp.durable import fsync, write_atomic
 from vit_mpp.errors import UserError
 
 TRAINER_STATE = "trainer_state.json"  # written last: a checkpoint without it is incomplete and ignored
 
 
 class CheckpointError(UserError):
-    """A checkpoint or export is missing or does not fit; one-line message."""
+    """A checkpoint is missing, unreadable or does not fit: a run's saved state, or the weights a user brings
+    (init.checkpoint, --checkpoint); one-line message. Exports have their own ExportError (vit_mpp/export.py)."""
 
 
 def checkpoints_dir(run_dir: str | Path) -> Path:
@@ -67,25 +73,13 @@ def save_checkpoint(accelerator: Accelerator, run_dir: str | Path, step: int, tr
         for f in path.rglob("*"):
             if f.is_file():
                 fsync(f)
-        tmp = path / (TRAINER_STATE + ".tmp")
-        tmp.write_text(json.dumps({"step": step, "num_processes": accelerator.num_processes, **trainer_state},
-                                  indent=1))
-        fsync(tmp)
-        os.replace(tmp, path / TRAINER_STATE)
+        write_atomic(path / TRAINER_STATE, json.dumps({"step": step, "num_processes": accelerator.num_processes,
+                                                       **trainer_state}, indent=1))
         complete = complete_checkpoints(run_dir)
         for old in complete[: max(0, len(complete) - keep_last)]:
             shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
     return path
-
-
-def fsync(path: str | Path) -> None:
-    """Flush a written file (or a folder's entries) to disk, so that a marker written after it never outlives it."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def load_checkpoint(accelerator: Accelerator, path: Path) -> tuple[dict[str, Any], dict[str, Any] | None]:
@@ -96,3 +90,39 @@ def load_checkpoint(accelerator: Accelerator, path: Path) -> tuple[dict[str, Any
     accelerator.load_state(str(path))
     own = rank_state_file(path, accelerator.process_index)
     return state, (torch.load(own, weights_only=True) if own.is_file() else None)
+
+
+def resume_latest(accelerator: Accelerator, run_dir: str | Path, changed: list[str],
+                  ) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """Restore the newest readable checkpoint of `run_dir`: (its trainer state, this rank's own state), ({}, None)
+    for a new run.
+
+    A checkpoint that cannot be read on any process (a truncated file, a disk that filled up) is set aside as
+    `step_N.unreadable`, saying so, and the next older one is tried; when none can be read the run stops with a
+    CheckpointError rather than silently starting over. `changed` lists the config keys that differ from the run
+    directory's previous config (printed as a note). The caller cuts its logs back to the resumed step.
+    """
+    candidates = complete_checkpoints(run_dir)[::-1]  # newest first
+    for ckpt in candidates:
+        try:
+            state, own = load_checkpoint(accelerator, ckpt)
+            problem = ""
+        except Exception as e:  # corruption shows up as many exception types (safetensors, pickle, torch, json)
+            state, own, problem = {}, None, " ".join(f"{type(e).__name__}: {e}".split())[:300]
+        failed = torch.tensor(float(bool(problem)), device=accelerator.device)
+        if accelerator.reduce(failed, reduction="sum").item() == 0:  # every rank read it: the same decision on all
+            accelerator.print(f"resuming from {ckpt} (step {state['step']})")
+            if changed:
+                accelerator.print(f"note: config differs from the previous run in: {', '.join(changed)}")
+            return state, own
+        if problem:
+            print(f"warning: [rank {accelerator.process_index}] checkpoint {ckpt} cannot be read ({problem}); "
+                  "setting it aside and trying the one before", file=sys.stderr, flush=True)
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            ckpt.rename(ckpt.with_name(ckpt.name + ".unreadable"))
+        accelerator.wait_for_everyone()
+    if candidates:
+        raise CheckpointError(f"no checkpoint of {run_dir} can be read (they were set aside as *.unreadable): move "
+                              "them away to start the run over, or use another train.run_dir")
+    return {}, None

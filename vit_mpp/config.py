@@ -365,7 +365,7 @@ class OptimConfig:
     warmup_steps: int = opt(10000, "linear warmup steps", at_least(0))
     warmup_max_fraction: float = opt(0.1, "warmup is capped at this fraction of the run, so short runs decay too",
                                      between(0, 1))
-    min_lr_ratio: float = opt(0.0, "cosine decays to base lr x this ratio", between(0, 1))
+    min_lr_ratio: float = opt(0.0, "cosine decays to the peak learning rate x this ratio", between(0, 1))
     clip_grad_norm: float = opt(1.0, "clip gradients at this global norm (0 disables)", at_least(0))
     impl: Literal["auto", "fused", "foreach", "single"] = opt("auto", "optimizer kernel (auto: fused on CUDA)")
 

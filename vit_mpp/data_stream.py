@@ -49,10 +49,9 @@ from torchvision.transforms.v2.functional import pil_to_tensor
 from vit_mpp import urls
 from vit_mpp.config import DataConfig
 from vit_mpp.errors import UserError
+from vit_mpp.image_formats import IMAGE_EXTENSIONS, image_member
 from vit_mpp.manifest import Split
 from vit_mpp.models import img_hw
-
-IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
 
 
 class DataError(UserError):
@@ -187,10 +186,11 @@ def shuffled(samples: Iterator[dict[str, Any]], size: int, rng: random.Random) -
 
 
 def image_bytes(sample: dict[str, Any]) -> bytes:
-    for ext in IMAGE_EXTENSIONS:
-        if ext in sample:
-            return sample[ext]
-    raise KeyError(f"sample {sample.get('__key__')} has no image ({', '.join(IMAGE_EXTENSIONS)})")
+    """The bytes of a raw sample's image member (vit_mpp/image_formats.py); a KeyError when it has none."""
+    ext = image_member(sample)
+    if ext is None:
+        raise KeyError(f"sample {sample.get('__key__')} has no image ({', '.join(IMAGE_EXTENSIONS)})")
+    return sample[ext]
 
 
 def sample_label(sample: dict[str, Any]) -> int:

@@ -32,12 +32,13 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 
 from vit_mpp import __version__
-from vit_mpp.checkpoint import CheckpointError, fsync
 from vit_mpp.config import ConfigError, ModelConfig, from_dict, to_dict
-from vit_mpp.models import create_encoder, img_hw
+from vit_mpp.durable import fsync, replace
+from vit_mpp.errors import UserError
+from vit_mpp.models import create_vit, img_hw
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
@@ -45,6 +46,10 @@ RECORD = "vit_mpp"  # our key in config.json
 LEGACY = (("encoder.safetensors", "encoder.json"), ("model.safetensors", "model.json"))
 # Preprocessing recorded for users of the export: evaluation resizes with antialiased bilinear, then centre-crops.
 INTERPOLATION = "bilinear"
+
+
+class ExportError(UserError):
+    """An export that cannot be written or read (missing, damaged, not fitting its model); one line."""
 
 
 @dataclasses.dataclass
@@ -73,7 +78,7 @@ def strip_prefix(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch
     """The entries of `state` under `prefix`, with the prefix removed (e.g. the MPP module's `encoder.`)."""
     out = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
     if not out:  # never hand the next stage an empty file
-        raise CheckpointError(f"no weights under '{prefix}' to export (the state dict has e.g. {list(state)[:3]})")
+        raise ExportError(f"no weights under '{prefix}' to export (the state dict has e.g. {list(state)[:3]})")
     return out
 
 
@@ -83,19 +88,19 @@ def write_export(out_dir: str | Path, state: dict[str, torch.Tensor], model_cfg:
                  record: dict[str, Any] | None = None) -> Path:
     """Write an export of `state` (timm key names; the head only for a classifier) to `out_dir`, crash-safely.
 
-    The weights must fit `model_cfg` with `num_classes` exactly (every key, every shape): a CheckpointError otherwise.
+    The weights must fit `model_cfg` with `num_classes` exactly (every key, every shape): a ExportError otherwise.
     Returns `out_dir`.
     """
     out_dir = Path(out_dir)
     with torch.device("meta"):  # the architecture only: its keys, shapes and recorded constructor arguments
-        model = create_encoder(dataclasses.replace(model_cfg, drop_path_rate=0.0, grad_checkpointing=False),
+        model = create_vit(dataclasses.replace(model_cfg, drop_path_rate=0.0, grad_checkpointing=False),
                                num_classes)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     got = {k: tuple(v.shape) for k, v in state.items()}
     if expected != got:
         missing, unexpected = sorted(set(expected) - set(got)), sorted(set(got) - set(expected))
         shapes = sorted(k for k in set(expected) & set(got) if expected[k] != got[k])
-        raise CheckpointError(f"the weights do not fit the model to export: missing {missing[:5]}, unexpected "
+        raise ExportError(f"the weights do not fit the model to export: missing {missing[:5]}, unexpected "
                               f"{unexpected[:5]}, other shapes {shapes[:5]}")
     from timm.models._hub import save_config_for_hf  # timm's writer of the Hugging Face config
 
@@ -103,7 +108,10 @@ def write_export(out_dir: str | Path, state: dict[str, torch.Tensor], model_cfg:
     export_id = uuid.uuid4().hex
     weights_new, config_new = out_dir / (WEIGHTS + ".new"), out_dir / (CONFIG + ".new")
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
-    save_file(tensors, str(weights_new), metadata={"format": "pt", "export_id": export_id})
+    # Serialised in memory and written by us: safetensors' save_file goes through a temporary file of its own
+    # (left behind forever by a kill) created with mode 0600 (unreadable to the users config.json serves).
+    with open(weights_new, "wb") as f:
+        f.write(save(tensors, metadata={"format": "pt", "export_id": export_id}))
     ours = {"kind": kind, "export_id": export_id, "tool_version": __version__, "model": to_dict(model_cfg),
             **(record or {})}
     model_config: dict[str, Any] = {RECORD: ours, "pretrained_cfg": {"tag": "vit-mpp"}}
@@ -118,8 +126,7 @@ def write_export(out_dir: str | Path, state: dict[str, torch.Tensor], model_cfg:
     for path in (weights_new, config_new):
         fsync(path)
     os.replace(config_new, out_dir / CONFIG)  # config first: a reader finishes the swap from model.safetensors.new
-    os.replace(weights_new, out_dir / WEIGHTS)
-    fsync(out_dir)
+    replace(weights_new, out_dir / WEIGHTS)
     for legacy in ("encoder.safetensors", "encoder.json", "model.json"):  # an older export here would confuse readers
         (out_dir / legacy).unlink(missing_ok=True)
     return out_dir
@@ -150,9 +157,9 @@ def _json(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path} is not readable JSON: {' '.join(str(e).split())}") from None
+        raise ExportError(f"{path} is not readable JSON: {' '.join(str(e).split())}") from None
     if not isinstance(data, dict):
-        raise CheckpointError(f"{path} is not an export config (a JSON object)")
+        raise ExportError(f"{path} is not an export config (a JSON object)")
     return data
 
 
@@ -167,9 +174,9 @@ def _weights(path: Path, export_id: str | None) -> dict[str, torch.Tensor]:
     try:
         state = load_file(str(path))
     except (SafetensorError, OSError, ValueError) as e:  # truncated, empty or not a safetensors file
-        raise CheckpointError(f"cannot read {path} as safetensors: {' '.join(str(e).split())}") from None
+        raise ExportError(f"cannot read {path} as safetensors: {' '.join(str(e).split())}") from None
     if export_id is not None and _export_id(path) != export_id:
-        raise CheckpointError(f"{path} does not belong to the {CONFIG} beside it (an export interrupted and "
+        raise ExportError(f"{path} does not belong to the {CONFIG} beside it (an export interrupted and "
                               "not recoverable): export again")
     return state
 
@@ -190,7 +197,7 @@ def _model_config(data: Any, where: Path) -> ModelConfig:
             raise ConfigError(f"expects a mapping, got {data!r}")
         return from_dict(ModelConfig, data)
     except ConfigError as e:
-        raise CheckpointError(f"{where} does not describe a model this tool can build: {e}") from None
+        raise ExportError(f"{where} does not describe a model this tool can build: {e}") from None
 
 
 # timm constructor arguments that a ModelConfig holds, and those it does not need to (they keep timm's default)
@@ -203,9 +210,9 @@ def _from_timm_config(config: dict[str, Any], where: Path) -> ModelConfig:
     args = dict(config.get("model_args") or {})
     odd = sorted(set(args) - _TIMM_ARGS - _HARMLESS_ARGS)
     if odd:
-        raise CheckpointError(f"{where}: timm arguments {odd} cannot be rebuilt by this tool")
+        raise ExportError(f"{where}: timm arguments {odd} cannot be rebuilt by this tool")
     if args.get("fc_norm"):
-        raise CheckpointError(f"{where}: a ViT with fc_norm (a norm after pooling) is not supported")
+        raise ExportError(f"{where}: a ViT with fc_norm (a norm after pooling) is not supported")
     cfg = {k: v for k, v in args.items() if k in _TIMM_ARGS}
     if "img_size" not in cfg:
         cfg["img_size"] = list(config.get("pretrained_cfg", {}).get("input_size", [3, 224, 224])[1:])
@@ -214,19 +221,19 @@ def _from_timm_config(config: dict[str, Any], where: Path) -> ModelConfig:
 
 def read_export(path: str | Path) -> Export:
     """Read the export at `path` (its folder or weights file): this tool's, either format, or a plain timm
-    Hugging Face folder (config.json + model.safetensors). Raises CheckpointError with one line when it cannot."""
+    Hugging Face folder (config.json + model.safetensors). Raises ExportError with one line when it cannot."""
     path = Path(path)
     files = _files(path)
     if files is None:
         old = path.with_name(path.name + ".old")
-        raise CheckpointError(f"not an export (config.json + model.safetensors, or an older .safetensors + .json): "
+        raise ExportError(f"not an export (config.json + model.safetensors, or an older .safetensors + .json): "
                               f"{path}{' (an older export is at ' + str(old) + ')' if old.exists() else ''}")
     weights, meta_path = files
     meta = _json(meta_path)
     if meta_path.name == CONFIG:
         ours = meta.get(RECORD) or {}
         if not isinstance(ours, dict):
-            raise CheckpointError(f"{meta_path}: '{RECORD}' is not a JSON object")
+            raise ExportError(f"{meta_path}: '{RECORD}' is not a JSON object")
         model = _model_config(ours["model"], meta_path) if "model" in ours else _from_timm_config(meta, meta_path)
         state = _weights(weights, ours.get("export_id"))
         data = meta.get("pretrained_cfg") or {}
@@ -235,7 +242,7 @@ def read_export(path: str | Path) -> Export:
         num_classes = int(meta.get("num_classes", 0))
     else:  # the format before config.json
         if "model" not in meta:
-            raise CheckpointError(f"{meta_path} has no 'model' section: not an export of this tool")
+            raise ExportError(f"{meta_path} has no 'model' section: not an export of this tool")
         model = _model_config(meta["model"], meta_path)
         state = _weights(weights, None)
         ours = {k: v for k, v in meta.items() if k not in ("model", "mean", "std", "class_names")}
@@ -244,8 +251,8 @@ def read_export(path: str | Path) -> Export:
         crop_pct, names = meta.get("eval_crop_pct", 0.875), meta.get("class_names")
         num_classes = int(meta.get("num_classes", 0))
     if "patch_embed.proj.weight" not in state:
-        raise CheckpointError(f"{weights} holds no ViT patch embedding (patch_embed.proj.weight)")
+        raise ExportError(f"{weights} holds no ViT patch embedding (patch_embed.proj.weight)")
     if len(mean) != 3 or len(std) != 3:
-        raise CheckpointError(f"{meta_path}: mean and std must hold three numbers each")
+        raise ExportError(f"{meta_path}: mean and std must hold three numbers each")
     return Export(path=weights.parent, state=state, model=model, num_classes=num_classes, mean=tuple(mean),
                   std=tuple(std), crop_pct=float(crop_pct), class_names=names, record=ours)

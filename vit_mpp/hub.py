@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from vit_mpp.config import ConfigError, ExportConfig
-from vit_mpp.curves import CURVES_NAME
 from vit_mpp.errors import UserError
 from vit_mpp.export import read_export
+from vit_mpp.training_curves import CURVES_NAME
 
 CARD_NAME = "README.md"
 FIGURES = ("curves.png", "analysis/position_similarity.png", "analysis/embedding_filters.png",

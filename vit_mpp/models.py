@@ -20,7 +20,7 @@ def img_hw(img_size: int | list[int] | tuple[int, ...]) -> tuple[int, int]:
     return int(img_size[0]), int(img_size[1])
 
 
-def create_encoder(cfg: ModelConfig, num_classes: int = 0) -> VisionTransformer:
+def create_vit(cfg: ModelConfig, num_classes: int = 0) -> VisionTransformer:
     """A randomly initialised timm ViT with a class token, the given input size and (optionally) custom sizes."""
     if cfg.name not in timm.list_models():
         raise ConfigError(f"model.name '{cfg.name}' is not a timm model (see timm.list_models('vit_*'))")
@@ -49,7 +49,7 @@ def create_encoder(cfg: ModelConfig, num_classes: int = 0) -> VisionTransformer:
 def architecture(cfg: ModelConfig) -> dict[str, Any]:
     """The effective architecture sizes of `cfg` (the named model's values where `cfg` leaves them None)."""
     with torch.device("meta"):  # shapes only: no memory, no initialisation
-        model = create_encoder(cfg)
+        model = create_vit(cfg)
     block = model.blocks[0]
     return {"name": cfg.name, "patch_size": patch_size(model), "embed_dim": model.embed_dim, "depth": len(model.blocks),
             "num_heads": block.attn.num_heads, "mlp_ratio": block.mlp.fc1.out_features / model.embed_dim}

@@ -40,8 +40,8 @@ from timm.models.vision_transformer import VisionTransformer, _load_weights
 
 from vit_mpp.checkpoint import CheckpointError
 from vit_mpp.config import ModelConfig
-from vit_mpp.export import is_export, read_export
-from vit_mpp.models import create_encoder, norm_stats, patch_size
+from vit_mpp.export import ExportError, is_export, read_export
+from vit_mpp.models import create_vit, norm_stats, patch_size
 
 TORCH_SUFFIXES = (".pth", ".pt", ".bin")
 NPZ_PREFIXES = ("", "opt/target/", "params/")  # where the original checkpoints keep their parameters
@@ -111,7 +111,7 @@ def read_pretrained(checkpoint: str, model_cfg: ModelConfig, kind: str = "auto",
     if kind == "timm":
         state = read_state_dict(checkpoint)
         with torch.device("meta"):
-            probe = create_encoder(model_cfg)
+            probe = create_vit(model_cfg)
         return Pretrained(state, state_dict_grid(state, probe, grid), None, None, None)
     raise CheckpointError(f"unknown checkpoint kind {kind!r} (auto, export, hub, timm or npz)")
 
@@ -134,7 +134,7 @@ def _read_hub(name: str) -> Pretrained:
         import timm
 
         model = timm.create_model(name, pretrained=True)
-    except CheckpointError:
+    except (CheckpointError, ExportError):
         raise
     except Exception as e:  # offline and not cached, no such repo, a network error: many types
         reason = " ".join(str(e).split())[:300] or type(e).__name__
@@ -239,14 +239,14 @@ def read_npz(path: str | Path, model_cfg: ModelConfig, given: list[int] | None,
     except ValueError as e:  # an array of Python objects: refused, since reading it would unpickle
         raise CheckpointError(f"{path}: cannot read its arrays without unpickling objects (refused): "
                               f"{' '.join(str(e).split())}") from None
-    probe = create_encoder(model_cfg)
+    probe = create_vit(model_cfg)
     p = patch_size(probe)
     if kernel_hw != (p, p):
         raise CheckpointError(f"checkpoint patch size {kernel_hw} differs from the model's {(p, p)}; "
                               f"patch size cannot change in fine-tuning")
     grid = infer_grid(num_tokens - probe.num_prefix_tokens, given)
     src_cfg = dataclasses.replace(model_cfg, img_size=[grid[0] * p, grid[1] * p], drop_path_rate=0.0)
-    src = create_encoder(src_cfg)
+    src = create_vit(src_cfg)
     try:
         _load_weights(src, str(path))
     except KeyError as e:
@@ -310,6 +310,16 @@ def build_model(cfg: ModelConfig, pre: Pretrained, num_classes: int = 0, keep_he
     With `keep_head` the checkpoint's classifier is loaded too (`num_classes` must be its size); without, the head
     is the model's own new one.
     """
-    model = create_encoder(cfg, num_classes)
+    model = create_vit(cfg, num_classes)
     load_weights(model, pre.state, pre.grid, interp, keep_head=keep_head)
     return model
+
+
+def load_classifier(checkpoint: str | Path) -> tuple[torch.nn.Module, Pretrained]:
+    """The fine-tuned classifier of an export (folder, weights file, local-dir: or hf-hub:) in eval mode, and what
+    the export says about it (normalisation, crop, class names, provenance)."""
+    pre = read_pretrained(str(checkpoint), ModelConfig())
+    if pre.model is None or not pre.num_classes:
+        raise CheckpointError(f"{checkpoint} is not a fine-tuned classifier export (it has no classifier head or "
+                              "names no architecture): use a finetune export")
+    return build_model(pre.model, pre, pre.num_classes, keep_head=True).eval(), pre

@@ -21,6 +21,7 @@ import yaml
 
 from vit_mpp.checkpoint import latest_checkpoint
 from vit_mpp.config import ConfigError, flatten, save_config, to_dict
+from vit_mpp.durable import write_atomic
 from vit_mpp.errors import UserError
 
 LOCK_NAME = ".lock"
@@ -121,27 +122,40 @@ def prepare_run_dir(run_dir: str | Path, cfg: Any, is_main: bool) -> list[str]:
     return changed
 
 
+def rewind_jsonl(path: Path, step: int) -> None:
+    """Cut a JSON-lines log of steps back to the records of steps up to `step`, the step a run resumes from.
+
+    A run killed between a record and its next checkpoint has written steps that the resumed run writes again;
+    without this the file would hold those steps twice. A line torn by the kill (half-written, not JSON) goes too.
+    """
+    if not path.is_file():
+        return
+    lines = path.read_text(errors="replace").splitlines()
+    kept = [line for line in lines if _step_of(line) is not None and _step_of(line) <= step]
+    if len(kept) != len(lines):
+        write_atomic(path, "".join(line + "\n" for line in kept))
+
+
+def _step_of(line: str) -> int | None:
+    """The step of a JSON-lines record (0 when it names none), or None for a line that is not a JSON object."""
+    try:
+        record = json.loads(line)
+        return int(record.get("step", 0)) if isinstance(record, dict) else None
+    except (ValueError, TypeError):
+        return None
+
+
 class MetricsLog:
-    """Appends metrics to run_dir/metrics.jsonl (main process only) and formats the progress line."""
+    """Appends metrics to run_dir/metrics.jsonl (main process only)."""
 
     def __init__(self, run_dir: str | Path, is_main: bool) -> None:
         self.path = Path(run_dir) / "metrics.jsonl"
         self.is_main = is_main
 
     def rewind(self, step: int) -> None:
-        """Drop records logged after `step`, the step a run resumes from.
-
-        A run killed between a log line and its next checkpoint has logged steps that the resumed run
-        repeats; without this the file would hold those steps twice.
-        """
-        if not self.is_main or not self.path.is_file():
-            return
-        lines = self.path.read_text().splitlines()
-        kept = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]
-        if len(kept) != len(lines):
-            tmp = self.path.with_suffix(".jsonl.tmp")
-            tmp.write_text("".join(line + "\n" for line in kept))
-            tmp.replace(self.path)
+        """Drop records logged after `step`, the step a run resumes from (see `rewind_jsonl`)."""
+        if self.is_main:
+            rewind_jsonl(self.path, step)
 
     def write(self, record: dict[str, Any]) -> None:
         if self.is_main:

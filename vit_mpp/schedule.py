@@ -1,4 +1,5 @@
-"""The learning rate as a pure function of the optimizer step: linear warmup, then cosine decay."""
+"""The learning rate as a pure function of the optimizer step (linear warmup, then cosine decay), and when a periodic
+action is due (`itstime`)."""
 
 from __future__ import annotations
 
@@ -41,3 +42,10 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     """Set the learning rate of every group, honouring per-group scales (layer-wise decay)."""
     for group in optimizer.param_groups:
         group["lr"] = lr * group.get("lr_scale", 1.0)
+
+
+def itstime(step: int, every: int, total: int, last: bool = True) -> bool:
+    """Whether a periodic action (log, evaluate, checkpoint) is due after optimizer step `step` (1-based): every
+    `every` steps (0: never on a period), and, with `last`, at the run's final step `total`. Every periodic decision
+    of both loops is asked here."""
+    return (every > 0 and step % every == 0) or (last and step == total)

@@ -2,7 +2,7 @@
 
     meter = StepMeter(accelerator, log, start_step=..., total_steps=..., batch_size=..., log_every=...)
     for step in ...:
-        meter.add(optimizer_step(...))          # what the step's micro-batches produced
+        meter.add(outputs)                      # what the step's micro-batches produced (loss, metrics, bad_samples)
         meter.log(step + 1, lr, epoch=...)      # prints and records when a log is due
         meter.log_eval(step + 1, result, label="step N", split_size=n)   # an evaluation's numbers
     meter.draw()                                # curves.png, also after every evaluation
@@ -19,8 +19,9 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 
-from vit_mpp.curves import write_run_curves
 from vit_mpp.run_dir import MetricsLog
+from vit_mpp.schedule import itstime
+from vit_mpp.training_curves import write_run_curves
 
 SHOWN = ("loss", "acc")  # the metrics the progress line shows, besides lr, rate and eta
 
@@ -40,6 +41,16 @@ def progress_line(step: int, total: int, metrics: dict[str, float], img_per_s: f
     parts.append(f"{img_per_s:.0f} img/s")
     parts.append(f"eta {format_duration(eta_s)}")
     return " | ".join(parts)
+
+
+def with_unread(result: dict[str, Any], split_size: int) -> tuple[dict[str, Any], str | None]:
+    """An evaluation's `result` with `val_unread` (images of the split that were not counted: undecodable) when it
+    is short of `split_size`, and the warning that says so; (result, None) when every image counted."""
+    unread = split_size - int(result.get("val_samples", split_size))
+    if not unread:
+        return result, None
+    return {**result, "val_unread": unread}, (f"warning: evaluation counted {split_size - unread} of the {split_size} "
+                                              f"images of the split: {unread} could not be decoded")
 
 
 class StepMeter:
@@ -71,8 +82,7 @@ class StepMeter:
 
     def log(self, step: int, lr: float, **extra: Any) -> dict[str, Any] | None:
         """At a due step (every `log_every` and the last): the averaged record, printed, written and tracked."""
-        due = step % self.log_every == 0 or step == self.total
-        if not due or not self.steps:
+        if not itstime(step, self.log_every, self.total) or not self.steps:
             return None
         keys = sorted(self.sums)
         values = [torch.as_tensor(self.sums[k], dtype=torch.float32, device=self.accelerator.device) / self.steps
@@ -106,11 +116,9 @@ class StepMeter:
 
         When `result["val_samples"]` is short of the split's `split_size` (undecodable images), a warning says so
         and `val_unread` records how many were not counted."""
-        unread = split_size - int(result.get("val_samples", split_size))
-        if unread:
-            result = {**result, "val_unread": unread}
-            self.accelerator.print(f"warning: evaluation counted {split_size - unread} of the {split_size} images of "
-                                   f"the split: {unread} could not be decoded")
+        result, warning = with_unread(result, split_size)
+        if warning:
+            self.accelerator.print(warning)
         shown = " | ".join(f"{k} {v:.4g}" for k, v in result.items() if isinstance(v, (int, float)))
         self.accelerator.print(f"eval {label} | {shown}")
         self.metrics_log.write({"step": step, **result, **(details or {})})

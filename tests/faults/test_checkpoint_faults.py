@@ -20,7 +20,7 @@ from pretrain.train import main as pretrain_main
 from tests.conftest import write_encoder_export, write_shard_set
 from vit_mpp.cli import run_main
 from vit_mpp.config import ModelConfig
-from vit_mpp.models import create_encoder
+from vit_mpp.models import create_vit
 
 CFG = ModelConfig(img_size=16, patch_size=4, embed_dim=32, depth=1, num_heads=2)
 
@@ -28,7 +28,7 @@ CFG = ModelConfig(img_size=16, patch_size=4, embed_dim=32, depth=1, num_heads=2)
 @pytest.fixture(scope="module")
 def good(tmp_path_factory) -> Path:
     torch.manual_seed(0)
-    return write_encoder_export(tmp_path_factory.mktemp("good"), create_encoder(CFG), CFG)
+    return write_encoder_export(tmp_path_factory.mktemp("good"), create_vit(CFG), CFG)
 
 
 def broken(tmp_path: Path, good: Path, kind: str) -> Path:
@@ -53,7 +53,7 @@ def broken(tmp_path: Path, good: Path, kind: str) -> Path:
     path = tmp_path / {"truncated_safetensors": "w.safetensors", "empty_safetensors": "w.safetensors",
                        "empty_pth": "w.pth", "text_pth": "w.pth", "object_npz": "w.npz",
                        "garbage_encoder_json": "encoder.safetensors"}[kind]
-    state = create_encoder(CFG).state_dict()
+    state = create_vit(CFG).state_dict()
     if kind == "truncated_safetensors":
         save_file(state, str(path))
         path.write_bytes(path.read_bytes()[:500])

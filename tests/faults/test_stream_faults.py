@@ -104,11 +104,11 @@ def encoder_export(tmp_path_factory) -> Path:
     import torch
 
     from vit_mpp.config import ModelConfig
-    from vit_mpp.models import create_encoder
+    from vit_mpp.models import create_vit
 
     torch.manual_seed(0)
     cfg = ModelConfig(img_size=16, patch_size=4, embed_dim=32, depth=1, num_heads=2)
-    return write_encoder_export(tmp_path_factory.mktemp("encoder"), create_encoder(cfg), cfg)
+    return write_encoder_export(tmp_path_factory.mktemp("encoder"), create_vit(cfg), cfg)
 
 
 def run_stage(stage: str, shards: Path, run_dir: Path, *overrides: str, capsys, init: Path | None = None) -> tuple:

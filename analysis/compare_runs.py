@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 
 from vit_mpp.config import ConfigError
-from vit_mpp.curves import plot_curves, read_metrics
+from vit_mpp.training_curves import plot_curves, read_metrics
 
 
 def main(argv: list[str] | None = None) -> None:

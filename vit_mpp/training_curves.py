@@ -14,7 +14,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from vit_mpp.plots import plt, save_figure
+from vit_mpp.figure_files import plt, save_figure
 
 CURVES_NAME = "curves.png"
 # (panel title, [(metrics.jsonl key, legend suffix)]) in drawing order; a panel appears when any run logged a key.

@@ -1,0 +1,66 @@
+"""What pretraining measures at each evaluation: the MPP loss and target accuracy on the validation split (a fixed
+corruption draw, each sample once) and, when the shards carry labels, the k-NN monitor of representation quality
+(pretrain/knn.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+
+from pretrain.config import KnnConfig
+from pretrain.knn import knn_monitor
+from pretrain.mpp import MaskedPatchPrediction
+from vit_mpp.config import DataConfig
+from vit_mpp.data_stream import to_device
+from vit_mpp.manifest import Split
+
+
+@torch.no_grad()
+def mpp_validation(accelerator: Accelerator, model: MaskedPatchPrediction, loader: Any, seed: int,
+                   ) -> dict[str, float]:
+    """MPP loss (and accuracy) on the validation split, each sample once, with a fixed corruption draw."""
+    model.eval()
+    gen = torch.Generator(device=accelerator.device).manual_seed(seed + accelerator.process_index)
+    totals = torch.zeros(4, device=accelerator.device)  # loss sum, acc sum, weight, samples
+    for batch in loader:
+        batch = to_device(batch, accelerator.device)
+        with accelerator.autocast():
+            out = model(batch["image"], valid=batch["valid"], generator=gen)
+        w = out["weight"] if batch["valid"].any() else torch.zeros((), device=accelerator.device)
+        acc = out["metrics"].get("acc", torch.zeros((), device=accelerator.device))
+        totals += torch.stack([out["loss"].float() * w, acc * w, w, batch["valid"].sum().float()])
+    totals = accelerator.reduce(totals, reduction="sum")
+    model.train()
+    result = {"val_loss": (totals[0] / totals[2].clamp(min=1)).item()}
+    if model.cfg.target != "l2":
+        result["val_acc"] = (totals[1] / totals[2].clamp(min=1)).item()
+    result["val_samples"] = int(totals[3].item())
+    return result
+
+
+class Validation:
+    """`validation(model)`: the MPP validation, plus the k-NN monitor while the shards carry labels (it turns itself
+    off, saying so once, when they do not). Every process calls it: its reductions are collective."""
+
+    def __init__(self, accelerator: Accelerator, loader: Any, val_split: Split, knn_split: Split | None,
+                 data: DataConfig, img_size: int | list[int], micro_batch: int, knn: KnnConfig,
+                 mean: tuple[float, ...], std: tuple[float, ...], seed: int) -> None:
+        self.accelerator, self.loader, self.val_split, self.knn_split = accelerator, loader, val_split, knn_split
+        self.data, self.img_size, self.micro_batch, self.knn = data, img_size, micro_batch, knn
+        self.mean, self.std, self.seed = mean, std, seed
+
+    def __call__(self, model: torch.nn.Module) -> dict[str, float]:
+        mpp = self.accelerator.unwrap_model(model)
+        result = mpp_validation(self.accelerator, mpp, self.loader, self.seed)
+        if self.knn_split is not None:
+            knn = knn_monitor(self.accelerator, mpp.encoder, self.knn_split, self.val_split, self.data, self.img_size,
+                              self.micro_batch, self.knn, self.mean, self.std)
+            model.train()
+            if knn is None:
+                self.accelerator.print("note: the k-NN monitor is off: the shards carry no labels")
+                self.knn_split = None
+            else:
+                result.update(knn)
+        return result
