@@ -36,10 +36,12 @@ from analysis import attention_stats as stats
 from analysis import paper_figures
 from data_tools.images import EncodeSettings, prepare_image
 from vit_mpp.config import ConfigError, ModelConfig
-from vit_mpp.data_stream import ImageDecoder, image_bytes, normalize, range_segments, read_segment
+from vit_mpp.data_stream import normalize
+from vit_mpp.image_decoder import ImageDecoder, image_bytes
 from vit_mpp.manifest import load_split
 from vit_mpp.models import grid_size, img_hw, norm_stats, patch_size
 from vit_mpp.pretrained import HUB, LOCAL_DIR, Pretrained, build_model, checkpoint_kind, read_pretrained
+from vit_mpp.shard_reader import range_segments, read_segment
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -41,7 +41,7 @@ from torchvision.transforms import v2 as T
 
 from data_tools.writer import ShardWriter
 from vit_mpp.config import DataConfig
-from vit_mpp.data_stream import build_loader
+from vit_mpp.data_stream import build_split_loader
 from vit_mpp.manifest import load_split, write_manifest
 
 
@@ -113,7 +113,7 @@ def bench_ours(shards: Path, args: argparse.Namespace) -> tuple[float, int, list
     data = DataConfig(num_workers=args.workers, shuffle_buffer=args.shuffle_buffer, crop_scale=list(args.crop_scale),
                       persistent_workers=True)
     before = {c.pid for c in psutil.Process().children()}
-    stream, loader = build_loader(split, data, args.size, args.batch, rank=0, world_size=1, train=True, seed=0)
+    stream, loader = build_split_loader(split, data, args.size, args.batch)
     return time_loader(loader, stream.batches_per_epoch, before)
 
 

@@ -25,7 +25,7 @@ from finetune.scoring import evaluate, per_class_accuracy, write_confusion
 from vit_mpp.accelerator import make_eval_accelerator
 from vit_mpp.cli import run_main
 from vit_mpp.config import ConfigError, DataConfig
-from vit_mpp.data_stream import build_loader
+from vit_mpp.data_stream import build_eval_loader
 from vit_mpp.export import is_export
 from vit_mpp.manifest import load_split
 from vit_mpp.pretrained import LOCAL_DIR, Pretrained, load_classifier
@@ -106,8 +106,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if warning:
         accelerator.print(warning)
     data = DataConfig(num_workers=args.workers, eval_crop_pct=pre.crop_pct or 0.875)
-    _, loader = build_loader(split, data, pre.model.img_size, args.batch_size, rank=accelerator.process_index,
-                             world_size=accelerator.num_processes, train=False, num_classes=pre.num_classes)
+    _, loader = build_eval_loader(split, data, pre.model.img_size, args.batch_size, rank=accelerator.process_index,
+                                  world_size=accelerator.num_processes, num_classes=pre.num_classes)
     model.to(accelerator.device)
     result, confusion = evaluate(accelerator, model, loader, pre.mean, pre.std, pre.num_classes)
 

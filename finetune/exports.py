@@ -18,7 +18,6 @@ from finetune.config import FinetuneConfig
 from vit_mpp.config import ExportConfig, ModelConfig
 from vit_mpp.export import write_export
 from vit_mpp.hub import publish
-from vit_mpp.manifest import data_record
 
 
 @dataclass
@@ -36,15 +35,15 @@ class ClassifierExporter:
 
     @classmethod
     def for_run(cls, accelerator: Accelerator, cfg: FinetuneConfig, model_cfg: ModelConfig, num_classes: int,
-                mean: tuple[float, ...], std: tuple[float, ...], info: dict[str, Any], peak_lr: float,
-                ) -> ClassifierExporter:
-        """The exporter of a fine-tuning run, recording its recipe and the shards' manifest (`info`)."""
+                mean: tuple[float, ...], std: tuple[float, ...], class_names: list[str] | None,
+                data: dict[str, Any], peak_lr: float) -> ClassifierExporter:
+        """The exporter of a fine-tuning run, recording its recipe and its training data (`data`)."""
         tc = cfg.train
-        return cls(accelerator, model_cfg, num_classes, mean, std, cfg.data.eval_crop_pct, info.get("class_names"),
+        return cls(accelerator, model_cfg, num_classes, mean, std, cfg.data.eval_crop_pct, class_names,
                    record={"finetune": {"init": cfg.init.checkpoint, "mode": tc.mode, "epochs": tc.epochs,
                                         "batch_size": tc.batch_size, "optimizer": cfg.optim.name, "lr": peak_lr,
                                         "ema_decay": tc.ema_decay},
-                           "data": data_record(cfg.data.shards, info)})
+                           "data": data})
 
     def write(self, net: torch.nn.Module, out_dir: Path, step: int, metrics: dict[str, Any], ema: bool = False) -> None:
         """Export `net` as it is now. Every process calls this (FSDP gathers the shards); the main process writes."""

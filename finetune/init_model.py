@@ -13,6 +13,7 @@ import torch
 from timm.models.vision_transformer import VisionTransformer
 
 from finetune.config import InitConfig
+from finetune.modes import freeze_encoder
 from vit_mpp.config import ARCH_KEYS, ConfigError, ModelConfig
 from vit_mpp.models import architecture, create_vit, norm_stats
 from vit_mpp.pretrained import build_model, read_pretrained
@@ -25,9 +26,10 @@ def attach_zero_head(model: VisionTransformer, num_classes: int) -> None:
     torch.nn.init.zeros_(model.head.bias)
 
 
-def build_classifier(init: InitConfig, model_cfg: ModelConfig, num_classes: int,
+def build_classifier(init: InitConfig, model_cfg: ModelConfig, num_classes: int, freeze: bool = False,
                      ) -> tuple[VisionTransformer, tuple[float, ...], tuple[float, ...], ModelConfig]:
-    """(model, mean, std, resolved model config).
+    """(model, mean, std, resolved model config); with `freeze` (a linear probe) only the head keeps gradients, so
+    the optimizer's parameter groups hold the head only.
 
     A checkpoint that names its architecture (an export, a hub model) fixes the architecture keys of `model_cfg`;
     an architecture key set in `model_cfg` that differs from it is an error. `img_size`, `global_pool` and the
@@ -44,6 +46,8 @@ def build_classifier(init: InitConfig, model_cfg: ModelConfig, num_classes: int,
     else:  # from scratch
         model = create_vit(model_cfg)
     attach_zero_head(model, num_classes)
+    if freeze:
+        freeze_encoder(model)
     default_mean, default_std = norm_stats(model)
     mean, std = _chosen_stats(init, mean or default_mean, std or default_std)
     return model, mean, std, model_cfg

@@ -24,7 +24,8 @@ import torch
 from data_tools.images import BadImage, EncodeSettings, prepare_image
 from vit_mpp.cli import run_main
 from vit_mpp.config import ConfigError
-from vit_mpp.data_stream import ImageDecoder, normalize
+from vit_mpp.data_stream import normalize
+from vit_mpp.image_decoder import ImageDecoder
 from vit_mpp.image_formats import IMAGE_EXTENSIONS, is_image_file
 from vit_mpp.pretrained import Pretrained, load_classifier
 

@@ -12,7 +12,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from accelerate import Accelerator
 from accelerate.utils import set_seed
+from torch.utils.data import DataLoader
 
 from finetune.augment import RandAugmentU8
 from finetune.config import DESCRIPTION, FinetuneConfig
@@ -20,20 +22,23 @@ from finetune.ema import build_ema
 from finetune.exports import ClassifierExporter, publish_exports
 from finetune.init_model import build_classifier
 from finetune.keep_best import Best, evaluate_and_keep_best
-from finetune.modes import freeze_encoder, set_train_mode
+from finetune.modes import set_train_mode
 from finetune.objective import ClassificationObjective
 from vit_mpp.accelerator import make_accelerator, prepare_model
-from vit_mpp.checkpoint import resume_latest, save_checkpoint
+from vit_mpp.checkpoint import Checkpointer, resume_run
 from vit_mpp.config import ConfigError, ModelConfig, parse_args, to_dict
-from vit_mpp.data_stream import build_loaders, to_device
+from vit_mpp.data_stream import build_eval_loader, build_train_loader, to_device
 from vit_mpp.hub import check_hub
-from vit_mpp.manifest import load_split
 from vit_mpp.models import count_params
 from vit_mpp.optimizer import build_optimizer
+from vit_mpp.preemption import StepBoundary, StopSignals
 from vit_mpp.run_dir import MetricsLog, prepare_run_dir
+from vit_mpp.sample_audit import SampleAudit
 from vit_mpp.schedule import describe_lr, itstime, lr_at, scaled_lr, set_lr, warmup_steps
-from vit_mpp.step_meter import StepMeter
+from vit_mpp.step_meter import StepMeter, format_epoch, micro_batch_output
+from vit_mpp.stream_plan import Layout
 from vit_mpp.tracking import start_trackers
+from vit_mpp.training_data import TrainingData, load_training_data
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -42,7 +47,13 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def train(cfg: FinetuneConfig) -> None:
-    """Run the stage for a loaded config: the spine below reads top to bottom."""
+    """Run the stage for a loaded config; preemption signals are caught for the whole run."""
+    with StopSignals(cfg.train.preempt_signals) as signals:
+        _train(cfg, signals)
+
+
+def _train(cfg: FinetuneConfig, signals: StopSignals) -> None:
+    """The spine of a run, top to bottom."""
     tc = cfg.train
     accelerator, gbatch = make_accelerator(tc)
     if accelerator.is_main_process:
@@ -52,17 +63,15 @@ def train(cfg: FinetuneConfig) -> None:
         changed = prepare_run_dir(tc.run_dir, cfg, accelerator.is_main_process)
     log = MetricsLog(tc.run_dir, accelerator.is_main_process)
 
-    # Data: the manifest gives sizes (so every process runs the same number of steps) and class names.
-    train_split, info = load_split(cfg.data.shards, cfg.data.train_split)
-    val_split = load_split(cfg.data.shards, cfg.data.val_split)[0] if cfg.data.val_split else None
-    num_classes = cfg.num_classes or info.get("num_classes") or len(info.get("class_names", []))
-    if not num_classes:
-        raise ConfigError("num_classes is not set and the manifest names no classes")
+    # Data: the manifests give sizes (so every process runs the same number of steps) and class names.
+    data = load_training_data(cfg.data)
+    num_classes, class_names = classes_of(cfg, data)
+    layout = Layout(accelerator.num_processes, max(1, cfg.data.num_workers), gbatch.micro_batch, gbatch.accum_steps)
+    audit = SampleAudit(tc.run_dir, accelerator.process_index, accelerator.is_main_process, data.names,
+                        tc.record_samples)
 
     # Model: encoder (pretrained or not) with position embeddings resized to model.img_size and a zero head.
-    model, mean, std, model_cfg = build_classifier(cfg.init, cfg.model, num_classes)
-    if tc.mode == "linear_probe":
-        freeze_encoder(model)  # before the optimizer is built: its parameter groups then hold the head only
+    model, mean, std, model_cfg = build_classifier(cfg.init, cfg.model, num_classes, freeze=tc.mode == "linear_probe")
     model.to(accelerator.device)
     ema = build_ema(accelerator, model, tc.ema_decay)  # None when off; checkpointed with the training state
     peak_lr = scaled_lr(cfg.optim, tc.batch_size)
@@ -71,33 +80,36 @@ def train(cfg: FinetuneConfig) -> None:
     objective = ClassificationObjective(cfg.augment, num_classes, tc.label_smoothing, gbatch.micro_batch,
                                         accelerator.device, mean, std)
 
-    # Resume from the newest complete checkpoint of this run directory, if any.
-    resumed, _ = resume_latest(accelerator, tc.run_dir, changed)
-    start_step = resumed.get("step", 0)
-    log.rewind(start_step)  # records logged after the checkpoint are logged again
-    best = Best(resumed.get("best_top1", -1.0), resumed.get("best_ema_top1", -1.0))
+    # Resume from the newest complete checkpoint of this run directory, if any, also on another layout.
+    resumed = resume_run(accelerator, tc.run_dir, changed, layout, data.sizes, data.weights, tc.seed, [log, audit])
+    start_step = resumed.step
+    best = Best(resumed.state.get("best_top1", -1.0), resumed.state.get("best_ema_top1", -1.0))
 
-    # The loader splits itself across processes and workers, so it is NOT passed to accelerator.prepare
-    # (which would re-split it, or make rank 0 decode for everyone); batches are moved to the device by hand.
-    stream, loader, val_loader = build_loaders(
-        train_split, val_split, cfg.data, cfg.model.img_size, gbatch.micro_batch, rank=accelerator.process_index,
-        world_size=accelerator.num_processes, seed=tc.seed, start_batch=start_step * gbatch.accum_steps,
-        num_classes=num_classes,
-        augment=RandAugmentU8(cfg.augment.auto_augment, cfg.model.img_size, mean) if cfg.augment.auto_augment else None)
-    steps_per_epoch = max(1, stream.batches_per_epoch // gbatch.accum_steps)
+    # The loaders split themselves across processes and workers, so they are NOT passed to accelerator.prepare
+    # (which would re-split them, or make rank 0 decode for everyone); batches are moved to the device by hand.
+    augment = RandAugmentU8(cfg.augment.auto_augment, cfg.model.img_size, mean) if cfg.augment.auto_augment else None
+    _, loader = build_train_loader(data.sets, cfg.data, cfg.model.img_size, resumed.generation, seed=tc.seed,
+                                   rank=accelerator.process_index, resume_step=start_step, num_classes=num_classes,
+                                   augment=augment)
+    val_loader = _val_loader(accelerator, cfg, data, gbatch.micro_batch, num_classes)
+    steps_per_epoch = max(1, data.samples_per_epoch() // tc.batch_size)
     total_steps = tc.epochs * steps_per_epoch
     warmup = warmup_steps(cfg.optim, total_steps)
-    accelerator.print(summary(cfg, model, model_cfg, num_classes, train_split.num_samples, steps_per_epoch,
-                              gbatch.describe(), warmup, objective))
+    accelerator.print(summary(cfg, model, model_cfg, num_classes, data, steps_per_epoch, gbatch.describe(), warmup,
+                              objective))
     start_trackers(accelerator, tc, cfg)
-    exporter = ClassifierExporter.for_run(accelerator, cfg, model_cfg, num_classes, mean, std, info, peak_lr)
+    exporter = ClassifierExporter.for_run(accelerator, cfg, model_cfg, num_classes, mean, std, class_names,
+                                          data.record(), peak_lr)
+    checkpointer = Checkpointer(accelerator, tc.run_dir, tc.ckpt_every, tc.keep_last, total_steps,
+                                StepBoundary(accelerator, signals, tc.ckpt_every_minutes), audit.flush)
 
     batches = iter(loader)
     meter = StepMeter(accelerator, log, start_step=start_step, total_steps=total_steps, batch_size=tc.batch_size,
-                      log_every=tc.log_every, bad_total=resumed.get("bad_samples_total", 0))
-    result: dict[str, float] = {}
+                      log_every=tc.log_every, bad_total=resumed.state.get("bad_samples_total", 0))
+    result: dict[str, float] = {}  # the last evaluation's, of the model and of its EMA
     ema_result: dict[str, float] = {}
     set_train_mode(accelerator.unwrap_model(model), tc.mode)
+    signals.in_loop = True
     for step in range(start_step, total_steps):
         lr = lr_at(step, peak_lr, warmup, total_steps, cfg.optim.min_lr_ratio)
         set_lr(optimizer, lr)
@@ -111,36 +123,63 @@ def train(cfg: FinetuneConfig) -> None:
                     accelerator.clip_grad_norm_(model.parameters(), cfg.optim.clip_grad_norm)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-            outputs.append({**out, "bad_samples": batch["bad"]})
+            outputs.append(micro_batch_output(out, batch, data.names))
+            audit.add(batch)
         meter.add(outputs)
         if ema is not None:
             ema.update(accelerator.unwrap_model(model))
         done = step + 1
+        audit.write(done)
         meter.log(done, lr, epoch=done / steps_per_epoch)
         if val_loader is not None and itstime(done, steps_per_epoch * tc.eval_every_epochs, total_steps):
             result, ema_result = evaluate_and_keep_best(
-                accelerator, model, ema, val_loader, exporter, best, meter, step=done, split_size=val_split.num_samples,
-                label=f"epoch {done / steps_per_epoch:.3g}", run_dir=tc.run_dir)
+                accelerator, model, ema, val_loader, exporter, best, meter, step=done, run_dir=tc.run_dir,
+                label=f"epoch {format_epoch(done / steps_per_epoch)}", split_size=data.val_split.num_samples)
             set_train_mode(accelerator.unwrap_model(model), tc.mode)
-        if itstime(done, tc.ckpt_every, total_steps):
-            save_checkpoint(accelerator, tc.run_dir, done, {"config": to_dict(cfg), "best_top1": best.top1,
-                                                            "best_ema_top1": best.ema_top1,
-                                                            **meter.checkpoint_state()}, tc.keep_last)
+        checkpointer.after_step(done, lambda: {"config": to_dict(cfg), "stream": resumed.generation.to_dict(),
+                                               "best_top1": best.top1, "best_ema_top1": best.ema_top1,
+                                               **meter.checkpoint_state()})
 
     meter.draw()
+    audit.flush()
     exporter.write(model, Path(tc.run_dir) / "export", total_steps, result)
     if ema is not None:
         exporter.write(ema.module, Path(tc.run_dir) / "export_ema", total_steps, ema_result, ema=True)
-    publish_exports(accelerator, tc.run_dir, cfg.export, cfg.data.shards, with_ema=ema is not None)
+    publish_exports(accelerator, tc.run_dir, cfg.export, data.val_location, with_ema=ema is not None)
     if result:
         accelerator.print(f"final validation top-1: {result['val_top1']:.4f} on {result['val_samples']} images "
-                          f"({num_classes} classes, chance {1 / num_classes:.4f}); best {best.top1:.4f}, "
-                          f"exported to {Path(tc.run_dir) / 'export' / 'best'}")
+                          f"({num_classes} classes, chance {1 / num_classes:.4f}); best {best.top1:.4f}, exported "
+                          f"to {Path(tc.run_dir) / 'export' / 'best'}")
     accelerator.end_training()
 
 
-def summary(cfg: FinetuneConfig, model: torch.nn.Module, model_cfg: ModelConfig, num_classes: int, images: int,
-            steps_per_epoch: int, batching: str, warmup: int, objective: ClassificationObjective) -> str:
+def _val_loader(accelerator: Accelerator, cfg: FinetuneConfig, data: TrainingData, micro_batch: int,
+                num_classes: int) -> DataLoader | None:
+    """The validation loader of this rank, or None without a validation split."""
+    if data.val_split is None:
+        return None
+    return build_eval_loader(data.val_split, cfg.data, cfg.model.img_size, micro_batch, rank=accelerator.process_index,
+                             world_size=accelerator.num_processes, num_classes=num_classes)[1]
+
+
+def classes_of(cfg: FinetuneConfig, data: TrainingData) -> tuple[int, list[str] | None]:
+    """(number of classes, class names): `num_classes`, or the manifests'; every set of a mixture must name the same
+    classes (labels are class indices)."""
+    names = [m.get("class_names") or None for m in data.manifests]
+    if any(n != names[0] for n in names[1:]):
+        raise ConfigError("the sets of data.shards name different classes: a classifier's labels must mean the same "
+                          "class in every set")
+    info = data.manifests[0]
+    num_classes = cfg.num_classes or info.get("num_classes") or len(names[0] or [])
+    if not num_classes:
+        raise ConfigError("num_classes is not set and the manifest names no classes: the shards carry no labels, "
+                          "which pretraining accepts but a classifier cannot learn from")
+    return num_classes, names[0]
+
+
+def summary(cfg: FinetuneConfig, model: torch.nn.Module, model_cfg: ModelConfig, num_classes: int,
+            data: TrainingData, steps_per_epoch: int, batching: str, warmup: int,
+            objective: ClassificationObjective) -> str:
     """The start-up summary: model, data and batch, optimizer and schedule, every regulariser and augmentation."""
     tc, aug = cfg.train, cfg.augment
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -148,7 +187,7 @@ def summary(cfg: FinetuneConfig, model: torch.nn.Module, model_cfg: ModelConfig,
         f"model {model_cfg.name} at {cfg.model.img_size} ({count_params(model) / 1e6:.2f}M params, "
         f"{trainable / 1e6:.2f}M trained: {tc.mode}), {num_classes} classes, "
         f"init: {cfg.init.checkpoint or 'random (from scratch)'}, drop path {cfg.model.drop_path_rate:g}\n"
-        f"data {images} train images, {steps_per_epoch} steps/epoch x {tc.epochs} epochs "
+        f"{data.describe()}, {steps_per_epoch} steps/epoch x {tc.epochs} epochs "
         f"= {tc.epochs * steps_per_epoch} steps | {batching}\n"
         f"augment in the loader: crop scale {list(cfg.data.crop_scale)}, flips {cfg.data.hflip}, RandAugment "
         f"{aug.auto_augment or 'off'} | on the device: {objective.describe()}\n"

@@ -3,9 +3,13 @@
 The config is read and checked before torch is imported, so a bad config fails in a fraction of a second.
 """
 
-from pretrain.config import DESCRIPTION, PretrainConfig
-from vit_mpp.cli import run_main
-from vit_mpp.config import parse_args
+from vit_mpp.launcher import die_with_launcher
+
+die_with_launcher()  # first of all: a launcher killed while this rank starts must not leave it running
+
+from pretrain.config import DESCRIPTION, PretrainConfig  # noqa: E402
+from vit_mpp.cli import run_main  # noqa: E402
+from vit_mpp.config import parse_args  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:

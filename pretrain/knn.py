@@ -24,7 +24,7 @@ from timm.models.vision_transformer import VisionTransformer
 
 from pretrain.config import KnnConfig
 from vit_mpp.config import DataConfig
-from vit_mpp.data_stream import build_loader, normalize, to_device
+from vit_mpp.data_stream import build_eval_loader, normalize, to_device
 from vit_mpp.manifest import Split
 
 
@@ -34,8 +34,8 @@ def features(accelerator: Accelerator, encoder: VisionTransformer, split: Split,
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """([class] features (N, D), patch-mean features (N, D), labels (N,)) of the first `limit` images of `split`,
     gathered from every process (each image once)."""
-    _, loader = build_loader(split, data, img_size, batch_size, rank=accelerator.process_index,
-                             world_size=accelerator.num_processes, train=False, limit=limit)
+    _, loader = build_eval_loader(split, data, img_size, batch_size, rank=accelerator.process_index,
+                                  world_size=accelerator.num_processes, limit=limit)
     cls, avg, labels, valid = [], [], [], []
     for batch in loader:
         batch = to_device(batch, accelerator.device)

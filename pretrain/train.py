@@ -20,25 +20,30 @@ from pretrain.config import DESCRIPTION, PretrainConfig
 from pretrain.mpp import MaskedPatchPrediction
 from pretrain.validation import Validation
 from vit_mpp.accelerator import make_accelerator, prepare_model
-from vit_mpp.checkpoint import resume_latest, save_checkpoint
+from vit_mpp.checkpoint import Checkpointer, resume_run
 from vit_mpp.config import parse_args, to_dict
-from vit_mpp.data_stream import build_loaders, to_device
+from vit_mpp.data_stream import build_eval_loader, build_train_loader, to_device
 from vit_mpp.export import strip_prefix, write_export
 from vit_mpp.hub import check_hub, publish
-from vit_mpp.manifest import Split, data_record, load_split
+from vit_mpp.manifest import load_split
 from vit_mpp.models import count_params, create_vit, norm_stats, patch_size
 from vit_mpp.optimizer import build_optimizer
+from vit_mpp.preemption import StepBoundary, StopSignals
 from vit_mpp.run_dir import MetricsLog, prepare_run_dir
+from vit_mpp.sample_audit import SampleAudit
 from vit_mpp.schedule import describe_lr, itstime, lr_at, scaled_lr, set_lr, warmup_steps
-from vit_mpp.step_meter import StepMeter
+from vit_mpp.step_meter import StepMeter, micro_batch_output
+from vit_mpp.stream_plan import Layout
 from vit_mpp.tracking import start_trackers
+from vit_mpp.training_data import TrainingData, load_training_data
 
 
-def corruption_generator(device: torch.device, seed: int, rank: int) -> torch.Generator:
+def corruption_generator(device: torch.device, seed: int, rank: int, step: int = 0) -> torch.Generator:
     """The generator of this rank's corruption draws: its own stream (saved in every checkpoint), so a resumed run
-    draws exactly what the uninterrupted run would have, whatever else consumes the global random state."""
-    return torch.Generator(device=device).manual_seed(int(hashlib.sha256(f"mpp-{seed}-{rank}".encode())
-                                                          .hexdigest()[:15], 16))
+    draws exactly what the uninterrupted run would have, whatever else consumes the global random state. A run
+    resumed on another number of processes derives its ranks' generators from the step it resumes at."""
+    tag = f"mpp-{seed}-{rank}" if step == 0 else f"mpp-{seed}-{rank}-{step}"
+    return torch.Generator(device=device).manual_seed(int(hashlib.sha256(tag.encode()).hexdigest()[:15], 16))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -47,7 +52,13 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def train(cfg: PretrainConfig) -> None:
-    """Run the stage for a loaded config: the spine below reads top to bottom."""
+    """Run the stage for a loaded config; preemption signals are caught for the whole run."""
+    with StopSignals(cfg.train.preempt_signals) as signals:
+        _train(cfg, signals)
+
+
+def _train(cfg: PretrainConfig, signals: StopSignals) -> None:
+    """The spine of a run, top to bottom."""
     tc = cfg.train
     accelerator, gbatch = make_accelerator(tc)
     if accelerator.is_main_process:
@@ -57,13 +68,11 @@ def train(cfg: PretrainConfig) -> None:
         changed = prepare_run_dir(tc.run_dir, cfg, accelerator.is_main_process)
     log = MetricsLog(tc.run_dir, accelerator.is_main_process)
 
-    # Data: the manifest gives sizes, so every process knows the step counts without scanning shards.
-    train_split, info = load_split(cfg.data.shards, cfg.data.train_split)
-    val_split = load_split(cfg.data.shards, cfg.data.val_split)[0] if cfg.data.val_split else None
-    # The k-NN monitor's labelled references (pretrain/knn.py); it runs only beside a validation split.
-    knn_split = None
-    if cfg.knn.train_images and val_split is not None:
-        knn_split = load_split(cfg.data.shards, cfg.knn.train_split or cfg.data.train_split)[0]
+    # Data: the manifests give sizes, so every process knows the step counts without scanning shards.
+    data = load_training_data(cfg.data)
+    layout = Layout(accelerator.num_processes, max(1, cfg.data.num_workers), gbatch.micro_batch, gbatch.accum_steps)
+    audit = SampleAudit(tc.run_dir, accelerator.process_index, accelerator.is_main_process, data.names,
+                        tc.record_samples)
 
     # Model: timm ViT + the MPP objective (mask token, corruption, head, targets).
     encoder = create_vit(cfg.model)
@@ -74,31 +83,31 @@ def train(cfg: PretrainConfig) -> None:
     optimizer = build_optimizer(model, cfg.optim, peak_lr)
     model, optimizer = prepare_model(accelerator, model, optimizer, tc.compile)
 
-    # Resume from the newest complete checkpoint of this run directory, if any.
-    resumed, own = resume_latest(accelerator, tc.run_dir, changed)
-    start_step = resumed.get("step", 0)
-    log.rewind(start_step)  # records logged after the checkpoint are logged again
-    gen = corruption_generator(accelerator.device, tc.seed, accelerator.process_index)
-    if own is not None and "mpp_generator" in own:
-        gen.set_state(own["mpp_generator"])
+    # Resume from the newest complete checkpoint of this run directory, if any, also on another layout.
+    resumed = resume_run(accelerator, tc.run_dir, changed, layout, data.sizes, data.weights, tc.seed,
+                         [log, audit])
+    start_step = resumed.step
+    gen = corruption_generator(accelerator.device, tc.seed, accelerator.process_index,
+                               resumed.step if resumed.layout_changed else 0)
+    if resumed.own is not None and "mpp_generator" in resumed.own and not resumed.layout_changed:
+        gen.set_state(resumed.own["mpp_generator"])
 
-    # The loader splits itself across processes and workers, so it is NOT passed to accelerator.prepare
-    # (which would re-split it, or make rank 0 decode for everyone); batches are moved to the device by hand.
-    stream, loader, val_loader = build_loaders(
-        train_split, val_split, cfg.data, cfg.model.img_size, gbatch.micro_batch, rank=accelerator.process_index,
-        world_size=accelerator.num_processes, seed=tc.seed, start_batch=start_step * gbatch.accum_steps)
-
-    validation = Validation(accelerator, val_loader, val_split, knn_split, cfg.data, cfg.model.img_size,
-                            gbatch.micro_batch, cfg.knn, mean, std, tc.seed) if val_loader is not None else None
-    accelerator.print(summary(cfg, encoder, train_split, stream.batches_per_epoch // gbatch.accum_steps,
-                              gbatch.describe(), warmup))
+    # The loaders split themselves across processes and workers, so they are NOT passed to accelerator.prepare
+    # (which would re-split them, or make rank 0 decode for everyone); batches are moved to the device by hand.
+    stream, loader = build_train_loader(data.sets, cfg.data, cfg.model.img_size, resumed.generation,
+                                        rank=accelerator.process_index, resume_step=start_step, seed=tc.seed)
+    validation = _validation(accelerator, cfg, data, gbatch.micro_batch, mean, std)
+    accelerator.print(summary(cfg, encoder, data, gbatch.describe(), warmup))
     start_trackers(accelerator, tc, cfg)
+    checkpointer = Checkpointer(accelerator, tc.run_dir, tc.ckpt_every, tc.keep_last, tc.steps,
+                                StepBoundary(accelerator, signals, tc.ckpt_every_minutes), audit.flush)
 
     batches = iter(loader)
     meter = StepMeter(accelerator, log, start_step=start_step, total_steps=tc.steps, batch_size=tc.batch_size,
-                      log_every=tc.log_every, bad_total=resumed.get("bad_samples_total", 0))
+                      log_every=tc.log_every, bad_total=resumed.state.get("bad_samples_total", 0))
     last_eval: dict[str, float] = {}
     model.train()
+    signals.in_loop = True
     for step in range(start_step, tc.steps):
         lr = lr_at(step, peak_lr, warmup, tc.steps, cfg.optim.min_lr_ratio)
         set_lr(optimizer, lr)
@@ -112,33 +121,51 @@ def train(cfg: PretrainConfig) -> None:
                     accelerator.clip_grad_norm_(model.parameters(), cfg.optim.clip_grad_norm)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-            outputs.append({**out, "bad_samples": batch["bad"]})
+            outputs.append(micro_batch_output(out, batch, data.names))
+            audit.add(batch)
         meter.add(outputs)
         done = step + 1
+        audit.write(done)
         meter.log(done, lr)
         if validation is not None and itstime(done, tc.eval_every, tc.steps):
             last_eval = validation(model)
-            meter.log_eval(done, last_eval, label=f"step {done}", split_size=val_split.num_samples)
-        if itstime(done, tc.ckpt_every, tc.steps):
-            save_checkpoint(accelerator, tc.run_dir, done, {"config": to_dict(cfg), **meter.checkpoint_state()},
-                            tc.keep_last, rank_state={"mpp_generator": gen.get_state()})
+            meter.log_eval(done, last_eval, label=f"step {done}", split_size=data.val_split.num_samples)
+        checkpointer.after_step(done, lambda: {"config": to_dict(cfg), "stream": resumed.generation.to_dict(),
+                                               **meter.checkpoint_state()},
+                                lambda: {"mpp_generator": gen.get_state()})
 
     meter.draw()
-    export_encoder(accelerator, model, cfg, mean, std, last_eval, info, peak_lr)
+    audit.flush()
+    export_encoder(accelerator, model, cfg, mean, std, last_eval, data, peak_lr)
     accelerator.end_training()
 
 
-def summary(cfg: PretrainConfig, encoder: torch.nn.Module, split: Split, steps_per_epoch: int, batching: str,
-            warmup: int) -> str:
+def _validation(accelerator: Accelerator, cfg: PretrainConfig, data: TrainingData, micro_batch: int,
+                mean: tuple[float, ...], std: tuple[float, ...]) -> Validation | None:
+    """The evaluation of this run (MPP validation and the k-NN monitor), or None without a validation split."""
+    if data.val_split is None:
+        return None
+    _, val_loader = build_eval_loader(data.val_split, cfg.data, cfg.model.img_size, micro_batch,
+                                      rank=accelerator.process_index, world_size=accelerator.num_processes)
+    # The k-NN monitor's labelled references (pretrain/knn.py) come from the set evaluation reads.
+    knn_split = None
+    if cfg.knn.train_images:
+        knn_split = load_split(data.val_location, cfg.knn.train_split or cfg.data.train_split)[0]
+    return Validation(accelerator, val_loader, data.val_split, knn_split, cfg.data, cfg.model.img_size, micro_batch,
+                      cfg.knn, mean, std, cfg.train.seed)
+
+
+def summary(cfg: PretrainConfig, encoder: torch.nn.Module, data: TrainingData, batching: str, warmup: int) -> str:
     """The start-up summary: model, objective, data and batch, optimizer and schedule, augmentations."""
     tc = cfg.train
+    steps_per_epoch = max(1, data.samples_per_epoch() // tc.batch_size)
     return (
         f"model {cfg.model.name} ({count_params(encoder) / 1e6:.2f}M params, patch {patch_size(encoder)}, "
         f"{encoder.patch_embed.num_patches} patches, drop path {cfg.model.drop_path_rate:g}) | target "
         f"{cfg.mpp.target}, corrupt {cfg.mpp.mask_ratio:.0%} ({cfg.mpp.mask_prob:.0%} mask / "
         f"{cfg.mpp.random_prob:.0%} random / rest kept)\n"
-        f"data {split.num_samples} train images in {len(split.urls)} shards, {steps_per_epoch} steps/epoch | "
-        f"{batching} | augment: crop scale {list(cfg.data.crop_scale)}, flips {cfg.data.hflip}\n"
+        f"{data.describe()}, {steps_per_epoch} steps/epoch | {batching} | augment: crop scale "
+        f"{list(cfg.data.crop_scale)}, flips {cfg.data.hflip}\n"
         f"optim {cfg.optim.name} {describe_lr(cfg.optim, tc.batch_size)}, warmup {warmup}, cosine to step "
         f"{tc.steps}, weight decay {cfg.optim.weight_decay:g}, clip {cfg.optim.clip_grad_norm:g} | mixed precision "
         f"{tc.mixed_precision} | run dir {tc.run_dir}"
@@ -146,7 +173,7 @@ def summary(cfg: PretrainConfig, encoder: torch.nn.Module, split: Split, steps_p
 
 
 def export_encoder(accelerator: Accelerator, model: torch.nn.Module, cfg: PretrainConfig, mean: tuple[float, ...],
-                   std: tuple[float, ...], metrics: dict[str, float], info: dict, peak_lr: float) -> None:
+                   std: tuple[float, ...], metrics: dict[str, float], data: TrainingData, peak_lr: float) -> None:
     """The hand-off to fine-tuning: the encoder's weights (timm names), the config to rebuild it, its model card, and
     the upload when asked. The state dict is gathered on every process (FSDP shards need all of them); the main
     process writes it."""
@@ -159,8 +186,8 @@ def export_encoder(accelerator: Accelerator, model: torch.nn.Module, cfg: Pretra
         std=std, crop_pct=cfg.data.eval_crop_pct, record={
             "pretrain": {"steps": tc.steps, "batch_size": tc.batch_size, "target": cfg.mpp.target,
                          "mask_ratio": cfg.mpp.mask_ratio, "optimizer": cfg.optim.name, "lr": peak_lr},
-            "metrics": metrics, "data": data_record(cfg.data.shards, info)})
+            "metrics": metrics, "data": data.record()})
     accelerator.print(f"exported encoder to {path}")
-    url = publish(path, tc.run_dir, cfg.export, cfg.data.shards, push_it=True)
+    url = publish(path, tc.run_dir, cfg.export, data.val_location, push_it=True)
     if url:
         accelerator.print(f"uploaded to {url}")

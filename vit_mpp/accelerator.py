@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator, PartialState
-from accelerate.utils import ProjectConfiguration
+from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration
 
 from vit_mpp.config import ConfigError, TrainConfig
-from vit_mpp.launcher import stop_with_launcher
+from vit_mpp.launcher import process_group_kwargs
 from vit_mpp.tracking import check_trackers
 
 
@@ -52,13 +53,15 @@ def cpu_processes() -> bool:
 
 def make_accelerator(train: TrainConfig) -> tuple[Accelerator, GlobalBatch]:
     """One Accelerator for a training run, with gradient accumulation derived from the global batch size."""
-    stop_with_launcher()
     check_trackers(train.trackers)  # a missing package is an error now, not a warning after which nothing is logged
     cpu = cpu_processes()
-    batch = split_global_batch(train.batch_size, train.micro_batch_size, PartialState(cpu=cpu).num_processes)
+    # The first PartialState makes the process group: its timeout bounds how long a rank waits for a dead peer.
+    state = PartialState(cpu=cpu, **process_group_kwargs(train.collective_timeout_s))
+    batch = split_global_batch(train.batch_size, train.micro_batch_size, state.num_processes)
     project = ProjectConfiguration(project_dir=train.run_dir, logging_dir=str(Path(train.run_dir) / "logs"))
     accelerator = Accelerator(
         cpu=cpu,
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=train.collective_timeout_s))],
         mixed_precision=train.mixed_precision,
         gradient_accumulation_steps=batch.accum_steps,
         log_with=train.trackers or None,
@@ -72,9 +75,9 @@ def make_accelerator(train: TrainConfig) -> tuple[Accelerator, GlobalBatch]:
     return accelerator, batch
 
 
-def make_eval_accelerator(mixed_precision: str) -> Accelerator:
+def make_eval_accelerator(mixed_precision: str, collective_timeout_s: float = 600.0) -> Accelerator:
     """An Accelerator for evaluation without training, for any process count."""
-    stop_with_launcher()
+    PartialState(cpu=cpu_processes(), **process_group_kwargs(collective_timeout_s))
     return Accelerator(cpu=cpu_processes(), mixed_precision=mixed_precision)
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,9 @@ from accelerate import Accelerator
 
 from vit_mpp.durable import fsync, write_atomic
 from vit_mpp.errors import UserError
+from vit_mpp.preemption import Preempted, StepBoundary
+from vit_mpp.schedule import itstime
+from vit_mpp.stream_plan import Generation, Layout, resume_generation
 
 TRAINER_STATE = "trainer_state.json"  # written last: a checkpoint without it is incomplete and ignored
 
@@ -126,3 +130,53 @@ def resume_latest(accelerator: Accelerator, run_dir: str | Path, changed: list[s
         raise CheckpointError(f"no checkpoint of {run_dir} can be read (they were set aside as *.unreadable): move "
                               "them away to start the run over, or use another train.run_dir")
     return {}, None
+
+
+@dataclass
+class Resumed:
+    """Where a run starts: its step, the checkpoint's trainer state and this rank's own state, and the data
+    stream's generation (vit_mpp/stream_plan.py), adapted to this run's layout."""
+
+    step: int
+    state: dict[str, Any]
+    own: dict[str, Any] | None
+    generation: Generation
+    layout_changed: bool
+
+
+def resume_run(accelerator: Accelerator, run_dir: str | Path, changed: list[str], layout: Layout, sizes: list[int],
+               weights: list[float], seed: int, logs: list[Any]) -> Resumed:
+    """Restore the newest checkpoint (`resume_latest`), cut `logs` (objects with `rewind(step)`) back to its step,
+    and continue the data stream where it stopped, on this layout; a line says so when the layout changed."""
+    state, own = resume_latest(accelerator, run_dir, changed)
+    step = state.get("step", 0)
+    for log in logs:
+        log.rewind(step)
+    generation, note = resume_generation(state.get("stream"), step, layout, sizes, weights, seed)
+    if note:
+        accelerator.print(note)
+    saved_world = state.get("num_processes", accelerator.num_processes)
+    return Resumed(step, state, own, generation, saved_world != accelerator.num_processes)
+
+
+class Checkpointer:
+    """Decides, after every optimizer step, whether to save (every `train.ckpt_every` steps, every
+    `train.ckpt_every_minutes`, at the last step, or on preemption: one collective, the same decision on every rank),
+    saves, and stops a preempted run (raises Preempted once its checkpoint is written)."""
+
+    def __init__(self, accelerator: Accelerator, run_dir: str | Path, every_steps: int, keep_last: int,
+                 total_steps: int, boundary: StepBoundary, flush: Any) -> None:
+        self.accelerator, self.run_dir, self.every, self.keep_last = accelerator, run_dir, every_steps, keep_last
+        self.total, self.boundary, self.flush = total_steps, boundary, flush
+
+    def after_step(self, step: int, trainer_state: Any, rank_state: Any = None) -> None:
+        """`trainer_state()` / `rank_state()` build what is saved, only when a save is due."""
+        preempt, time_due = self.boundary.check()
+        if itstime(step, self.every, self.total) or time_due or preempt:
+            self.flush()  # the sample audit's buffered lines reach the disk before the checkpoint says they happened
+            save_checkpoint(self.accelerator, self.run_dir, step, {**trainer_state(), "finished": step == self.total},
+                            self.keep_last, rank_state() if rank_state is not None else None)
+            self.boundary.saved()
+        if preempt:
+            self.accelerator.end_training()
+            raise Preempted(step)

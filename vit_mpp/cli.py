@@ -17,14 +17,12 @@ import sys
 import time
 from collections.abc import Callable
 
+from vit_mpp import preemption
 from vit_mpp.errors import UserError
+from vit_mpp.launcher import is_peer_error, note_failure, peer_failure_line, process_rank
+from vit_mpp.preemption import EXIT_PREEMPTED, Preempted
 
 QUIET_WAIT_S = 10.0
-
-
-def process_rank() -> int:
-    """This process's global rank under a launcher (0 without one), read from the environment the launcher sets."""
-    return int(os.environ.get("RANK", "0"))
 
 
 def error_line(error: BaseException) -> str:
@@ -37,15 +35,31 @@ def error_line(error: BaseException) -> str:
 
 
 def run_main(main: Callable[[list[str] | None], object], argv: list[str] | None = None) -> None:
-    """Call `main(argv)`; print a user error as `error: ...` on one line (once per run) and exit with status 2."""
+    """Call `main(argv)`; print a user error as `error: ...` on one line (once per run) and exit with status 2; a
+    preempted run prints its line and exits with status 75; a rank whose collective broke because a peer went away
+    prints one line naming the peer and exits with status 2. Anything else is a bug and keeps its traceback."""
     try:
         main(argv)
+    except Preempted as e:
+        if process_rank() == 0:
+            print(e, flush=True)
+        sys.exit(EXIT_PREEMPTED)
     except UserError as e:
-        rank, line = process_rank(), error_line(e)
-        if int(os.environ.get("WORLD_SIZE", "1")) == 1 or (rank == 0 and not e.rank_local):
+        rank, line, world = process_rank(), error_line(e), int(os.environ.get("WORLD_SIZE", "1"))
+        if world == 1 or (rank == 0 and not e.rank_local):
+            note_failure()  # before the line: a peer whose collective breaks names this rank
             print(f"error: {line}", file=sys.stderr, flush=True)
         else:
-            if not e.rank_local:  # every rank met it: the main one prints it, and the launcher then ends this one
+            if e.rank_local:
+                note_failure()
+            else:  # every rank met it: the main one prints it, and the launcher then ends this one
                 time.sleep(QUIET_WAIT_S)
             print(f"error: [rank {rank}] {line}", file=sys.stderr, flush=True)
         sys.exit(2)
+    except Exception as e:
+        if is_peer_error(e):
+            if not preemption.signalled:  # a peer preempted first: this rank's own signal is on its way
+                print(peer_failure_line(e), file=sys.stderr, flush=True)
+            os._exit(EXIT_PREEMPTED if preemption.signalled else 2)  # the group is broken: no clean-up can finish
+        note_failure()
+        raise

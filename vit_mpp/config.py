@@ -289,6 +289,7 @@ def parse_args(cls: type[T], argv: list[str] | None, prog: str, description: str
 
 ARCH_KEYS = ("name", "patch_size", "embed_dim", "depth", "num_heads", "mlp_ratio")  # what a checkpoint fixes
 # The experiment trackers Accelerate integrates (accelerate.tracking); each needs its own package installed.
+PREEMPT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP")
 TRACKERS = ("tensorboard", "wandb", "comet_ml", "aim", "mlflow", "clearml", "dvclive", "swanlab", "trackio")
 
 
@@ -323,9 +324,15 @@ class ModelConfig:
 class DataConfig:
     """Where the shards are and how they are streamed (see vit_mpp/data_stream.py)."""
 
-    shards: str = opt("", "directory or URL holding the shards and their _info.json (from build-shards)")
-    train_split: str = opt("train", "split used for training")
+    shards: str | list[str] = opt("", "the shard set to train on: a folder or URL holding the shards and their "
+                                      "_info.json (build-shards, or `build-shards index` for shards others wrote), "
+                                      "or the manifest file itself; a list of them trains on their mixture")
+    weights: list[float] | None = opt(None, "mixture weights, one per data.shards entry, in any unit (default: "
+                                            "proportional to each set's size)", Check(
+        lambda v: all(w >= 0 for w in v) and any(w > 0 for w in v), "non-negative numbers, at least one above 0"))
+    train_split: str = opt("train", "split used for training (in every set)")
     val_split: str = opt("val", "split used for evaluation ('' for none)")
+    val_shards: str = opt("", "the shard set evaluation reads ('' = the first of data.shards)")
     num_workers: int = opt(2, "data-loader worker processes per training process", at_least(0))
     prefetch_factor: int = opt(2, "batches prefetched per worker", at_least(1))
     pin_memory: bool = opt(True, "pin host memory (CUDA only)")
@@ -347,6 +354,18 @@ class DataConfig:
     def problems(self) -> Iterator[tuple[str, str]]:
         if self.crop_scale[0] > self.crop_scale[1]:
             yield "crop_scale", f"must be [min, max] with min <= max, got {self.crop_scale}"
+        locations = self.shard_sets()
+        if isinstance(self.shards, list) and not all(x.strip() for x in locations):
+            yield "shards", f"holds an empty location: {self.shards!r}"
+        elif len(set(locations)) != len(locations):
+            yield "shards", f"names a set twice: {self.shards!r}"
+        if self.weights is not None and len(self.weights) != len(locations):
+            yield "weights", (f"gives {len(self.weights)} weight(s) for the {len(locations)} set(s) of data.shards: "
+                              "one per set")
+
+    def shard_sets(self) -> list[str]:
+        """The shard-set locations, as a list (one for a plain data.shards)."""
+        return [str(x) for x in self.shards] if isinstance(self.shards, list) else [self.shards]
 
 
 @dataclasses.dataclass
@@ -400,9 +419,19 @@ class TrainConfig:
     compile: bool = opt(False, "torch.compile the model")
     log_every: int = opt(10, "log every N optimizer steps", at_least(1))
     ckpt_every: int = opt(500, "save the full training state every N optimizer steps", at_least(1))
+    ckpt_every_minutes: float = opt(0.0, "also save it when this many minutes have passed since the last one (0: "
+                                         "off); every rank takes the same decision", at_least(0))
     keep_last: int = opt(2, "checkpoints to keep", at_least(1))
     trackers: list[str] = opt([], "experiment trackers (Accelerate's): " + ", ".join(TRACKERS), Check(
         lambda v: all(t in TRACKERS for t in v), "a list of tracker names from: " + ", ".join(TRACKERS)))
     project: str = opt("vit-mpp", "tracker project (W&B/MLflow); TensorBoard writes to run_dir/logs/<project>/",
                        NOT_EMPTY)
     run_name: str = opt("", "the run's name in the trackers ('' = the run directory's path)")
+    record_samples: bool = opt(False, "sample audit: each rank appends one line per optimizer step to "
+                                      "run_dir/samples/rank_<R>.jsonl listing the keys of every sample it used")
+    preempt_signals: list[str] = opt(["SIGTERM", "SIGUSR1"], "signals that preempt the run: all ranks save a "
+                                                             "checkpoint at the next step and exit with status 75",
+                                     Check(lambda v: all(x in PREEMPT_SIGNALS for x in v),
+                                           "a list of signal names from: " + ", ".join(PREEMPT_SIGNALS)))
+    collective_timeout_s: float = opt(600.0, "how long a rank waits in a collective for a peer before giving up "
+                                             "(a dead peer must not hold the run for NCCL's 30 minutes)", above(0))

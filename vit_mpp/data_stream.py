@@ -1,418 +1,324 @@
-"""The training and evaluation input streams over webdataset shards, shared by pretrain and finetune.
+"""The training and evaluation streams over webdataset shards, shared by pretrain and finetune.
 
-How the work is split (the part that keeps many processes in step):
+Training (`TrainStream`): an endless stream of micro-batches per rank, drawn from one shard set or a weighted
+mixture of several. Which samples each data-loader worker reads, in which order, is decided by
+vit_mpp/stream_plan.py from the seed, the sets' sizes and the run's layout history, so that:
 
-* Each epoch, the split's shards are put in an order drawn from `seed + epoch` (the same on every rank) and
-  seen as one virtual sequence of samples whose length the manifest gives, without scanning a tar.
-* Every data-loader worker of every rank (G = processes x workers in all) gets one contiguous, equal-length
-  range of that sequence. A range may start or end inside a shard: the worker skips the samples before its
-  range without decoding them. So the shard count need not divide anything, and fewer shards than G works
-  (each such shard is read by several workers, which costs I/O, not correctness; rank 0 prints a warning).
-* Training: each range holds `floor(N / (G * B)) * B` samples, so every worker yields the same number of full
-  batches and every rank runs the same number of steps; the tail (fewer than G * B samples, a different one each
-  epoch since the shard order changes) is left for that epoch. No sample is seen twice in an epoch.
-* Evaluation: ranges of `ceil(N / G)` samples, in manifest order; short ranges are padded with blank samples
-  whose `valid` flag is False, so every rank runs the same number of batches and each sample counts once.
-* A shard that holds fewer samples than the manifest says is a DataError, never a short range: one rank with
-  fewer steps than the others would hang the run in a collective. Undecodable samples are replaced (training) or
-  marked invalid (evaluation) in place, so they cannot desynchronise the ranks either; more than
-  `max_bad_fraction` of them (checked from the 100th sample of a worker's range, and at its end) is a DataError.
-* Remote reads have deadlines (vit_mpp/urls.py): a stalled stream is aborted and reopened, then a ShardError.
+* every data-loader worker of every rank (G = processes x workers *parts*) reads a contiguous, near-equal block of
+  each epoch of each set, whose shards are ordered by the seed and the epoch (the same on every rank): the shard
+  count need not divide anything, fewer shards than parts works (a shard is then read in part by several workers,
+  which costs I/O, not correctness; rank 0 warns), and every sample is read once per epoch of its set;
+* micro-batches are always full and every rank runs the same number of steps (the streams are endless; a
+  micro-batch may hold the end of one epoch and the start of the next);
+* each slot of a micro-batch comes from a set chosen by a deterministic low-discrepancy sequence of the weights,
+  the same on every worker, so each global batch holds the sets in their proportions and all parts of a set
+  advance together;
+* a resumed run continues exactly where it stopped; on another layout (processes, workers, micro-batch) it
+  continues the epoch with every remaining sample exactly once.
 
-Batches leave the workers as uint8 images (B, 3, H, W); `to_device` moves them (non-blocking) and
-`normalize` turns them into float on the device, so the MPP targets can be computed from the raw pixels.
-The loader is deliberately *not* passed through `accelerator.prepare`: it already splits itself across ranks, and
-accelerate would either re-split it or make rank 0 decode for everyone.
+Undecodable samples (or samples without an image) are replaced by the previous good sample of the same set and
+counted; more than `max_bad_fraction` of them (checked from the 100th sample of a worker's set, and at the end of
+each block it reads) is a ShardError. A shard shorter than its manifest entry is a ShardError, never a short stream
+(which would hang the other ranks in a collective). Remote reads have deadlines (vit_mpp/urls.py).
+
+Evaluation (`EvalStream`): one ordered pass over one split, cut into G ranges of ceil(N / G) samples padded with
+blank samples whose `valid` flag is False, so every rank runs the same number of batches and each sample counts once.
+
+Batches leave the workers as uint8 images (B, 3, H, W); `to_device` moves them (non-blocking) and `normalize` turns
+them into float on the device, so the MPP targets can be computed from the raw pixels. The loaders are deliberately
+*not* passed through `accelerator.prepare`: they already split themselves across ranks, and accelerate would either
+re-split them or make rank 0 decode for everyone.
 """
 
 from __future__ import annotations
 
-import http.client
-import io
+import itertools
 import math
-import random
+import os
+import signal
 import sys
-import tarfile
-import time
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import webdataset as wds
-from PIL import Image
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
-from torchvision.io import ImageReadMode, decode_jpeg
-from torchvision.transforms import v2 as T
-from torchvision.transforms.v2.functional import pil_to_tensor
 
 from vit_mpp import urls
 from vit_mpp.config import DataConfig
-from vit_mpp.errors import UserError
-from vit_mpp.image_formats import IMAGE_EXTENSIONS, image_member
+from vit_mpp.image_decoder import ImageDecoder, image_bytes, sample_label
+from vit_mpp.launcher import die_with_parent
 from vit_mpp.manifest import Split
-from vit_mpp.models import img_hw
+from vit_mpp.shard_reader import DataError, ShardError, range_segments, read_segment, shuffled
+from vit_mpp.stream_plan import (
+    Composition,
+    Generation,
+    Layout,
+    Piece,
+    batches_of_role,
+    block_rng,
+    epoch_order,
+    first_generation,
+    part_pieces,
+    samples_per_epoch,
+    share,
+)
 
-
-class DataError(UserError):
-    """The data cannot feed training as configured (too few samples, too many bad ones); one-line message."""
-
-
-class ShardError(DataError):
-    """A shard in this rank's own range is unreadable, shorter than the manifest says, or too often undecodable."""
-
-    rank_local = True
+__all__ = ["DataError", "ShardError", "TrainSet", "TrainStream", "EvalStream", "build_train_loader",
+           "build_eval_loader", "build_split_loader", "to_device", "normalize"]
 
 
 @dataclass(frozen=True)
-class Segment:
-    """Samples [start, stop) of one shard, which the manifest says holds `length` samples."""
+class TrainSet:
+    """One shard set of the training mixture (a mixture of one for plain training)."""
 
-    url: str
-    start: int
-    stop: int
-    length: int
-
-
-def epoch_order(num_shards: int, seed: int, epoch: int) -> list[int]:
-    """The shard order of an epoch: the same on every rank, different from epoch to epoch."""
-    order = list(range(num_shards))
-    random.Random(f"{seed}-{epoch}").shuffle(order)
-    return order
+    name: str
+    split: Split
+    weight: float
 
 
-def range_segments(split: Split, order: list[int], start: int, stop: int) -> list[Segment]:
-    """The pieces of shards that make up samples [start, stop) of the virtual sequence of shards in `order`."""
-    segments, offset = [], 0
-    for i in order:
-        n = split.lengths[i]
-        lo, hi = max(start, offset), min(stop, offset + n)
-        if lo < hi:
-            segments.append(Segment(split.urls[i], lo - offset, hi - offset, n))
-        offset += n
-        if offset >= stop:
-            break
-    return segments
+@dataclass(frozen=True)
+class ReadSettings:
+    """How raw samples are read and checked: what every worker needs besides the plan."""
+
+    seed: int
+    shuffle_buffer: int
+    max_bad_fraction: float
+    read_timeout_s: float = urls.READ_TIMEOUT_S
+    read_retries: int = urls.RETRIES
 
 
-# A remote stream that breaks mid-shard (connection reset, truncated body, a stall past its deadline, a failed
-# command) is reopened `urls.RETRIES` times, after `urls.WAIT_S`, then twice that, and so on; the samples already
-# yielded are skipped, not repeated.
-STREAM_ERRORS = (OSError, tarfile.TarError, http.client.HTTPException)
-
-
-def read_segment(seg: Segment, retries: int = urls.RETRIES, wait_s: float = urls.WAIT_S,
-                 timeout: float = urls.READ_TIMEOUT_S) -> Iterator[dict[str, Any]]:
-    """Raw samples (dicts of extension -> bytes, plus `__key__`) of one shard segment; nothing is decoded.
-
-    A remote shard whose stream breaks or stalls (no byte for `timeout` seconds) is reopened (`retries` times) and
-    read on from the next sample. A shard that still ends before the segment does (truncated, manifest out of date)
-    is a ShardError: yielding fewer samples would leave this rank with fewer steps than the others, and the run would
-    hang in a collective. A shard with more samples than the manifest says is read up to the manifest's count, with
-    a warning.
-    """
-    position, attempt = seg.start, 0  # position: the next sample to yield
-    while True:
-        error: Exception | None = None
-        samples = _samples(seg.url, timeout)
-        try:
-            count = 0
-            for sample in samples:
-                if count >= seg.stop:
-                    if seg.stop == seg.length:  # a sample past the manifest's count: say so, once per shard
-                        _warn_once(seg.url, f"warning: shard {seg.url} holds more samples than the manifest's "
-                                            f"{seg.length}; the extra ones are not read (rebuild the manifest with "
-                                            "build-shards to use them)")
-                    break
-                if count >= position:
-                    yield sample
-                    position += 1
-                count += 1
-            samples.close()  # now, not when collected: closing the stream can fail too (a curl exit status)
-        except STREAM_ERRORS as e:
-            error = e
-        finally:
-            samples.close()
-        if position >= seg.stop:
-            return
-        if attempt >= retries or urls.is_local(seg.url) or (error is not None and urls.is_permanent(error)):
-            tries = f" ({attempt + 1} attempts)" if attempt else ""
-            if error is not None:
-                what = "cannot be read" if urls.is_local(seg.url) else "the stream broke"
-                # webdataset's errors carry (message, stream, url): the message is what a user needs
-                text = error.args[0] if error.args and isinstance(error.args[0], str) else str(error)
-                reason = " ".join(f"{type(error).__name__}: {text}".split())  # one line
-                raise ShardError(f"shard {seg.url}: {what} after sample {position} of {seg.stop}{tries}: {reason}")
-            raise ShardError(f"shard {seg.url} holds only {position} samples but the manifest says at least "
-                            f"{seg.stop}{tries}: the shard is truncated or the manifest is out of date")
-        time.sleep(wait_s * 2**attempt)
-        attempt += 1
-
-
-_warned: set[str] = set()
-
-
-def _warn_once(key: str, message: str) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        print(message, file=sys.stderr, flush=True)
-
-
-def _samples(url: str, timeout: float = urls.READ_TIMEOUT_S) -> Iterator[dict[str, Any]]:
-    """Every raw sample of one shard, in order."""
-    stream = urls.open_url(url, timeout)
+def block_samples(split: Split, set_index: int, piece: Piece, read: ReadSettings) -> Iterator[dict[str, Any]]:
+    """The raw samples of emissions [piece.lo, piece.hi) of one block of one epoch (vit_mpp/stream_plan.py): the
+    block's samples read in shard order through its shuffle buffer; those before `lo` are read, not decoded."""
+    start, stop = share(split.num_samples, piece.parts, piece.block)
+    order = epoch_order(len(split.urls), read.seed, set_index, piece.epoch)
+    raw = (s for seg in range_segments(split, order, start, stop)
+           for s in read_segment(seg, read.read_retries, timeout=read.read_timeout_s))
+    emissions = shuffled(raw, read.shuffle_buffer, block_rng(read.seed, set_index, piece.epoch, piece.parts,
+                                                             piece.block))
     try:
-        files = wds.tariterators.tar_file_expander([{"url": url, "stream": stream}])
-        yield from wds.tariterators.group_by_keys(files)
+        for sample in itertools.islice(emissions, piece.lo, piece.hi):
+            yield {**sample, "__epoch__": piece.epoch}
     finally:
-        stream.close()
+        emissions.close()
 
 
-def shuffled(samples: Iterator[dict[str, Any]], size: int, rng: random.Random) -> Iterator[dict[str, Any]]:
-    """A shuffle buffer of `size` encoded samples (bytes, so memory stays small)."""
-    if size <= 1:
-        yield from samples
-        return
-    buf: list[dict[str, Any]] = []
-    for s in samples:
-        if len(buf) < size:
-            buf.append(s)
-            continue
-        j = rng.randrange(size)
-        buf[j], s = s, buf[j]
-        yield s
-    rng.shuffle(buf)
-    yield from buf
+class SetReader:
+    """The decoded samples one part reads from one set: (image, label, key, epoch, bad keys replaced before it).
 
-
-def image_bytes(sample: dict[str, Any]) -> bytes:
-    """The bytes of a raw sample's image member (vit_mpp/image_formats.py); a KeyError when it has none."""
-    ext = image_member(sample)
-    if ext is None:
-        raise KeyError(f"sample {sample.get('__key__')} has no image ({', '.join(IMAGE_EXTENSIONS)})")
-    return sample[ext]
-
-
-def sample_label(sample: dict[str, Any]) -> int:
-    """The integer label of a sample's `.cls` file, -1 without one (a `.cls` that is not an integer raises)."""
-    raw = sample.get("cls")
-    return int(raw) if raw is not None else -1
-
-
-class ImageDecoder:
-    """Bytes -> augmented uint8 tensor (3, H, W). Train: RandomResizedCrop + flip (+ `augment`); eval: resize + center
-    crop.
-
-    Decoding and resizing are most of a loader's cost, so: a JPEG large enough is decoded at 1/2, 1/4 or 1/8 scale
-    (PIL's draft mode, DCT scaling) when that still leaves enough pixels for the smallest crop; any other JPEG is
-    decoded by torchvision (libjpeg-turbo, straight into a tensor); other formats by PIL. The crop and resize then
-    run on the uint8 tensor in channels-last layout, where torch's antialiased resize is several times faster than
-    PIL's. `augment` (training only, e.g. fine-tuning's RandAugment) takes the uint8 crop (3, H, W), in any memory
-    layout, and returns a uint8 tensor of the same shape; it runs here, in the data-loader workers.
+    An undecodable sample (or one without an image) is replaced by the previous good one, so micro-batches stay
+    full; one met before any good sample waits for the next good one.
     """
 
-    def __init__(self, img_size: int | tuple[int, int], train: bool, crop_scale: tuple[float, float] = (0.35, 1.0),
-                 hflip: bool = True, eval_crop_pct: float = 0.875,
-                 augment: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
-        h, w = img_hw(img_size)
-        self.size = (h, w)
-        self.augment = augment if train else None  # evaluation stays deterministic
-        if train:
-            ops = [T.RandomResizedCrop((h, w), scale=tuple(crop_scale), antialias=True)]
-            if hflip:
-                ops.append(T.RandomHorizontalFlip())
-            # Keep enough pixels for the smallest crop when decoding at a reduced scale.
-            self.draft = (int(w / math.sqrt(crop_scale[0])), int(h / math.sqrt(crop_scale[0])))
-        else:
-            resize = (int(round(h / eval_crop_pct)), int(round(w / eval_crop_pct)))
-            ops = [T.Resize(resize, antialias=True), T.CenterCrop((h, w))]
-            self.draft = (resize[1], resize[0])
-        self.transform = T.Compose(ops)
+    def __init__(self, train_set: TrainSet, set_index: int, pieces: Iterator[Piece], decoder: ImageDecoder,
+                 read: ReadSettings, check_label: Callable[[int, str], None], part: int) -> None:
+        self.set, self.index, self.pieces, self.decoder = train_set, set_index, pieces, decoder
+        self.read, self.check_label, self.part = read, check_label, part
+        self.seen = self.bad = 0
+        self.last_good: tuple[torch.Tensor, int, str, int] | None = None
+        self.items = self._items()
 
-    def decode(self, data: bytes) -> torch.Tensor:
-        """Bytes -> uint8 RGB tensor (3, H, W), at a reduced scale where the crop allows it (see the class doc)."""
-        img = Image.open(io.BytesIO(data))  # reads the header only
-        if img.format == "JPEG" and min(img.size[0] // self.draft[0], img.size[1] // self.draft[1]) < 2:
-            return decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
-        img.draft("RGB", self.draft)  # a no-op except for JPEGs
-        return pil_to_tensor(img.convert("RGB"))
+    def _items(self) -> Iterator[tuple[torch.Tensor, int, str, int, list[str]]]:
+        waiting: list[str] = []  # bad samples met before any good one: replaced by the next good one
+        for piece in self.pieces:
+            for sample in block_samples(self.set.split, self.index, piece, self.read):
+                key = sample["__key__"]
+                try:
+                    good = (self.decoder(image_bytes(sample)), sample_label(sample), key, sample["__epoch__"])
+                except Exception:  # a bad sample must neither stop nor desynchronise the run: count and replace it
+                    self.seen += 1
+                    self.bad += 1
+                    self._check_rate(force=False)
+                    if self.last_good is None:
+                        waiting.append(key)
+                    else:
+                        yield (*self.last_good, [key])
+                    continue
+                self.seen += 1
+                self._check_rate(force=False)
+                self.check_label(good[1], key)
+                for i in range(len(waiting) + 1):
+                    yield (*good, waiting[i:i + 1])
+                waiting, self.last_good = [], good
+            self._check_rate(force=True)  # the end of a block: small data must not train on broken images in silence
+            if waiting:
+                raise ShardError(f"every sample worker {self.part} read from set '{self.set.name}' (split "
+                                 f"'{self.set.split.name}') is undecodable")
 
-    def __call__(self, data: bytes) -> torch.Tensor:
-        x = self.decode(data).unsqueeze(0).contiguous(memory_format=torch.channels_last)  # (1, 3, h, w)
-        x = self.transform(x)[0]  # (3, H, W) uint8, channels-last in memory
-        if self.augment is not None:
-            x = self.augment(x)
-        return x.contiguous()
+    def _check_rate(self, force: bool) -> None:
+        if self.bad > self.read.max_bad_fraction * self.seen and (force or self.seen >= 100):
+            raise ShardError(f"{self.bad} of {self.seen} samples undecodable in set '{self.set.name}' (split "
+                             f"'{self.set.split.name}', worker {self.part}), above data.max_bad_fraction="
+                             f"{self.read.max_bad_fraction}")
+
+    def __next__(self) -> tuple[torch.Tensor, int, str, int, list[str]]:
+        return next(self.items)
 
 
-class ShardStream(IterableDataset):
-    """Batches of decoded samples from one split, split across ranks and data-loader workers (see module doc).
+class TrainStream(IterableDataset):
+    """Endless micro-batches for one rank (see the module doc).
 
-    Each item is a dict: `image` uint8 (B, 3, H, W), `label` int64 (B,), `valid` bool (B,), `key` list[str],
-    `bad` int (undecodable samples replaced since the previous batch of this worker), `epoch` int.
+    Each item is a dict: `image` uint8 (B, 3, H, W), `label` int64 (B,), `valid` bool (B,), `key` list[str], `set`
+    list[int] (index of each sample's set), `epoch` list[int] (each sample's epoch of its set), `bad` int and
+    `bad_keys` list[str] (undecodable samples replaced in this batch).
     """
 
-    def __init__(self, split: Split, decoder: ImageDecoder, batch_size: int, *, rank: int, world_size: int,
-                 num_workers: int, train: bool, seed: int = 0, shuffle_buffer: int = 1000, endless: bool = False,
-                 start_batch: int = 0, max_bad_fraction: float = 0.01, num_classes: int | None = None,
-                 read_timeout_s: float = urls.READ_TIMEOUT_S, read_retries: int = urls.RETRIES,
-                 limit: int | None = None) -> None:
+    def __init__(self, sets: list[TrainSet], decoder: ImageDecoder, generation: Generation, *, rank: int,
+                 resume_step: int, read: ReadSettings, num_classes: int | None = None) -> None:
         super().__init__()
-        self.split, self.decoder, self.batch_size = split, decoder, batch_size
-        self.rank, self.world_size, self.num_workers = rank, world_size, max(1, num_workers)
-        self.train, self.seed, self.shuffle_buffer, self.endless = train, seed, shuffle_buffer, endless
-        self.start_batch, self.max_bad_fraction, self.num_classes = start_batch, max_bad_fraction, num_classes
-        self.read_timeout_s, self.read_retries = read_timeout_s, read_retries
-        parts = world_size * self.num_workers
-        if limit is not None and train:
-            raise ValueError("limit applies to evaluation streams only")
-        # limit: evaluation reads only the split's first `limit` samples (in manifest order), e.g. for a monitor
-        n = self.num_samples = split.num_samples if limit is None else min(limit, split.num_samples)
-        if train:
-            self.per_worker = (n // (parts * batch_size)) * batch_size
-            if self.per_worker == 0:
-                raise DataError(
-                    f"split '{split.name}' has {n} samples, fewer than processes x workers x per-device batch = "
-                    f"{world_size} x {self.num_workers} x {batch_size}: use fewer workers or a smaller batch"
-                )
-        else:
-            self.per_worker = math.ceil(n / parts)
-        if rank == 0 and len(split.urls) < parts:
-            # Correct by design (ranges span shards), but each shard is then read, in part, by several workers.
-            print(f"warning: split '{split.name}' has {len(split.urls)} shard(s) for {world_size} process(es) x "
-                  f"{self.num_workers} worker(s): shards are read by several workers (extra I/O); more, smaller "
-                  "shards avoid it", file=sys.stderr, flush=True)
-        self.batches_per_worker = math.ceil(self.per_worker / batch_size)
+        self.sets, self.decoder, self.gen, self.rank, self.read = sets, decoder, generation, rank, read
+        self.num_classes = num_classes
+        layout = generation.layout
+        self.batches_done = (resume_step - generation.start_step) * layout.accum  # this rank's, in the generation
+        for s in sets:
+            if s.split.num_samples < layout.parts:
+                raise DataError(f"set '{s.name}' (split '{s.split.name}') has {s.split.num_samples} samples, fewer "
+                                f"than processes x workers = {layout.world} x {layout.workers}: use fewer "
+                                "data.num_workers or processes")
+            if rank == 0 and len(s.split.urls) < layout.parts:
+                # Correct by design (blocks span shards), but each shard is then read, in part, by several workers.
+                print(f"warning: set '{s.name}' (split '{s.split.name}') has {len(s.split.urls)} shard(s) for "
+                      f"{layout.world} process(es) x {layout.workers} worker(s): shards are read by several workers "
+                      "(extra I/O); more, smaller shards avoid it", file=sys.stderr, flush=True)
 
     @property
     def batches_per_epoch(self) -> int:
-        """Batches one rank receives per epoch (the same on every rank)."""
-        return self.batches_per_worker * self.num_workers
-
-    def __len__(self) -> int:
-        return self.batches_per_epoch
-
-    def _resume_role(self, worker: int) -> tuple[int, int, int]:
-        """(first epoch, role, batches to skip) for a worker when resuming after `start_batch` batches of this rank.
-
-        The DataLoader takes batches from its workers in strict round-robin order starting at worker 0, so batch i
-        came from worker i % W. After `rem` batches of an epoch the next batch belongs to worker rem % W; real worker
-        w therefore plays the role (data part and position) of worker (w + rem) % W, and the sequence continues
-        exactly where it stopped, in this and every later epoch (an epoch is a multiple of W batches).
-        """
-        epoch, rem = divmod(self.start_batch, self.batches_per_epoch)
-        role = (worker + rem) % self.num_workers
-        return epoch, role, max(0, -(-(rem - role) // self.num_workers))
+        """Micro-batches one rank takes in one epoch (of a mixture: a pass over the set that runs out first)."""
+        layout = self.gen.layout
+        epoch = samples_per_epoch([s.split.num_samples for s in self.sets], [s.weight for s in self.sets])
+        return max(1, epoch // (layout.world * layout.micro))
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         info = get_worker_info()
         worker = info.id if info is not None else 0
-        if info is not None and info.num_workers != self.num_workers:
-            raise DataError(f"stream built for {self.num_workers} workers but the DataLoader has {info.num_workers}")
-        epoch, role, skip_batches = self._resume_role(worker) if self.train else (0, worker, 0)
-        part = self.rank * self.num_workers + role
-        while True:
-            yield from self._epoch(epoch, part, skip_batches * self.batch_size)
-            skip_batches = 0
-            epoch += 1
-            if not self.endless:
-                return
-
-    def _epoch(self, epoch: int, part: int, skip: int) -> Iterator[dict[str, Any]]:
-        order = epoch_order(len(self.split.urls), self.seed, epoch) if self.train else list(range(len(self.split.urls)))
-        start = part * self.per_worker
-        stop = min(start + self.per_worker, self.num_samples)
-        raw: Iterator[dict[str, Any]] = (
-            s for seg in range_segments(self.split, order, start, stop)
-            for s in read_segment(seg, self.read_retries, timeout=self.read_timeout_s))
-        if self.train:
-            raw = shuffled(raw, self.shuffle_buffer, random.Random(f"{self.seed}-{epoch}-{part}"))
-        batcher = _Batcher(self.batch_size, epoch)
-        blank = torch.zeros(3, *self.decoder.size, dtype=torch.uint8)
-        seen = bad = waiting = 0  # waiting: bad train samples seen before any good one, to be replaced by it
-        last_good: tuple[torch.Tensor, int, str] | None = None
-        for i, sample in enumerate(raw):
-            if i < skip:  # resuming: consumed before the checkpoint; skipped without decoding
-                batcher.emitted += 1
-                continue
-            seen += 1
-            try:
-                item = (self.decoder(image_bytes(sample)), sample_label(sample), sample["__key__"])
-            except Exception:  # a bad sample must neither stop nor desynchronise the run: count and replace it
-                item = None
-                bad += 1
-                batcher.bad += 1
-            # The rate is checked from the 100th sample on, and on the range's last sample whatever its size (before
-            # that sample's batch leaves: small data must not train on mostly broken images in silence).
-            if bad > self.max_bad_fraction * seen and (seen >= 100 or i + 1 == stop - start):
-                raise ShardError(f"{bad} of {seen} samples undecodable in split '{self.split.name}' (worker "
-                                 f"{part}), above data.max_bad_fraction={self.max_bad_fraction}")
-            if item is None:
-                if not self.train:  # eval: the sample still occupies its place, but does not count
-                    yield from batcher.add(blank, 0, False, sample["__key__"])
-                elif last_good is not None:  # train: repeat the previous good sample so batches stay full
-                    yield from batcher.add(*last_good[:2], True, last_good[2])
-                else:
-                    waiting += 1
-                continue
-            self._check_label(item[1], item[2])
-            for _ in range(1 + waiting):
-                yield from batcher.add(item[0], item[1], True, item[2])
-            waiting, last_good = 0, item
-        if waiting:
-            raise ShardError(f"every sample of worker {part}'s range in split '{self.split.name}' is undecodable")
-        while batcher.emitted < self.per_worker:  # eval ranges are padded to equal length with blanks
-            yield from batcher.add(blank, 0, False, "")
-        yield from batcher.flush()
-
+        layout = self.gen.layout
+        if (info.num_workers if info is not None else 1) != layout.workers:
+            raise DataError(f"stream built for {layout.workers} workers but the DataLoader has "
+                            f"{info.num_workers if info is not None else 0}")
+        # The DataLoader takes batches from its workers round-robin from worker 0. After `batches_done` batches
+        # the next one belongs to role batches_done % W: real worker w plays role (w + that) % W.
+        role = (worker + self.batches_done) % layout.workers
+        part = self.rank * layout.workers + role
+        rounds = batches_of_role(self.batches_done, layout.workers, role)
+        composition = Composition([s.weight for s in self.sets], self.gen.seed, self.gen.index)
+        skips = composition.counts(rounds * layout.micro)
+        readers = [SetReader(s, i, part_pieces(self.gen.sets[i], layout.parts, part, s.split.num_samples, skips[i]),
+                             self.decoder, self.read, self._check_label, part) for i, s in enumerate(self.sets)]
+        for rnd in itertools.count(rounds):
+            slots = composition.slots(rnd * layout.micro, layout.micro).tolist()
+            yield _batch([(*next(readers[i]), i) for i in slots])
 
     def _check_label(self, label: int, key: str) -> None:
         """With `num_classes` (a classifier's), every label must be one of its classes."""
         if self.num_classes is None or 0 <= label < self.num_classes:
             return
         if label < 0:
-            raise ShardError(f"sample {key} of split '{self.split.name}' has no label (no .cls, or a negative one): "
-                             "a classifier needs labelled shards")
-        raise ShardError(f"sample {key} of split '{self.split.name}' has label {label}, outside the "
-                         f"{self.num_classes} classes (0..{self.num_classes - 1}): num_classes is smaller than the "
-                         "shards' labels")
+            raise ShardError(f"sample {key} has no label (no .cls, or a negative one): a classifier needs labelled "
+                             "shards")
+        raise ShardError(f"sample {key} has label {label}, outside the {self.num_classes} classes "
+                         f"(0..{self.num_classes - 1}): num_classes is smaller than the shards' labels")
 
 
-class _Batcher:
-    """Collects samples into batches of a fixed size; counts what it emitted and the bad samples replaced."""
-
-    def __init__(self, batch_size: int, epoch: int) -> None:
-        self.batch_size, self.epoch = batch_size, epoch
-        self.emitted = self.bad = 0
-        self.items: list[tuple[torch.Tensor, int, bool, str]] = []
-
-    def add(self, image: torch.Tensor, label: int, valid: bool, key: str) -> Iterator[dict[str, Any]]:
-        self.items.append((image, label, valid, key))
-        self.emitted += 1
-        if len(self.items) == self.batch_size:
-            yield from self.flush()
-
-    def flush(self) -> Iterator[dict[str, Any]]:
-        if not self.items:
-            return
-        images, labels, valid, keys = zip(*self.items)
-        yield {
-            "image": torch.stack(images),
-            "label": torch.tensor(labels, dtype=torch.int64),
-            "valid": torch.tensor(valid, dtype=torch.bool),
-            "key": list(keys),
-            "bad": self.bad,
-            "epoch": self.epoch,
-        }
-        self.items, self.bad = [], 0
+def _batch(items: list[tuple]) -> dict[str, Any]:
+    """One training micro-batch from (image, label, key, epoch, bad keys, set) items."""
+    images, labels, keys, epochs, bad_keys, sets = zip(*items)
+    replaced = [k for ks in bad_keys for k in ks]
+    return {"image": torch.stack(images), "label": torch.tensor(labels, dtype=torch.int64),
+            "valid": torch.ones(len(items), dtype=torch.bool), "key": list(keys), "set": list(sets),
+            "epoch": list(epochs), "bad": len(replaced), "bad_keys": replaced}
 
 
-def make_loader(stream: ShardStream, num_workers: int, prefetch_factor: int = 2, pin_memory: bool = True,
+class EvalStream(IterableDataset):
+    """One ordered pass over a split, each sample once over all ranks and workers (see the module doc).
+
+    Each item is a dict: `image` uint8 (B, 3, H, W), `label` int64 (B,), `valid` bool (B,) (False: padding or an
+    undecodable sample, which do not count) and `key` list[str].
+    """
+
+    def __init__(self, split: Split, decoder: ImageDecoder, batch_size: int, *, rank: int, world_size: int,
+                 num_workers: int, read: ReadSettings, num_classes: int | None = None, limit: int | None = None,
+                 ) -> None:
+        super().__init__()
+        self.split, self.decoder, self.batch_size, self.rank, self.read = split, decoder, batch_size, rank, read
+        self.num_workers, self.num_classes = max(1, num_workers), num_classes
+        # limit: only the split's first `limit` samples (in manifest order), e.g. for a monitor
+        self.num_samples = split.num_samples if limit is None else min(limit, split.num_samples)
+        self.per_worker = math.ceil(self.num_samples / (world_size * self.num_workers))
+        self.batches_per_worker = math.ceil(self.per_worker / batch_size)
+
+    def __len__(self) -> int:
+        return self.batches_per_worker * self.num_workers
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        info = get_worker_info()
+        part = self.rank * self.num_workers + (info.id if info is not None else 0)
+        start = part * self.per_worker
+        stop = min(start + self.per_worker, self.num_samples)
+        samples = (s for seg in range_segments(self.split, list(range(len(self.split.urls))), start, stop)
+                   for s in read_segment(seg, self.read.read_retries, timeout=self.read.read_timeout_s))
+        blank = torch.zeros(3, *self.decoder.size, dtype=torch.uint8)
+        items: list[tuple[torch.Tensor, int, bool, str]] = []
+        seen = bad = 0
+        for sample in samples:
+            seen += 1
+            try:
+                items.append((self.decoder(image_bytes(sample)), sample_label(sample), True, sample["__key__"]))
+                self._check_label(items[-1][1], items[-1][3])
+            except ShardError:
+                raise
+            except Exception:  # an undecodable sample keeps its place but does not count
+                bad += 1
+                items.append((blank, 0, False, sample["__key__"]))
+            if bad > self.read.max_bad_fraction * seen and (seen >= 100 or seen == stop - start):
+                raise ShardError(f"{bad} of {seen} samples undecodable in split '{self.split.name}' (worker {part}), "
+                                 f"above data.max_bad_fraction={self.read.max_bad_fraction}")
+            if len(items) == self.batch_size:
+                yield _eval_batch(items)
+                items = []
+        for _ in range(seen, self.per_worker):  # ranges are padded to equal length with blanks
+            items.append((blank, 0, False, ""))
+            if len(items) == self.batch_size:
+                yield _eval_batch(items)
+                items = []
+        if items:
+            yield _eval_batch(items)
+
+    _check_label = TrainStream._check_label
+
+
+def _eval_batch(items: list[tuple[torch.Tensor, int, bool, str]]) -> dict[str, Any]:
+    images, labels, valid, keys = zip(*items)
+    return {"image": torch.stack(images), "label": torch.tensor(labels, dtype=torch.int64),
+            "valid": torch.tensor(valid, dtype=torch.bool), "key": list(keys)}
+
+
+def _init_worker(worker_id: int) -> None:
+    """A data-loader worker lives and dies with its rank. A scheduler signals every process of a job, and a worker
+    that died of it would fail the run (torch reports a killed worker as an error) before the rank could save: the
+    rank decides, its workers ignore those signals, except a SIGTERM from the rank itself (how multiprocessing
+    stops its children at exit). A rank killed outright takes its workers with it."""
+    die_with_parent()
+    for sig in (signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # held for the thread below, which sees the sender
+    threading.Thread(target=_sigterm_from_parent_only, args=(os.getppid(),), daemon=True).start()
+
+
+def _sigterm_from_parent_only(parent: int) -> None:
+    while True:
+        if signal.sigwaitinfo({signal.SIGTERM}).si_pid == parent:
+            os._exit(0)
+
+
+def make_loader(stream: IterableDataset, num_workers: int, prefetch_factor: int = 2, pin_memory: bool = True,
                 persistent_workers: bool = True) -> DataLoader:
-    """A DataLoader over a ShardStream; batching happens inside the workers (batch_size=None)."""
+    """A DataLoader over a stream; batching happens inside the workers (batch_size=None)."""
     kwargs: dict[str, Any] = {}
     if num_workers > 0:
-        kwargs.update(prefetch_factor=prefetch_factor, persistent_workers=persistent_workers)
+        kwargs.update(prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
+                      worker_init_fn=_init_worker)
     return DataLoader(stream, batch_size=None, num_workers=num_workers,
                       pin_memory=pin_memory and torch.cuda.is_available(), **kwargs)
 
@@ -429,35 +335,41 @@ def normalize(images: torch.Tensor, mean: tuple[float, ...], std: tuple[float, .
     return (images.float() / 255.0 - mean_t) / std_t
 
 
-def build_loader(split: Split, data: DataConfig, img_size: int | list[int], micro_batch: int, *, rank: int,
-                 world_size: int, train: bool, seed: int = 0, start_batch: int = 0, num_classes: int | None = None,
-                 limit: int | None = None, augment: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 ) -> tuple[ShardStream, DataLoader]:
-    """The stream and its DataLoader for one rank: endless and shuffled for training, one ordered pass for eval.
-    With `num_classes` every label must be one of the classes; `augment` runs in the workers after the training
-    crop (see ImageDecoder)."""
-    decoder = ImageDecoder(img_size, train=train, crop_scale=tuple(data.crop_scale), hflip=data.hflip,
+def read_settings(data: DataConfig, seed: int = 0) -> ReadSettings:
+    return ReadSettings(seed, data.shuffle_buffer, data.max_bad_fraction, data.read_timeout_s, data.read_retries)
+
+
+def build_train_loader(sets: list[TrainSet], data: DataConfig, img_size: int | list[int], generation: Generation, *,
+                       rank: int, resume_step: int, seed: int, num_classes: int | None = None,
+                       augment: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                       ) -> tuple[TrainStream, DataLoader]:
+    """The endless training stream of one rank and its DataLoader, resuming at `resume_step` of `generation`; with
+    `num_classes` every label must be one of the classes; `augment` runs in the workers after the crop."""
+    decoder = ImageDecoder(img_size, train=True, crop_scale=tuple(data.crop_scale), hflip=data.hflip,
                            eval_crop_pct=data.eval_crop_pct, augment=augment)
-    stream = ShardStream(split, decoder, micro_batch, rank=rank, world_size=world_size, num_workers=data.num_workers,
-                         train=train, seed=seed, shuffle_buffer=data.shuffle_buffer, endless=train,
-                         start_batch=start_batch, max_bad_fraction=data.max_bad_fraction, num_classes=num_classes,
-                         read_timeout_s=data.read_timeout_s, read_retries=data.read_retries, limit=limit)
-    loader = make_loader(stream, data.num_workers, data.prefetch_factor, data.pin_memory,
-                         data.persistent_workers and train)
-    return stream, loader
+    stream = TrainStream(sets, decoder, generation, rank=rank, resume_step=resume_step,
+                         read=read_settings(data, seed), num_classes=num_classes)
+    return stream, make_loader(stream, data.num_workers, data.prefetch_factor, data.pin_memory,
+                               data.persistent_workers)
 
 
-def build_loaders(train_split: Split, val_split: Split | None, data: DataConfig, img_size: int | list[int],
-                  micro_batch: int, *, rank: int, world_size: int, seed: int, start_batch: int,
-                  num_classes: int | None = None, augment: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                  ) -> tuple[ShardStream, DataLoader, DataLoader | None]:
-    """The training stream and loader (resuming after `start_batch` batches; `augment` in its workers) and the
-    evaluation loader, if any."""
-    stream, loader = build_loader(train_split, data, img_size, micro_batch, rank=rank, world_size=world_size,
-                                  train=True, seed=seed, start_batch=start_batch, num_classes=num_classes,
-                                  augment=augment)
-    val_loader = None
-    if val_split is not None:
-        val_loader = build_loader(val_split, data, img_size, micro_batch, rank=rank, world_size=world_size,
-                                  train=False, num_classes=num_classes)[1]
-    return stream, loader, val_loader
+def build_eval_loader(split: Split, data: DataConfig, img_size: int | list[int], batch_size: int, *, rank: int,
+                      world_size: int, num_classes: int | None = None, limit: int | None = None,
+                      ) -> tuple[EvalStream, DataLoader]:
+    """One ordered pass over `split` for this rank, and its DataLoader (see EvalStream)."""
+    decoder = ImageDecoder(img_size, train=False, eval_crop_pct=data.eval_crop_pct)
+    stream = EvalStream(split, decoder, batch_size, rank=rank, world_size=world_size, num_workers=data.num_workers,
+                        read=read_settings(data), num_classes=num_classes, limit=limit)
+    return stream, make_loader(stream, data.num_workers, data.prefetch_factor, data.pin_memory, False)
+
+
+def build_split_loader(split: Split, data: DataConfig, img_size: int | list[int], micro_batch: int, *, rank: int = 0,
+                       world_size: int = 1, seed: int = 0, resume_step: int = 0, accum_steps: int = 1,
+                       augment: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                       ) -> tuple[TrainStream, DataLoader]:
+    """The training stream of one split on its own, from its first step (or `resume_step` of the same layout): what
+    benchmarks and tools that read a single shard set need, without a run's checkpointed generation."""
+    layout = Layout(world_size, max(1, data.num_workers), micro_batch, accum_steps)
+    generation = first_generation(layout, [split.num_samples], seed)
+    return build_train_loader([TrainSet(split.name, split, 1.0)], data, img_size, generation, rank=rank,
+                              resume_step=resume_step, seed=seed, augment=augment)

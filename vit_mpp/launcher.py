@@ -1,17 +1,26 @@
-"""Being one rank of a launched group (`accelerate launch`, torchrun): a rank never outlives its launcher.
+"""Being one rank of a launched group (`accelerate launch`, torchrun): never outlive the launcher, and stop with one
+line when a peer fails.
 
-A launcher killed with -9 cannot stop its ranks; they would train on, holding the run directory, and a re-run would
-meet a run it cannot see. So a rank watches its parent (the launcher) and stops when it is gone.
+* A launcher killed with -9 cannot stop its ranks; they would train on, holding the run directory. So each rank asks
+  the kernel to kill it when its parent dies (Linux `PR_SET_PDEATHSIG`), first thing, before any heavy import, and
+  checks that the parent is still the one it started with; elsewhere a thread watches the parent.
+* A rank that stops with an error writes its rank into the process group's store before it exits. A peer whose
+  collective then breaks (gloo: the connection closes; NCCL: the launcher stops it) finds that note and says
+  `error: [rank R] stopped: rank Q failed (its error is above)` instead of a traceback from the collective.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import threading
 import time
+from datetime import timedelta
 
 LAUNCHER_POLL_S = 1.0
+FAILED_KEY = "vit_mpp/failed_rank"  # + the launcher's restart count: a restarted group starts with a clean slate
+STORE_TIMEOUT = timedelta(seconds=5)  # the note is a courtesy: never wait long for it
 
 
 def launched() -> bool:
@@ -19,17 +28,131 @@ def launched() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ
 
 
-def stop_with_launcher() -> None:
-    """Under a launcher, end this rank when its launcher is gone (a daemon thread watches the parent process)."""
-    if not launched():
-        return
-    parent = os.getppid()
+def process_rank() -> int:
+    """This process's global rank under a launcher (0 without one), read from the environment the launcher sets."""
+    return int(os.environ.get("RANK", "0"))
 
+
+_watched = False
+
+
+def die_with_launcher() -> None:
+    """Under a launcher: die the moment the launcher dies, however it dies. Call it first thing in an entry point
+    (calling it again is harmless)."""
+    global _watched
+    if not launched() or _watched:
+        return
+    _watched = True
+    parent = os.getppid()
+    if not die_with_parent():
+        _watch_parent(parent)
+
+
+def die_with_parent() -> bool:
+    """Ask the kernel to kill this process when its parent dies (Linux); False where it cannot be asked. A parent
+    already gone by then ends this process at once."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    parent = os.getppid()
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL))
+    if os.getppid() != parent:  # the parent died before the kernel could be asked
+        os._exit(1)
+    return True
+
+
+def _watch_parent(parent: int) -> None:
+    """A thread that ends this rank when its parent is gone (where PR_SET_PDEATHSIG does not exist)."""
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(LAUNCHER_POLL_S)
-        print(f"error: [rank {os.environ.get('RANK', '?')}] the launcher (pid {parent}) is gone; this rank stops",
+        print(f"error: [rank {process_rank()}] the launcher (pid {parent}) is gone; this rank stops",
               file=sys.stderr, flush=True)
         os._exit(1)
 
     threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
+
+
+def process_group_kwargs(timeout_s: float) -> dict:
+    """What the process group is made with (passed through Accelerate's PartialState to `init_process_group`): the
+    collective timeout, and under a launcher with several processes a store of its own for this attempt.
+
+    torch elastic keeps one store across the restarts of `--max_restarts`, and a restarted group that reads the keys
+    of the group it replaces hangs while it connects (gloo) or joins the wrong peers; a prefix per restart gives each
+    attempt a clean slate.
+    """
+    timeout = timedelta(seconds=timeout_s)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if not launched() or world < 2 or "MASTER_ADDR" not in os.environ:
+        return {"timeout": timeout}
+    from torch.distributed import PrefixStore
+    from torch.distributed.rendezvous import _create_c10d_store  # env:// does the same; we only add the prefix
+
+    rank = process_rank()
+    store = _create_c10d_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), rank, world, timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return {"timeout": timeout, "store": PrefixStore(f"vit_mpp/attempt_{attempt}", store), "rank": rank,
+            "world_size": world}
+
+
+def _store():
+    """The process group's key-value store, or None before the group exists (or without torch loaded)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set_timeout(STORE_TIMEOUT)
+        return store
+    except Exception:  # no store for this backend or group: no note
+        return None
+
+
+def _failed_key() -> str:
+    return f"{FAILED_KEY}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
+def note_failure() -> None:
+    """Tell the peers that this rank is stopping with an error (its own line says which)."""
+    store = _store()
+    if store is None:
+        return
+    try:
+        store.set(_failed_key(), str(process_rank()))
+    except Exception:  # the store is gone too: the peers will say that a peer stopped
+        pass
+
+
+def failed_peer() -> int | None:
+    """The rank that noted a failure, if any."""
+    store = _store()
+    if store is None:
+        return None
+    try:
+        key = _failed_key()
+        return int(store.get(key)) if store.check([key]) else None
+    except Exception:
+        return None
+
+
+def is_peer_error(error: BaseException) -> bool:
+    """Whether `error` is a collective that broke because a peer went away (gloo, NCCL, the store)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
+        return False
+    if isinstance(error, dist.DistError):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and any(
+        s in text for s in ("Connection closed by peer", "Connection reset by peer", "gloo", "NCCL", "Broken pipe"))
+
+
+def peer_failure_line(error: BaseException) -> str:
+    """The one line a rank prints when a collective broke under it."""
+    rank, peer = process_rank(), failed_peer()
+    if peer is not None:
+        return f"error: [rank {rank}] stopped: rank {peer} failed (its error is above)"
+    reason = " ".join(str(error).split())[:160]
+    return f"error: [rank {rank}] stopped: a peer process stopped without an error of its own (killed?): {reason}"

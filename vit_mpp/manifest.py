@@ -41,20 +41,31 @@ class Split:
         return sum(self.lengths)
 
 
-def read_manifest(location: str | Path) -> dict[str, Any]:
-    """Read `_info.json` from a shard directory (local path, or a URL: http(s), s3://, ... see vit_mpp/urls.py)."""
+def manifest_file(location: str | Path) -> str:
+    """Where the manifest of a shard set is: `location` itself when it names a `.json` file (a manifest written
+    elsewhere, e.g. by `build-shards index --out` for read-only shards), else `location/_info.json`."""
     location = str(location)
-    path = join(location, MANIFEST_NAME)
-    if is_local(location) and not os.path.isdir(local_path(location)):
-        raise ManifestError(f"shard directory not found: {location} (build it with `build-shards SOURCE OUT_DIR`)")
+    return location if location.endswith(".json") else join(location, MANIFEST_NAME)
+
+
+def read_manifest(location: str | Path) -> dict[str, Any]:
+    """Read the manifest of the shard set at `location` (a folder or URL, or the manifest file itself; local, or
+    http(s), s3://, ... see vit_mpp/urls.py)."""
+    location = str(location)
+    path = manifest_file(location)
+    if is_local(location) and not os.path.exists(local_path(location)):
+        what = "manifest" if location.endswith(".json") else "shard directory"
+        raise ManifestError(f"{what} not found: {location} (build shards with `build-shards SOURCE OUT_DIR`, or "
+                            "index shards you have with `build-shards index LOCATION`)")
     try:
         info = json.loads(read_url(path))
     except urllib.error.HTTPError as e:
         raise ManifestError(f"cannot read {path}: HTTP {e.code} {e.reason}") from None
     except urllib.error.URLError as e:
         raise ManifestError(f"cannot reach {path}: {e.reason}") from None
-    except FileNotFoundError:
-        raise ManifestError(f"no {MANIFEST_NAME} in {location}: not a complete build-shards output") from None
+    except (FileNotFoundError, NotADirectoryError):
+        raise ManifestError(f"no {MANIFEST_NAME} in {location}: not a complete build-shards output (shards made "
+                            "by another tool need `build-shards index` first)") from None
     except OSError as e:
         raise ManifestError(f"cannot read {path}: {type(e).__name__}: {e}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -64,12 +75,24 @@ def read_manifest(location: str | Path) -> dict[str, Any]:
     return info
 
 
+def shard_base(location: str | Path, info: dict[str, Any]) -> str:
+    """The folder or URL a manifest's shard filenames are relative to: its `location` field when it has one (a
+    manifest written away from its shards), else the folder that holds it."""
+    base = info.get("location")
+    if isinstance(base, str) and base:
+        return base
+    location = str(location)
+    if location.endswith(".json"):
+        return location.rsplit("/", 1)[0] if not is_local(location) else (os.path.dirname(location) or ".")
+    return location
+
+
 def load_split(location: str | Path, split: str) -> tuple[Split, dict[str, Any]]:
     """The named split of the shard set at `location`, with shard URLs resolved, plus the whole manifest."""
     if not str(location).strip():
         raise ManifestError("data.shards is not set: give the folder or URL of a build-shards output")
     info = read_manifest(location)
-    where = join(str(location), MANIFEST_NAME)
+    where = manifest_file(location)
     splits = info.get("splits")
     if not isinstance(splits, dict):
         raise ManifestError(f"{where} has no 'splits' mapping: not a build-shards manifest")
@@ -83,7 +106,8 @@ def load_split(location: str | Path, split: str) -> tuple[Split, dict[str, Any]]
             or s.get("num_samples") != sum(lengths)):
         raise ManifestError(f"manifest split '{split}' of {where} is inconsistent: filenames, shard_lengths "
                             "(counts >= 0) and num_samples must agree")
-    urls = [join(str(location), f) for f in names]
+    base = shard_base(location, info)
+    urls = [f if not is_local(f) or os.path.isabs(f) else join(base, f) for f in names]
     return Split(name=split, urls=urls, lengths=lengths), info
 
 

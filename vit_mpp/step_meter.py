@@ -33,6 +33,11 @@ def format_duration(seconds: float) -> str:
     return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
 
 
+def format_epoch(epochs: float) -> str:
+    """An epoch count as people write it: `3`, `2.5`, `1160` (never `1.16e+03`)."""
+    return f"{epochs:.0f}" if abs(epochs - round(epochs)) < 1e-9 else f"{epochs:.2f}".rstrip("0")
+
+
 def progress_line(step: int, total: int, metrics: dict[str, float], img_per_s: float, eta_s: float) -> str:
     """`step 500/100000 | loss 0.731 | acc 0.42 | lr 1.5e-4 | 4830 img/s | eta 5h51m`."""
     parts = [f"step {step}/{total}"]
@@ -51,6 +56,16 @@ def with_unread(result: dict[str, Any], split_size: int) -> tuple[dict[str, Any]
         return result, None
     return {**result, "val_unread": unread}, (f"warning: evaluation counted {split_size - unread} of the {split_size} "
                                               f"images of the split: {unread} could not be decoded")
+
+
+def micro_batch_output(out: dict[str, Any], batch: dict[str, Any], set_names: list[str]) -> dict[str, Any]:
+    """What the meter keeps of one micro-batch: the model's output, the undecodable samples the stream replaced and,
+    for a mixture, the share of each set (`mix_<name>`: averaged, the realised proportions)."""
+    metrics = dict(out.get("metrics", {}))
+    if len(set_names) > 1:
+        counts = torch.bincount(torch.tensor(batch["set"]), minlength=len(set_names)).float() / len(batch["set"])
+        metrics.update({f"mix_{name}": counts[i] for i, name in enumerate(set_names)})
+    return {**out, "metrics": metrics, "bad_samples": batch["bad"]}
 
 
 class StepMeter:

@@ -1,0 +1,152 @@
+"""Preemption and time-based checkpoints: a run that is told to stop saves where it is and says how to go on.
+
+Clusters stop jobs with a signal: SLURM sends SIGTERM (or, with `--signal=USR1@120`, SIGUSR1 two minutes ahead),
+Kubernetes SIGTERM and then waits its grace period, torch elastic forwards the signal it gets to every rank. On any
+rank, a signal of `train.preempt_signals` only raises a flag. At the next step boundary all ranks agree in one small
+collective (the flag, and whether `train.ckpt_every_minutes` have passed on the main rank's clock), save a checkpoint
+of that step, and exit with status 75 (EX_TEMPFAIL: run the same command again to resume) and one line:
+
+    preempted at step N: checkpoint saved; run the same command to resume
+
+A second signal during the save changes nothing (the flag is already up); a kill during it leaves the checkpoint
+incomplete, and resume skips it (vit_mpp/checkpoint.py). A signal is also seen at once by a watcher thread, so a rank
+blocked in a collective whose peer failed still stops with one line (vit_mpp/launcher.py), and a run signalled
+before its first step, with nothing new to save, exits straight away.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from types import FrameType
+from typing import Any
+
+from vit_mpp.launcher import failed_peer, process_rank
+
+EXIT_PREEMPTED = 75  # sysexits.h EX_TEMPFAIL: a temporary failure, the same command resumes
+signalled = False  # a preemption signal reached this process (read by vit_mpp/cli.py when a collective breaks)
+
+
+_open_pipes: set[int] = set()  # the watchers' pipes, closed in forked children (data-loader workers)
+
+
+def _close_in_child() -> None:
+    """A forked child (a data-loader worker) must not hold the watcher's pipe open, nor write signals into it."""
+    if _open_pipes:
+        signal.set_wakeup_fd(-1)
+    for fd in _open_pipes:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _open_pipes.clear()
+
+
+os.register_at_fork(after_in_child=_close_in_child)
+
+
+class Preempted(Exception):
+    """The run stopped at `step` on a preemption signal, its state saved."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(f"preempted at step {step}: checkpoint saved; run the same command to resume")
+        self.step = step
+
+
+class StopSignals:
+    """Catches the preemption signals for the life of a run (a context manager: the previous handlers come back)."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.signals = [getattr(signal, n) for n in names]
+        self.received: int | None = None
+        self.in_loop = False  # before the first step there is nothing new to save: a signal ends the run at once
+        self._previous: dict[int, Any] = {}
+        self._pipe: tuple[int, int] | None = None
+        self._old_wakeup = -1
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is not threading.main_thread() or not self.signals:
+            return self  # signals reach the main thread only: a run started elsewhere (a test) keeps the defaults
+        read, write = os.pipe()
+        os.set_blocking(write, False)
+        self._pipe = (read, write)
+        _open_pipes.update(self._pipe)
+        for sig in self.signals:
+            self._previous[sig] = signal.signal(sig, self._handler)
+        # The C-level handler writes each signal's number here at once, even while the main thread is blocked in a
+        # collective: the watcher reacts then, not at the next Python bytecode.
+        self._old_wakeup = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        threading.Thread(target=self._watch, name="preemption-watch", daemon=True).start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._pipe is None:
+            return
+        signal.set_wakeup_fd(self._old_wakeup)
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        os.close(self._pipe[1])  # ends the watcher
+        _open_pipes.difference_update(self._pipe)
+        self._pipe = None
+
+    def _handler(self, signum: int, frame: FrameType | None) -> None:
+        global signalled
+        signalled = True
+        if self.received is None:
+            self.received = signum
+
+    def _watch(self) -> None:
+        read = self._pipe[0]
+        while True:
+            try:
+                data = os.read(read, 64)
+            except OSError:
+                return
+            if not data:
+                os.close(read)
+                _open_pipes.discard(read)
+                return
+            if any(b in self.signals for b in data):
+                self._on_signal(next(b for b in data if b in self.signals))
+
+    def _on_signal(self, signum: int) -> None:
+        peer = failed_peer()
+        if peer is not None:  # the launcher stops this rank because a peer failed: say so, once, and go
+            print(f"error: [rank {process_rank()}] stopped: rank {peer} failed (its error is above)",
+                  file=sys.stderr, flush=True)
+            os._exit(2)
+        global signalled
+        signalled = True
+        if not self.in_loop:
+            if process_rank() == 0:
+                print(f"preempted ({signal.Signals(signum).name}) before the first step: nothing new to save; run "
+                      "the same command to resume", file=sys.stderr, flush=True)
+            os._exit(EXIT_PREEMPTED)
+        if self.received is None:
+            self.received = signum
+
+
+class StepBoundary:
+    """At each step boundary, every rank takes the same decision: stop now (a signal reached some rank) and save now
+    (`every_minutes` passed since the last checkpoint, on the main rank's clock). One collective of two numbers."""
+
+    def __init__(self, accelerator: Any, signals: StopSignals, every_minutes: float) -> None:
+        self.accelerator, self.signals, self.every_s = accelerator, signals, every_minutes * 60.0
+        self.last_save = time.monotonic()
+
+    def check(self) -> tuple[bool, bool]:
+        """(preempt, save for time), the same on every rank."""
+        time_due = self.every_s > 0 and time.monotonic() - self.last_save >= self.every_s
+        flags = [float(self.signals.received is not None), float(time_due and self.accelerator.is_main_process)]
+        if self.accelerator.num_processes > 1:
+            import torch
+
+            flags = self.accelerator.reduce(torch.tensor(flags, device=self.accelerator.device), "sum").tolist()
+        return flags[0] > 0, flags[1] > 0
+
+    def saved(self) -> None:
+        """A checkpoint was just written: the clock starts again."""
+        self.last_save = time.monotonic()
