@@ -293,29 +293,30 @@ def read_url(url: str, timeout: float = READ_TIMEOUT_S, retries: int = RETRIES, 
     return _with_retries(read, url, retries, wait_s)
 
 
-def open_seekable(url: str, timeout: float | None = None, retries: int = RETRIES, wait_s: float = WAIT_S) -> BinaryIO:
+def open_seekable(url: str, timeout: float | None = None, retries: int | None = None,
+                  wait_s: float | None = None) -> BinaryIO:
     """A seekable binary file of `url` (what pyarrow needs for parquet): a local file, or a buffered remote file
     through fsspec (`http(s)://`, `s3://`, `hf://`, ...) whose opening and every read and seek run under the idle
-    deadline `timeout` (None: `READ_TIMEOUT_S`, as it is when called), raising `StreamStalled` when it passes.
-
-    Opening is retried `retries` times with backoff (as `read_url`); reads are not (see `read_seekable`)."""
+    deadline `timeout`, raising `StreamStalled` when it passes. Opening is retried `retries` times with backoff
+    from `wait_s` (as `read_url`); reads are not (see `read_seekable`). None: READ_TIMEOUT_S, RETRIES and WAIT_S as
+    they are when called."""
     if is_local(url):
         return open(local_path(url), "rb")
     limit = READ_TIMEOUT_S if timeout is None else timeout
-    return _with_retries(lambda: io.BufferedReader(_DeadlineSeekable(url, limit), buffer_size=BUFFER), url, retries,
-                         wait_s)
+    return _with_retries(lambda: io.BufferedReader(_DeadlineSeekable(url, limit), buffer_size=BUFFER), url,
+                         RETRIES if retries is None else retries, WAIT_S if wait_s is None else wait_s)
 
 
-def read_seekable(url: str, read: Callable[[BinaryIO], T], timeout: float | None = None, retries: int = RETRIES,
-                  wait_s: float = WAIT_S) -> T:
+def read_seekable(url: str, read: Callable[[BinaryIO], T], timeout: float | None = None, retries: int | None = None,
+                  wait_s: float | None = None) -> T:
     """`read(file)` on `url` opened with `open_seekable`; an attempt that fails with an OSError (a stall included)
-    is started again, `retries` times with backoff, as `read_url` does. `read` must not have effects a second
-    attempt would repeat."""
+    is started again, `retries` times with backoff, as `read_url` does (None: as `open_seekable`). `read` must not
+    have effects that a second attempt would repeat."""
     def attempt() -> T:
         with open_seekable(url, timeout, retries=0) as f:
             return read(f)
 
-    return _with_retries(attempt, url, retries, wait_s)
+    return _with_retries(attempt, url, RETRIES if retries is None else retries, WAIT_S if wait_s is None else wait_s)
 
 
 def _bounded(fn: Callable[[], Any], timeout: float) -> None:

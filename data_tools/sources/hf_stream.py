@@ -126,7 +126,7 @@ class ParquetStreamReader(Reader):
 
         try:
             table = _read_parquet(self.files[f], lambda parquet: parquet.read_row_group(g, columns=[self.image_column]))
-        except (OSError, pa.ArrowException) as e:  # a local file's pyarrow error is not retried: it is raised as such
+        except (OSError, pa.ArrowException) as e:  # after the retries (a local file: at once)
             raise OSError(f"{os.path.basename(self.files[f])} row group {g}: {_error_text(e)}") from None
         return table.column(0).to_pylist()
 
