@@ -34,7 +34,7 @@ from PIL import Image
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from data_tools.build_shards import main as build_shards  # noqa: E402  (after the path set-up above)
+from data_tools.cli import main as build_shards  # noqa: E402  (after the path set-up above)
 
 
 def make_images(root: Path, count: int, size: int, seed: int = 0, fmt: str = "JPEG") -> list[Path]:
@@ -76,7 +76,7 @@ def timed_build(src: Path, out: Path, workers: int, max_side: int, shard_size: i
 
 def peak_rss_mib(src: Path, out: Path) -> tuple[float, float]:
     """Peak RSS (MiB) of a build-shards run in a fresh process: (main process, largest worker)."""
-    code = ("import resource, sys; from data_tools.build_shards import main; main(sys.argv[1:]); "
+    code = ("import resource, sys; from data_tools.cli import main; main(sys.argv[1:]); "
             "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "
             "resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
     result = subprocess.run([sys.executable, "-c", code, str(src), str(out), "--workers", "2", "--val-fraction", "0",

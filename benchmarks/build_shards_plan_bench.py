@@ -7,7 +7,7 @@ Writes a synthetic list of --rows image paths (ImageNet-like, 61 characters:
 process per format:
 
 1. lists it (`open_source`: the catalog of ids, labels and splits),
-2. plans it (`Plan`: the splits from the seeded shuffle, the ranges, the fingerprint),
+2. plans it (`BuildPlan`: the splits from the seeded shuffle, the ranges, the fingerprint),
 3. materialises the item list of every shard range (1000 inputs each), as the build's driver does just before it
    hands a range to a worker, and throws it away.
 
@@ -33,9 +33,9 @@ CHUNK = 500_000
 CHILD = """
 import json, resource, sys, tempfile, time
 from pathlib import Path
-from data_tools.build_shards import ONE_MACHINE, Plan
+from data_tools.build_plan import BuildPlan
 from data_tools.images import EncodeSettings
-from data_tools.plan import Layout
+from data_tools.layout import ONE_MACHINE, Layout
 from data_tools.sources import SourceSpec, open_source
 
 spec = SourceSpec(sys.argv[1], kind=sys.argv[2])
@@ -45,7 +45,7 @@ with tempfile.TemporaryDirectory(dir=sys.argv[3]) as work:
     source = open_source(spec, Path(work))
     times["list"] = time.perf_counter() - start
     start = time.perf_counter()
-    plan = Plan(source, spec, Layout(seed=0, val_fraction=0.01, shard_size=1000), EncodeSettings())
+    plan = BuildPlan(source, spec, Layout(seed=0, val_fraction=0.01, shard_size=1000), EncodeSettings())
     times["plan"] = time.perf_counter() - start
     start = time.perf_counter()
     items = ranges = 0

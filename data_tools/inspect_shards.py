@@ -10,7 +10,6 @@ there is none, 1 otherwise. A missing or unusable `_info.json` is a one-line err
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import io
 import json
@@ -24,25 +23,11 @@ from rich.table import Table
 
 from vit_mpp import urls
 from vit_mpp.errors import UserError
+from vit_mpp.image_formats import image_member
 from vit_mpp.manifest import ManifestError, read_manifest
 
-IMAGE_EXTS = ("jpg", "png", "webp")
 THUMB = 96
 READ_ERRORS = (tarfile.TarError, OSError, EOFError, ValueError, UnicodeDecodeError)
-
-
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    from data_tools.build_shards import HelpFormatter, Parser
-
-    p = Parser(prog="build-shards inspect", description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
-    p.add_argument("out_dir", help="a build-shards output folder or URL")
-    p.add_argument("--grid", default=None, help="PNG grid of sample images (default: OUT/_samples.png)")
-    p.add_argument("--samples", type=int, default=32, help="images in the grid (0: no grid)")
-    p.add_argument("--no-verify", action="store_true", help="skip reading every shard (sha256, counts, keys, labels)")
-    args = p.parse_args(argv)
-    if args.samples < 0:
-        p.error("--samples must be >= 0")
-    return args
 
 
 def check_manifest(info: dict, where: str) -> None:
@@ -172,7 +157,7 @@ def _thumbnails(location: str, info: dict, count: int) -> list[tuple[Image.Image
         except READ_ERRORS:
             pass
         for key, files in samples.items():
-            ext = next((e for e in IMAGE_EXTS if e in files), None)
+            ext = image_member(files)
             try:
                 img = Image.open(io.BytesIO(files[ext])).convert("RGB") if ext else None
                 label = int(files["cls"]) if "cls" in files else int(json.loads(files.get("json", b"{}"))
@@ -208,10 +193,9 @@ def sample_grid(location: str, info: dict, count: int, path: Path) -> int:
     return len(tiles)
 
 
-def main(argv: list[str]) -> int:
-    """Print the summary, verify, write the grid; returns the exit status."""
-    args = parse_args(argv)
-    location = args.out_dir
+def inspect(location: str, grid: str | None = None, samples: int = 32, verify_shards: bool = True) -> int:
+    """Print the summary of the build in `location`, verify every shard (unless not `verify_shards`), write a grid
+    of `samples` images to `grid` (default: OUT/_samples.png; none when `samples` is 0); returns the exit status."""
     info = read_manifest(location)
     check_manifest(info, urls.join(location, "_info.json"))
     console = Console()
@@ -230,15 +214,15 @@ def main(argv: list[str]) -> int:
                   f"seed {info.get('seed')}; failures: {info.get('num_failures', 0)} "
                   f"{', '.join(f'{k} {v}' for k, v in reasons.items())}")
     status = 0
-    if not args.no_verify:
+    if verify_shards:
         problems = verify(location, info)
         for problem in problems:
             console.print(f"[red]problem:[/red] {problem}", highlight=False)
         console.print("verified: every shard matches the manifest" if not problems else f"{len(problems)} problem(s)")
         status = 1 if problems else 0
-    if args.samples:
+    if samples:
         default = Path(urls.local_path(location)) / "_samples.png" if urls.is_local(location) else Path("_samples.png")
-        grid = Path(args.grid) if args.grid else default
-        shown = sample_grid(location, info, args.samples, grid)
-        console.print(f"wrote a grid of {shown} samples to {grid}")
+        path = Path(grid) if grid else default
+        shown = sample_grid(location, info, samples, path)
+        console.print(f"wrote a grid of {shown} samples to {path}")
     return status

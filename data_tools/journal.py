@@ -19,7 +19,7 @@ import json
 import time
 from typing import Any
 
-from data_tools.plan import Parts
+from data_tools.layout import Parts
 from data_tools.store import LocalStore, RemoteStore
 from data_tools.writer import file_sha256
 

@@ -11,14 +11,13 @@ parts is byte for byte the build one machine would have made.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import hashlib
 import json
 
 from data_tools.journal import intact, read_journals
-from data_tools.plan import iter_ranges
-from data_tools.store import LocalStore, RemoteStore, open_store
+from data_tools.layout import iter_ranges
+from data_tools.store import LocalStore, RemoteStore
 from vit_mpp.errors import UserError
 from vit_mpp.manifest import write_manifest_url
 
@@ -142,19 +141,3 @@ def summary(info: dict, out: str) -> str:
     reasons = ", ".join(f"{k} {v:,}" for k, v in info["failure_reasons"].items())
     return (f"inputs: {written + failed:,} seen, {written:,} written, {failed:,} failed"
             f"{f' ({reasons}; see {FAILURES_NAME})' if failed else ''}; {shards:,} shards in {out} ({per_split})")
-
-
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    from data_tools.build_shards import Parser
-
-    p = Parser(prog="build-shards merge", description=__doc__.split("\n\n")[0])
-    p.add_argument("out_dir", help="the OUT of the parts (a folder or a URL)")
-    return p.parse_args(argv)
-
-
-def main(argv: list[str]) -> dict:
-    """`build-shards merge OUT`: finish a build made of parts."""
-    args = parse_args(argv)
-    info = finalize(open_store(args.out_dir))
-    print(summary(info, args.out_dir))
-    return info

@@ -4,7 +4,7 @@ A split's inputs (in their shuffled order) are cut into ranges by `--shard-size`
 cut never depends on the images, on `--workers`, on the executor or on the number of parts. A worker reads, checks
 and encodes the images of one range and writes them to a temporary tar in its staging folder (OUT itself for a
 local OUT); `--shard-bytes` may split a range into several tars. Shard names come from the split and the range
-index (plan.shard_name), so whoever writes a range names it the same way; a range whose inputs all failed writes
+index (layout.shard_name), so whoever writes a range names it the same way; a range whose inputs all failed writes
 no shard. Image bytes never pass between processes.
 """
 
@@ -23,7 +23,7 @@ from typing import Any
 from PIL import Image
 
 from data_tools.images import BadImage, EncodeSettings, clean_detail, prepare_image
-from data_tools.plan import shard_name
+from data_tools.layout import shard_name
 from data_tools.sources import Item
 from data_tools.writer import ShardWriter
 

@@ -3,10 +3,11 @@
 Both kinds offer the same few operations, so the build, the journal and merge never ask which one they have:
 
 * `publish(tmp, name)`: a finished temporary tar becomes shard `name`. Locally the tar was written in OUT itself
-  and is renamed (atomic); remotely it was written to local scratch space (`staging()`), is uploaded as one object
-  (a multipart upload that is interrupted is never visible) and then deleted. Only then is it journaled, so an
-  interrupted upload is redone on resume.
-* `write_text(name, text)`: small files (journal snapshots, failures.jsonl, the manifest) written whole.
+  and is renamed (atomic; the rename is synced, vit_mpp/durable.py); remotely it was written to local scratch
+  space (`staging()`), is uploaded as one object (a multipart upload that is interrupted is never visible) and
+  then deleted. Only then is it journaled, so an interrupted upload is redone on resume.
+* `write_text(name, text)`: small files (journal snapshots, failures.jsonl, the manifest) written whole: locally
+  with `vit_mpp.durable.write_atomic` (synced, then renamed into place), remotely as one upload.
 * `list_sizes()`: every file name in OUT with its size, in one listing (no request per shard on resume).
 """
 
@@ -18,7 +19,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from vit_mpp import urls
+from vit_mpp import durable, urls
 from vit_mpp.errors import UserError
 
 
@@ -78,12 +79,7 @@ class LocalStore:
             return ""
 
     def write_text(self, name: str, text: str) -> None:
-        tmp = self.path / (name + ".tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path / name)
+        durable.write_atomic(self.path / name, text)  # through `<name>.tmp`, which our_files() knows
 
     def append_text(self, name: str, text: str) -> None:
         """Append and sync (the journal)."""
@@ -93,7 +89,7 @@ class LocalStore:
             os.fsync(f.fileno())
 
     def publish(self, tmp: str | Path, name: str) -> None:
-        os.replace(tmp, self.path / name)
+        durable.replace(tmp, self.path / name)  # the rename is on disk before the journal names the shard
 
     def delete(self, names: list[str]) -> None:
         for name in names:

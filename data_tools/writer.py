@@ -1,4 +1,5 @@
-"""Writing webdataset tars from bytes: fixed metadata (byte-reproducible), atomic (temporary name, then rename).
+"""Writing webdataset tars from bytes: fixed metadata (byte-reproducible), atomic (temporary name, synced, then
+renamed: vit_mpp/durable.py).
 
 The tar is written directly, byte for byte what `tarfile` writes in USTAR format for a regular file with our fixed
 metadata (mode 0444, owner 0, mtime 0, no owner names; tests/test_shards.py compares the two): tarfile builds
@@ -11,6 +12,8 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
+
+from vit_mpp import durable
 
 BLOCK = 512  # tar block
 RECORD = 20 * BLOCK  # tarfile pads the archive to whole records of 20 blocks
@@ -92,7 +95,7 @@ class ShardWriter:
 
     def close(self) -> tuple[int, int, str]:
         stats = self.finish()
-        os.replace(self.tmp, self.path)
+        durable.replace(self.tmp, self.path)
         return stats
 
 

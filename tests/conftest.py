@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from data_tools.build_shards import main as build_shards_main
+from data_tools.cli import main as build_shards_main
 from data_tools.demo_images import generate
 from data_tools.writer import ShardWriter
 from vit_mpp.config import ModelConfig

@@ -11,8 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from data_tools.build_shards import main as build_main
-from data_tools.plan import Shuffle, plan_ranges, range_bounds
+from data_tools.cli import main as build_main
+from data_tools.layout import range_bounds, split_ranges
+from data_tools.shuffle import Shuffle
 from tests.conftest import REPO
 from tests.test_build_shards import make_tree
 
@@ -155,7 +156,7 @@ def test_shuffle_is_a_bijection_and_ranges_are_arithmetic():
         rows = Shuffle(n, "0")(np.arange(n))
         assert sorted(rows.tolist()) == list(range(n))
     assert Shuffle(1000, "0")(np.arange(1000)).tolist() != Shuffle(1000, "1")(np.arange(1000)).tolist()
-    assert plan_ranges(2500, 1000) == [(0, 834), (834, 1667), (1667, 2500)]
+    assert split_ranges(2500, 1000) == [(0, 834), (834, 1667), (1667, 2500)]
     assert range_bounds(2500, 1000, 2) == (1667, 2500)
 
 

@@ -22,7 +22,7 @@ import fsspec
 import pytest
 from fsspec.implementations.memory import MemoryFileSystem
 
-from data_tools.build_shards import main as build_main
+from data_tools.cli import main as build_main
 from tests.conftest import REPO, subprocess_env
 from tests.test_build_parts import result_files
 from tests.test_build_shards import make_tree

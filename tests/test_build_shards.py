@@ -20,8 +20,8 @@ import webdataset as wds
 from PIL import Image
 
 from data_tools import shard_ranges
-from data_tools.build_shards import main as build_main
-from data_tools.plan import plan_ranges
+from data_tools.cli import main as build_main
+from data_tools.layout import split_ranges
 from tests.conftest import REPO, run_module, subprocess_env
 from vit_mpp.manifest import load_split
 
@@ -267,9 +267,9 @@ def test_balanced_shards_and_byte_limit(tmp_path):
 
 
 def test_ranges_are_balanced_and_fixed_before_reading():
-    assert plan_ranges(2500, 1000) == [(0, 834), (834, 1667), (1667, 2500)]
-    assert plan_ranges(7, 0) == [(0, 7)] and plan_ranges(0, 10) == []
-    assert plan_ranges(25_000, 0) == [(0, 8334), (8334, 16667), (16667, 25000)]  # bytes-only: 10000 at most
+    assert split_ranges(2500, 1000) == [(0, 834), (834, 1667), (1667, 2500)]
+    assert split_ranges(7, 0) == [(0, 7)] and split_ranges(0, 10) == []
+    assert split_ranges(25_000, 0) == [(0, 8334), (8334, 16667), (16667, 25000)]  # bytes-only: 10000 at most
 
 
 def test_a_torn_journal_line_is_ignored_and_its_range_written_again(tmp_path):

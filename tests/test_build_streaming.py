@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from data_tools.build_shards import main as build_main
+from data_tools.cli import main as build_main
 from tests.test_build_parts import one_line_error, result_files
 from tests.test_build_shards import image_bytes, samples
 

@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
-from data_tools.build_shards import main as build_main
+from data_tools.cli import main as build_main
 from finetune import predict
 from finetune.augment import build_mixup, color_jitter
 from finetune.config import AugmentConfig, FinetuneOptimConfig

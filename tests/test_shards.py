@@ -46,7 +46,7 @@ def test_round_trip_every_image_with_its_label(demo_folder, demo_shards):
 
 
 def test_large_images_are_resized_and_broken_ones_reported(tmp_path):
-    from data_tools.build_shards import main
+    from data_tools.cli import main
 
     src = tmp_path / "src"
     (src / "a").mkdir(parents=True)

@@ -117,11 +117,11 @@ def manifest_text(info: dict[str, Any]) -> str:
 
 
 def write_manifest(out_dir: str | Path, info: dict[str, Any]) -> None:
-    """Write the manifest atomically: it is the commit point of a build, so it must never be half-written."""
-    out_dir = Path(out_dir)
-    tmp = out_dir / (MANIFEST_NAME + ".tmp")
-    tmp.write_text(manifest_text(info))
-    os.replace(tmp, out_dir / MANIFEST_NAME)
+    """Write the manifest atomically and durably (synced before it appears under its name): it is the commit point
+    of a build, so it must never be half-written, nor named before its bytes are on disk."""
+    from vit_mpp.durable import write_atomic
+
+    write_atomic(Path(out_dir) / MANIFEST_NAME, manifest_text(info))
 
 
 def data_record(location: str | Path, info: dict[str, Any]) -> dict[str, Any]:

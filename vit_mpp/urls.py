@@ -6,12 +6,14 @@ deadline, so a server that stops sending can never hang a run:
 * `http(s)://`: the standard library (urllib); the socket timeout bounds connecting and each wait for data;
 * `pipe:CMD`: the standard output of a shell command (webdataset's convention, e.g. `pipe:aws s3 cp s3://b/x.tar -`);
   a command that exits with an error status is an error, not a short stream;
-* any other scheme (`s3://`, `gs://`, `hf://`, ...): fsspec, with the backend package it names (s3fs, gcsfs, ...).
+* any other scheme (`s3://`, `gs://`, `hf://`, ...): fsspec, with the backend package it names (s3fs, gcsfs, ...);
+* a file that must seek (parquet): `open_seekable`, through fsspec for every remote scheme (http too).
 
 On top of each, opening and every read run under an idle deadline (`timeout`, default `READ_TIMEOUT_S`): when no
 byte arrives in that time, the stream is aborted (socket closed, command killed) and `StreamStalled` (an OSError)
-is raised. Callers retry a bounded number of times (`vit_mpp.data_stream.read_segment`, `read_url`), then fail with
-one line. Local files have no deadline: a read from a hung network mount cannot be interrupted from Python.
+is raised (`open_seekable`: every seek too). Callers retry a bounded number of times
+(`vit_mpp.data_stream.read_segment`, `read_url`, `read_seekable`), then fail with one line. Local files have no
+deadline: a read from a hung network mount cannot be interrupted from Python.
 """
 
 from __future__ import annotations
@@ -167,12 +169,12 @@ class _DeadlineReader(io.RawIOBase):
     that stays stuck is abandoned and never keeps the process from exiting.
     """
 
-    def __init__(self, url: str, timeout: float) -> None:
+    def __init__(self, url: str, timeout: float, opener: Callable[[str, float], Any] = _open_raw) -> None:
         super().__init__()
         self.url, self.timeout = url, timeout
         self._stream: Any = None
         self._caller = _DaemonCaller()
-        self._stream = self._call(lambda: _open_raw(url, timeout), "connecting")
+        self._stream = self._call(lambda: opener(url, timeout), "connecting")
 
     def _call(self, fn: Callable[[], Any], doing: str) -> Any:
         try:
@@ -206,6 +208,58 @@ class _DeadlineReader(io.RawIOBase):
             super().close()
 
 
+def _open_fsspec(url: str, timeout: float) -> Any:
+    """The undeadlined, seekable fsspec file of a remote `url` (called under the deadline)."""
+    try:
+        import fsspec
+
+        return fsspec.open(url, "rb").open()
+    except ImportError as e:
+        raise RemoteError(f"cannot read {url}: {e}") from None
+    except ValueError as e:  # fsspec: unknown protocol
+        raise RemoteError(f"cannot read {url}: {e}") from None
+
+
+def _as_os_error(url: str, fn: Callable[[], T]) -> T:
+    """`fn()`; a backend's own exception type for network trouble (aiohttp's, botocore's, fsspec's ValueError for a
+    server that ignores ranges) becomes an OSError, which callers retry and report."""
+    try:
+        return fn()
+    except (OSError, RemoteError):
+        raise
+    except Exception as e:
+        raise OSError(f"{url}: {type(e).__name__}: {e}") from None
+
+
+class _DeadlineSeekable(_DeadlineReader):
+    """A remote file (through fsspec) that can also seek; opening, every read and every seek must finish within
+    `timeout` seconds, as for `_DeadlineReader`."""
+
+    def __init__(self, url: str, timeout: float) -> None:
+        super().__init__(url, timeout, lambda u, t: _as_os_error(u, lambda: _open_fsspec(u, t)))
+
+    def _live(self) -> Any:
+        if self._stream is None:
+            raise StreamStalled(f"{self.url}: the stream was aborted")
+        return self._stream
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        stream = self._live()
+        data = self._call(lambda: _as_os_error(self.url, lambda: stream.read(len(buffer))), "reading")
+        buffer[: len(data)] = data
+        return len(data)
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        stream = self._live()
+        return self._call(lambda: _as_os_error(self.url, lambda: stream.seek(offset, whence)), "seeking")
+
+    def tell(self) -> int:
+        return self._live().tell()  # the position is kept locally: no I/O, nothing to wait for
+
+
 def open_url(url: str, timeout: float = READ_TIMEOUT_S) -> BinaryIO:
     """A binary stream of `url`: a local file, or a buffered remote stream whose every read has a deadline."""
     if is_local(url):
@@ -237,6 +291,32 @@ def read_url(url: str, timeout: float = READ_TIMEOUT_S, retries: int = RETRIES, 
             return f.read()
 
     return _with_retries(read, url, retries, wait_s)
+
+
+def open_seekable(url: str, timeout: float | None = None, retries: int | None = None,
+                  wait_s: float | None = None) -> BinaryIO:
+    """A seekable binary file of `url` (what pyarrow needs for parquet): a local file, or a buffered remote file
+    through fsspec (`http(s)://`, `s3://`, `hf://`, ...) whose opening and every read and seek run under the idle
+    deadline `timeout`, raising `StreamStalled` when it passes. Opening is retried `retries` times with backoff
+    from `wait_s` (as `read_url`); reads are not (see `read_seekable`). None: READ_TIMEOUT_S, RETRIES and WAIT_S as
+    they are when called."""
+    if is_local(url):
+        return open(local_path(url), "rb")
+    limit = READ_TIMEOUT_S if timeout is None else timeout
+    return _with_retries(lambda: io.BufferedReader(_DeadlineSeekable(url, limit), buffer_size=BUFFER), url,
+                         RETRIES if retries is None else retries, WAIT_S if wait_s is None else wait_s)
+
+
+def read_seekable(url: str, read: Callable[[BinaryIO], T], timeout: float | None = None, retries: int | None = None,
+                  wait_s: float | None = None) -> T:
+    """`read(file)` on `url` opened with `open_seekable`; an attempt that fails with an OSError (a stall included)
+    is started again, `retries` times with backoff, as `read_url` does (None: as `open_seekable`). `read` must not
+    have effects that a second attempt would repeat."""
+    def attempt() -> T:
+        with open_seekable(url, timeout, retries=0) as f:
+            return read(f)
+
+    return _with_retries(attempt, url, RETRIES if retries is None else retries, WAIT_S if wait_s is None else wait_s)
 
 
 def _bounded(fn: Callable[[], Any], timeout: float) -> None:

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from data_tools.build_shards import main as build_main
+from data_tools.cli import main as build_main
 from data_tools.writer import ShardWriter
 from tests.conftest import REPO, subprocess_env
 from tests.test_build_parts import one_line_error, result_files

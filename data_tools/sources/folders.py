@@ -1,4 +1,5 @@
-"""Listing folder trees: a class-folder tree (`folder`) or any tree of images (`unlabelled`), into the catalog.
+"""Source kinds `folder` (a class-folder tree: one sub-folder of images per class, labels are the sorted sub-folder
+names, as torchvision and HF do) and `unlabelled` (every image under SOURCE, recursively, label -1).
 
 Trees are walked depth first with each folder's entries sorted by name (the order of `sorted(rglob)`), following
 symbolic links, straight into the catalog: only the sorted entries of the folders on the current path are held.
@@ -13,8 +14,20 @@ import errno
 import os
 from collections.abc import Callable
 
-from data_tools.plan import CatalogWriter
-from data_tools.sources import IMAGE_SUFFIXES, FailureLog, SourceError, SourceSpec, check_split_names, os_error_detail
+from data_tools.catalog import CatalogWriter
+from data_tools.sources.base import (
+    FailureLog,
+    FileReader,
+    Listing,
+    Progress,
+    SourceError,
+    SourceSpec,
+    check_split_names,
+    os_error_detail,
+)
+from vit_mpp.image_formats import IMAGE_SUFFIXES, is_image_file
+
+SPLIT_LIKE = {"train", "val", "valid", "validation", "test"}  # class folders with these names are probably splits
 
 
 def _sorted_entries(folder: str, rel: str, failures: FailureLog) -> list[os.DirEntry]:
@@ -87,10 +100,10 @@ def walk_images(root: str, start: str, failures: FailureLog, emit: Callable[[str
             ancestors.add(sub_key)
             stack.append((rel, iter(_sorted_entries(entry.path, rel, failures)), sub_key))
         elif kind == "file":
-            suffix = os.path.splitext(entry.name)[1].lower()
-            if suffix in IMAGE_SUFFIXES:
+            if is_image_file(entry.name):
                 emit(rel)
             else:
+                suffix = os.path.splitext(entry.name)[1].lower()
                 failures.add(rel, "not_an_image", f"extension '{suffix}' is not an image's "
                              f"({' '.join(sorted(IMAGE_SUFFIXES))})")
         else:
@@ -150,3 +163,20 @@ def list_folder(spec: SourceSpec, writer: CatalogWriter, failures: FailureLog, l
                 start = f"{rel}/{name}" if rel else name
                 walk_images(root, start, failures, lambda path, lb=label, c=code: writer.add(path, lb, c))
     return classes
+
+
+def list_class_folders(spec: SourceSpec, writer: CatalogWriter, failures: FailureLog, seed: int,
+                       progress: Progress) -> Listing:
+    """Kind `folder`: a class-folder tree; items are read by their path under SOURCE."""
+    class_names = list_folder(spec, writer, failures, labelled=True)
+    if not spec.existing_splits and set(class_names) <= SPLIT_LIKE:
+        print(f"note: the class folders of {spec.path} look like splits ({', '.join(class_names)}); "
+              "pass --existing-splits to use them as splits")
+    return Listing(FileReader(spec.path), class_names)
+
+
+def list_image_tree(spec: SourceSpec, writer: CatalogWriter, failures: FailureLog, seed: int,
+                    progress: Progress) -> Listing:
+    """Kind `unlabelled`: every image under SOURCE, label -1."""
+    list_folder(spec, writer, failures, labelled=False)
+    return Listing(FileReader(spec.path))

@@ -1,18 +1,11 @@
-"""Sources: where the images come from, listed once into a catalog (data_tools/plan.py) before anything is read.
+"""What every kind of source shares: the user's `SourceSpec`, the listed `Source`, readers, labels, failures.
 
-`open_source` lists SOURCE into a `Source`: the catalog of inputs (an id, a label, a split per input), the class
-names, and a picklable `reader` that worker processes (or Ray tasks) use to fetch an input's original bytes. Only
-ids are listed, never image bytes, and no Python object is kept per input. Kinds:
-
-* `folder`: one sub-folder of images per class (labels are the sorted sub-folder names, as torchvision and HF do);
-* `unlabelled`: every image under SOURCE, recursively, label -1 (both: data_tools/folders.py);
-* `list`: a CSV, JSONL or Parquet list of image paths (`path`, optional `label` and `split`), relative to the
-  list's folder; the list may be a local file or an fsspec URL (data_tools/lists.py);
-* `hf`: a Hugging Face `datasets` dataset (data_tools/hf_datasets.py), or with `streaming` its parquet files read
-  where they are, row group by row group (data_tools/hf_stream.py).
-
-This module holds what they share: the user's `SourceSpec`, the listed `Source`, the `FailureLog` of inputs met
-and not used, labels (`LabelTable`), the file reader, and `open_source`, which picks the kind.
+A kind of source (one module each beside this one: folders.py, lists.py, hf_datasets.py, hf_stream.py) is a
+*lister*: a function `(spec, writer, failures, seed, progress) -> Listing` that adds every input of SOURCE to the
+catalog writer (data_tools/catalog.py: an id, a label and a split per input, never image bytes), records the inputs
+it meets and does not use in the `FailureLog`, and returns a picklable `Reader` that worker processes (or Ray
+tasks) read an input's original bytes with, the class names and the manifest's details. registry.py picks the kind
+and turns a `Listing` into a `Source`. This module imports no kind.
 """
 
 from __future__ import annotations
@@ -30,15 +23,11 @@ from urllib.parse import urlparse
 
 import numpy as np
 
-from data_tools.plan import EXCLUDED, Catalog, CatalogWriter
+from data_tools.catalog import EXCLUDED, Catalog, CatalogWriter
 from vit_mpp import urls
 from vit_mpp.errors import UserError
 
-IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
 SPLIT_NAME = re.compile(r"^[A-Za-z0-9_]+$")  # split names end up in shard names and sample keys
-HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
-SPLIT_LIKE = {"train", "val", "valid", "validation", "test"}
-KINDS = ("auto", "folder", "unlabelled", "list", "hf")
 UNLABELLED_ROWS = ("error", "skip", "keep")
 MAX_LABEL_INDEX = 10_000_000  # integer labels are class indices: a larger one is a mistake (or a memory bomb)
 MAX_LABEL_NAMES = 1_000_000  # distinct label names held while listing
@@ -107,15 +96,6 @@ def is_url(path: str) -> bool:
     return len(scheme) > 1
 
 
-def open_seekable(location: str) -> Any:
-    """A seekable binary file: local, or through fsspec (`hf://`, `s3://`, ...)."""
-    if urls.is_local(location):
-        return open(urls.local_path(location), "rb")
-    import fsspec
-
-    return fsspec.open(location, "rb").open()
-
-
 class Reader:
     """What worker processes read an input's original bytes with: `read(ref)`, and `read_many(refs)` in order."""
 
@@ -163,7 +143,7 @@ def image_value_bytes(value: Any, ref: Any, column: str) -> bytes:
     raise OSError(f"row {ref} has no image bytes or path in column '{column}'")
 
 
-# ---------------------------------------------------------------- what open_source returns
+# ---------------------------------------------------------------- what open_source returns (registry.py)
 
 @dataclass
 class Source:
@@ -173,7 +153,7 @@ class Source:
     path: str
     catalog: Catalog
     class_names: list[str]
-    reader: Any  # FileReader, HFReader or ParquetStreamReader: read_many(refs) -> bytes or OSError per ref
+    reader: Any  # the kind's Reader: read_many(refs) -> bytes or OSError per ref
     failures: FailureLog
     details: dict[str, Any] = field(default_factory=dict)
     ordered: bool = False  # the catalog already is in its final order (no shuffle of single inputs)
@@ -263,47 +243,33 @@ class LabelTable:
         return np.array([position[k] for k in keys], dtype=np.int32), names
 
 
-# ---------------------------------------------------------------- choosing and opening
+# ---------------------------------------------------------------- what a kind's lister returns
 
-def detect_kind(path: str) -> str:
-    """`auto`: .csv/.jsonl is a list; a datasets folder (parquet files in it or in its data/ folder, or a
-    save_to_disk folder), a parquet file, or a missing path shaped like a hub name
-    ("name", "owner/name") is `hf`; any other folder is a class-folder tree; any other missing path an error."""
-    lowered = (urlparse(path).path if is_url(path) else path).lower()
-    if lowered.endswith((".csv", ".jsonl", ".ndjson")):
-        return "list"
-    if lowered.endswith(".parquet") and (is_url(path) or os.path.isfile(path)) and _is_path_list(path):
-        return "list"
-    p = Path(path)
-    if p.is_dir():
-        if ((p / "dataset_dict.json").exists() or (p / "state.json").exists() or any(p.glob("*.parquet"))
-                or any(p.glob("data/*.parquet"))):  # data/: the Hub's layout
-            return "hf"
-        return "folder"
-    if p.suffix == ".parquet" and p.exists():
-        return "hf"
-    if not p.exists():
-        if HUB_NAME.match(path):  # "name" or "owner/name": a dataset on the Hugging Face hub
-            return "hf"
-        raise SourceError(f"source not found: {path}")
-    raise SourceError(f"cannot tell what kind of source {path} is; pass --source-kind")
+Progress = Callable[[int, int], None]  # progress(inputs listed, bytes read), called now and then while listing
 
 
-def _is_path_list(location: str) -> bool:
-    """A parquet file with a string 'path' column and no image column is a list of paths, not a dataset."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+@dataclass
+class Listing:
+    """What a lister returns once it has added its inputs to the catalog writer."""
 
-    try:
-        with open_seekable(location) as f:
-            schema = pq.read_schema(f)
-    except (OSError, pa.ArrowException):
-        return False
-    images = [f for f in schema if pa.types.is_struct(f.type) or pa.types.is_binary(f.type)]
-    return "path" in schema.names and pa.types.is_string(schema.field("path").type) and not images
+    reader: Reader  # read_many(refs) -> bytes or OSError per ref, in worker processes
+    class_names: list[str] = field(default_factory=list)
+    label_map: np.ndarray | None = None  # labels added as `LabelTable` codes -> class indices (None: added as such)
+    details: dict[str, Any] = field(default_factory=dict)  # the manifest's `source` record, beyond kind and path
+    ordered: bool = False  # the catalog already is in its final order (no shuffle of single inputs)
+    refs_are_rows: bool = False  # an item's ref is its catalog row (datasets) rather than its id (paths)
 
 
-def _unlabelled_rows(source: Source, mode: str) -> None:
+Lister = Callable[[SourceSpec, CatalogWriter, FailureLog, int, Progress], Listing]
+
+
+def labelled_listing(reader: Reader, labels: LabelTable, **fields: Any) -> Listing:
+    """A `Listing` whose labels were added as codes of `labels`."""
+    label_map, class_names = labels.finish()
+    return Listing(reader, class_names, label_map, **fields)
+
+
+def apply_unlabelled_rows(source: Source, mode: str) -> None:
     """A labelled source with unlabelled inputs: refuse (error), leave them out and record them (skip), or keep."""
     catalog = source.catalog
     if not source.class_names:
@@ -324,56 +290,3 @@ def _unlabelled_rows(source: Source, mode: str) -> None:
         catalog.splits[missing] = EXCLUDED
     else:
         source.num_unlabelled = len(missing)
-
-
-def open_source(spec: SourceSpec, workdir: Path, seed: int = 0,
-                progress: Callable[[int, int], None] = lambda rows, done: None) -> Source:
-    """List SOURCE as the given kind (see the module docstring) into a catalog under `workdir` (local scratch
-    space). `seed` orders the files of a streaming dataset. The caller closes the returned source."""
-    kind = spec.kind
-    if kind == "auto":
-        kind = "hf" if spec.streaming and (os.path.isdir(spec.path) or not os.path.exists(spec.path)) else \
-            detect_kind(spec.path)
-    if kind not in KINDS[1:]:
-        raise SourceError(f"unknown source kind {kind!r} (one of {', '.join(KINDS)})")
-    if spec.streaming and kind != "hf":
-        raise SourceError(f"--streaming reads Hugging Face datasets; {spec.path} is a {kind} source")
-    if spec.unlabelled_rows not in UNLABELLED_ROWS:
-        raise SourceError(f"--unlabelled-rows must be one of {', '.join(UNLABELLED_ROWS)}")
-    writer = CatalogWriter(workdir)
-    failures = FailureLog(Path(workdir) / "listing_failures.jsonl")
-    details: dict[str, Any] = {}
-    ordered = refs_are_rows = False
-    label_map, class_names = None, []
-    if kind in ("folder", "unlabelled"):
-        from data_tools.folders import list_folder
-
-        class_names = list_folder(spec, writer, failures, labelled=kind == "folder")
-        reader: Any = FileReader(spec.path)
-        if kind == "folder" and not spec.existing_splits and set(class_names) <= SPLIT_LIKE:
-            print(f"note: the class folders of {spec.path} look like splits ({', '.join(class_names)}); "
-                  "pass --existing-splits to use them as splits")
-    elif kind == "list":
-        from data_tools.lists import list_paths
-
-        labels = LabelTable()
-        reader = FileReader(list_paths(spec, writer, failures, labels, progress))
-        label_map, class_names = labels.finish()
-    elif spec.streaming:
-        from data_tools.hf_stream import list_parquet_stream
-
-        reader, details, labels = list_parquet_stream(spec, writer, seed, progress)
-        label_map, class_names = labels.finish()
-        ordered = refs_are_rows = True
-    else:
-        from data_tools.hf_datasets import list_hf
-
-        reader, details, labels = list_hf(spec, writer)
-        label_map, class_names = labels.finish()
-        refs_are_rows = True
-    catalog = writer.finish(label_map)
-    failures.file.flush()
-    source = Source(kind, spec.path, catalog, class_names, reader, failures, details, ordered, refs_are_rows)
-    _unlabelled_rows(source, spec.unlabelled_rows)
-    failures.close()
-    return source

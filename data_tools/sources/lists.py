@@ -1,9 +1,10 @@
-"""Listing CSV, JSONL and Parquet lists of image paths (`list` sources) into the catalog, as a stream.
+"""Source kind `list`: a CSV, JSONL or Parquet list of image paths, local or at a URL, listed as a stream.
 
 Columns (CSV header, JSONL keys, Parquet columns): `path`, optional `label` and `split`. Paths are relative to the
 list's folder (or URL); a path that is absolute, a URL or leads above that folder is refused unless
 `allow_outside_paths`, and a `pipe:` command never runs. Rows without a usable path or label are recorded and left
-out. The list is read once, front to back, whether local or remote; no row is kept in memory.
+out. The list is read once, front to back, whether local or remote; no row is kept in memory. Remote lists are read
+through vit_mpp/urls.py, with its idle deadline on every read (a Parquet list through its seekable opener).
 """
 
 from __future__ import annotations
@@ -12,20 +13,23 @@ import csv
 import io
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 from urllib.parse import urlparse
 
-from data_tools.plan import CatalogWriter
-from data_tools.sources import (
+from data_tools.catalog import CatalogWriter
+from data_tools.sources.base import (
     SPLIT_NAME,
     BadLabel,
     FailureLog,
+    FileReader,
     LabelTable,
+    Listing,
+    Progress,
     SourceError,
     SourceSpec,
     is_url,
-    open_seekable,
+    labelled_listing,
     os_error_detail,
 )
 from vit_mpp import urls
@@ -121,7 +125,7 @@ def list_kind_suffix(location: str) -> str:
 
 
 def list_paths(spec: SourceSpec, writer: CatalogWriter, failures: FailureLog, labels: LabelTable,
-               progress: Callable[[int, int], None]) -> str:
+               progress: Progress) -> str:
     """List a CSV, JSONL or Parquet file of image paths with optional `label` and `split` into `writer`; returns the
     folder (or URL) that relative paths start from. `progress(rows, bytes read)` is called every 65,536 rows."""
     location = spec.path
@@ -135,12 +139,11 @@ def list_paths(spec: SourceSpec, writer: CatalogWriter, failures: FailureLog, la
     default_split = 0 if spec.existing_splits else writer.split_code("")
     try:
         if suffix == ".parquet":
-
-            handle: Any = open_seekable(location)
+            handle: Any = urls.open_seekable(location)
             count = None
             rows: Iterator[Row] = _parquet_rows(handle, name)
         else:
-            count = _CountingReader(urls.open_url(location))
+            count = _CountingReader(urls.open_url(location, urls.READ_TIMEOUT_S))  # the deadline as set when called
             handle = io.TextIOWrapper(io.BufferedReader(count, 1 << 20), encoding="utf-8",
                                       newline="" if suffix == ".csv" else None)
             rows = _csv_rows(handle, name) if suffix == ".csv" else _jsonl_rows(handle)
@@ -189,3 +192,24 @@ def list_paths(spec: SourceSpec, writer: CatalogWriter, failures: FailureLog, la
     if is_url(location):
         return location.rsplit("/", 1)[0]
     return os.path.dirname(urls.local_path(location)) or "."
+
+
+def list_path_list(spec: SourceSpec, writer: CatalogWriter, failures: FailureLog, seed: int,
+                   progress: Progress) -> Listing:
+    """Kind `list`: items are read by their path, relative to the list's folder (or URL)."""
+    labels = LabelTable()
+    base = list_paths(spec, writer, failures, labels, progress)
+    return labelled_listing(FileReader(base), labels)
+
+
+def is_path_list(location: str) -> bool:
+    """A parquet file with a string 'path' column and no image column is a list of paths, not a dataset."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        schema = urls.read_seekable(location, pq.read_schema)
+    except (OSError, pa.ArrowException):
+        return False
+    images = [f for f in schema if pa.types.is_struct(f.type) or pa.types.is_binary(f.type)]
+    return "path" in schema.names and pa.types.is_string(schema.field("path").type) and not images

@@ -1,6 +1,6 @@
-"""Hugging Face `datasets` sources, loaded: a `save_to_disk` folder, parquet file(s), an image folder read with the
-"imagefolder" builder, or a hub name. Images are read with `Image(decode=False)`: the original bytes. (Streamed
-datasets: data_tools/hf_stream.py.)
+"""Source kind `hf`: a Hugging Face `datasets` dataset, loaded: a `save_to_disk` folder, parquet file(s), an image
+folder read with the "imagefolder" builder, or a hub name. Images are read with `Image(decode=False)`: the original
+bytes. (With `--streaming`: hf_stream.py, which shares this module's choice of splits and columns.)
 """
 
 from __future__ import annotations
@@ -9,15 +9,19 @@ import bisect
 from pathlib import Path
 from typing import Any
 
-from data_tools.plan import CatalogWriter
-from data_tools.sources import (
+from data_tools.catalog import CatalogWriter
+from data_tools.sources.base import (
     BadLabel,
+    FailureLog,
     LabelTable,
+    Listing,
+    Progress,
     Reader,
     SourceError,
     SourceSpec,
     check_split_names,
     image_value_bytes,
+    labelled_listing,
 )
 
 
@@ -37,7 +41,6 @@ class HFReader(Reader):
         i = bisect.bisect_right(self.offsets, int(ref)) - 1
         return image_value_bytes(self.datasets[i][int(ref) - self.offsets[i]][self.image_column], ref,
                                  self.image_column)
-
 
 
 def _load_hf(path: str) -> Any:
@@ -132,3 +135,10 @@ def list_hf(spec: SourceSpec, writer: CatalogWriter) -> tuple[HFReader, dict, La
         tables.append(ds.select_columns([image_column]))
     details = {"loader": how, "splits": list(parts), "image_column": image_column, "label_column": label_column}
     return HFReader(tables, image_column), details, labels
+
+
+def list_dataset(spec: SourceSpec, writer: CatalogWriter, failures: FailureLog, seed: int,
+                 progress: Progress) -> Listing:
+    """Kind `hf` (loaded): items are read by their catalog row."""
+    reader, details, labels = list_hf(spec, writer)
+    return labelled_listing(reader, labels, details=details, refs_are_rows=True)

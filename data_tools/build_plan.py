@@ -1,0 +1,62 @@
+"""The build plan: what every machine of a build computes the same from the listed SOURCE and the options.
+
+The splits (each an order over catalog rows, data_tools/layout.py) and their sizes, the shard ranges and which of
+them a part builds, the manifest's fields known before any image is read, and the fingerprint that parts, resumes
+and merges must match (data_tools/journal.py). Nothing here reads an image or writes to OUT.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from data_tools.images import EncodeSettings
+from data_tools.journal import fingerprint
+from data_tools.layout import Layout, Parts, RangeRef, SplitOrder, iter_ranges, num_ranges, split_catalog
+from data_tools.shard_ranges import RangeTask
+from data_tools.sources import Source, SourceError, SourceSpec
+from vit_mpp import __version__
+
+
+class BuildPlan:
+    """What every machine computes the same: splits, sizes, the fingerprint and the manifest's fixed fields."""
+
+    def __init__(self, source: Source, spec: SourceSpec, layout: Layout, encode: EncodeSettings) -> None:
+        self.source, self.layout = source, layout
+        order = sorted(source.catalog.split_names) if source.kind == "list" else list(source.catalog.split_names)
+        splits = split_catalog(source.catalog, layout, ordered=source.ordered)
+        if layout.existing_splits:
+            splits.sort(key=lambda s: order.index(s.name))
+        self.splits: dict[str, SplitOrder] = {s.name: s for s in splits}
+        if not self.splits:
+            raise SourceError(f"no images found in {spec.path}")
+        self.sizes = {name: s.size for name, s in self.splits.items()}
+        self.base = {"name": Path(str(spec.path).rstrip("/")).name, "num_classes": len(source.class_names),
+                     "class_names": source.class_names, "source": source.describe(), **layout.to_dict(),
+                     "encoder": encode.to_dict(), "num_unlabelled": source.num_unlabelled,
+                     "tool_version": __version__}
+        self.fingerprint = fingerprint(source.catalog.digest,
+                                       {**self.base, "unlabelled_rows": spec.unlabelled_rows})
+
+    def ranges(self, parts: Parts) -> list[RangeRef]:
+        """The ranges part `parts` builds, in order."""
+        return [r for r in iter_ranges(self.sizes, self.layout.shard_size) if parts.owns(r.number)]
+
+    def task(self, r: RangeRef) -> RangeTask:
+        """What a worker needs to write range `r`: its items, read from the catalog now."""
+        rows = self.splits[r.split].catalog_rows(r.start, r.end)
+        return RangeTask(r.split, r.index, r.start, self.source.items(rows), self.layout.shard_bytes)
+
+    def header(self, parts: Parts, listing: dict) -> dict:
+        """The first line of this part's journal."""
+        return {"type": "build", "fingerprint": self.fingerprint, "part": parts.index, "num_parts": parts.count,
+                "splits": self.sizes, "manifest": self.base, "listing_failures": listing}
+
+
+def describe_plan(plan: BuildPlan, parts: Parts) -> str:
+    """The --dry-run report."""
+    per_split = ", ".join(f"{name} {size:,} inputs in {num_ranges(size, plan.layout.shard_size):,} ranges"
+                          for name, size in plan.sizes.items())
+    mine = plan.ranges(parts)
+    part = f"part {parts.index} of {parts.count}: " if parts.count > 1 else ""
+    return (f"plan: {per_split}; {part}{len(mine):,} ranges, {sum(r.end - r.start for r in mine):,} inputs; "
+            f"fingerprint {plan.fingerprint[:16]}")

@@ -1,0 +1,110 @@
+"""The catalog: every listed input (its id, label and split) in listing order, with bounded memory.
+
+SOURCE is listed once into a catalog before any image is read (data_tools/sources/). The ids go to a spill file on
+local disk, read back by offset when a range is written; the labels, split codes and id offsets are numpy arrays
+(13 bytes per input, no Python object per input), so lists of many millions of inputs fit. The catalog's digest
+covers every id, label and split: it is part of the build's fingerprint (data_tools/journal.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+EXCLUDED = -1  # split code of a listed input that goes to no split (an unlabelled row left out)
+
+
+class Catalog:
+    """Every listed input, in listing order: ids in a spill file, labels and split codes in arrays."""
+
+    def __init__(self, path: Path, ends: np.ndarray, labels: np.ndarray, splits: np.ndarray, split_names: list[str],
+                 digest: str) -> None:
+        self.path, self.ends, self.labels, self.splits = path, ends, labels, splits
+        self.split_names, self.digest = split_names, digest
+        self._fd: int | None = None
+
+    def __len__(self) -> int:
+        return len(self.ends)
+
+    def ids(self, rows: np.ndarray) -> list[str]:
+        """The ids of catalog `rows`, in the order given (read from the spill file in offset order)."""
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_RDONLY)
+        rows = np.asarray(rows, dtype=np.int64)
+        ends = self.ends[rows]
+        starts = np.where(rows > 0, self.ends[np.maximum(rows - 1, 0)], 0)
+        out: list[str] = [""] * len(rows)
+        for i in np.argsort(starts, kind="stable"):
+            data = os.pread(self._fd, int(ends[i] - starts[i]), int(starts[i]))
+            out[i] = data.decode("utf-8", "surrogateescape")
+        return out
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+class CatalogWriter:
+    """Collects listed inputs into a `Catalog`; memory per input is a few bytes in array chunks."""
+
+    CHUNK = 1 << 16
+
+    def __init__(self, folder: Path, split_names: list[str] | None = None) -> None:
+        self.path = Path(folder) / "catalog_ids.bin"
+        self.file = open(self.path, "wb", buffering=1 << 20)
+        self.size = 0
+        self.split_names = list(split_names or [])
+        self._ends: list[int] = []
+        self._labels: list[int] = []
+        self._splits: list[int] = []
+        self._chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        self._hash = hashlib.sha256()
+
+    def split_code(self, name: str) -> int:
+        """The code of split `name`, added when first met."""
+        try:
+            return self.split_names.index(name)
+        except ValueError:
+            self.split_names.append(name)
+            return len(self.split_names) - 1
+
+    def add(self, source_id: str, label: int = -1, split: int = 0) -> None:
+        data = source_id.encode("utf-8", "surrogateescape")
+        self.file.write(data)
+        self._hash.update(data)
+        self.size += len(data)
+        self._ends.append(self.size)
+        self._labels.append(label)
+        self._splits.append(split)
+        if len(self._ends) >= self.CHUNK:
+            self._flush()
+
+    def __len__(self) -> int:
+        return sum(len(c[0]) for c in self._chunks) + len(self._ends)
+
+    def _flush(self) -> None:
+        if self._ends:
+            self._chunks.append((np.array(self._ends, dtype=np.int64), np.array(self._labels, dtype=np.int32),
+                                 np.array(self._splits, dtype=np.int16)))
+            self._ends, self._labels, self._splits = [], [], []
+
+    def finish(self, label_map: np.ndarray | None = None) -> Catalog:
+        """Close the spill file; labels added as codes become `label_map[code]`. The catalog's `digest` covers every
+        id, label and split."""
+        self._flush()
+        self.file.close()
+        ends, labels, splits = ([np.concatenate([c[k] for c in self._chunks]) if self._chunks else
+                                 np.zeros(0, dtype=dt) for k, dt in enumerate((np.int64, np.int32, np.int16))])
+        self._chunks = []
+        if label_map is not None:
+            labelled = labels >= 0
+            labels[labelled] = label_map[labels[labelled]]
+        for array in (ends, labels, splits):
+            self._hash.update(array.astype(array.dtype.newbyteorder("<")).tobytes())
+        self._hash.update(json.dumps(self.split_names).encode())
+        return Catalog(self.path, ends, labels, splits, self.split_names, self._hash.hexdigest())

@@ -1,0 +1,233 @@
+"""Build webdataset shards and their manifest from images, on one machine or many; resume; merge; inspect.
+
+    build-shards SOURCE OUT [--val-fraction 0.1 | --existing-splits] [--shard-size 1000] [--shard-bytes 0]
+                 [--max-side 512] [--resize-side longer] [--workers N] [--seed 0] [--overwrite]
+                 [--num-parts N --part I] [--executor local|ray] [--dry-run]
+    build-shards merge OUT
+    build-shards inspect OUT [--grid samples.png] [--no-verify]
+
+SOURCE is a class-folder tree, a plain tree of images (`--source-kind unlabelled`), a CSV/JSONL list of paths
+(local or an fsspec URL), or a Hugging Face dataset (`--streaming`: read from its parquet files without a full
+download); see data_tools/sources/. OUT is a folder or an fsspec URL (`s3://bucket/shards`). It receives
+`train-000000.tar ...`, `val-000000.tar ...` (named by range), `_info.json` (the manifest and commit point; timm's
+`wds/` schema, extended), `failures.jsonl` (inputs not used, with reasons) and `_journal*.jsonl` (finished ranges,
+for resuming). Re-running the same command after an interruption finishes the build; docs/build_shards.md has the
+details.
+
+This module is the command line only (parsing, the `merge` and `inspect` sub-commands, signals, exit statuses);
+the build itself is data_tools/build_shards.py `build`. No module of data_tools imports this one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+from typing import Any
+
+from data_tools import inspect_shards, merge
+from data_tools.build_shards import Interrupted, build
+from data_tools.executors import BuildStopped
+from data_tools.images import EncodeSettings
+from data_tools.layout import Layout, Parts
+from data_tools.sources import KINDS, UNLABELLED_ROWS, SourceSpec
+from data_tools.store import open_store
+from vit_mpp.cli import run_main
+from vit_mpp.errors import UserError
+
+EXECUTORS = ("local", "ray")
+
+
+class UsageError(UserError):
+    """A bad command line (unknown flag, bad value); one line."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but a bad command line is a one-line `error: ...` (exit 2) like every other user mistake."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UsageError(f"{message} (see {self.prog} --help)")
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a flag's default unless it has none worth showing or its help already names it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default in (None, False, "") or "default" in (action.help or ""):
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
+def default_workers() -> int:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(cores, 8))
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = Parser(prog="build-shards", description=__doc__.split("\n\n")[0],
+               epilog="`build-shards merge --help` and `build-shards inspect --help` describe the other commands; "
+                      "docs/build_shards.md has the details.", formatter_class=HelpFormatter)
+    p.add_argument("source", help="class-folder tree, image tree, .csv/.jsonl/.parquet list of paths (a path or a "
+                                  "URL), or Hugging Face dataset (save_to_disk folder, parquet, image folder, hub "
+                                  "name)")
+    p.add_argument("out_dir", help="output folder or fsspec URL (s3://bucket/prefix) for the shards and _info.json")
+    g = p.add_argument_group("source")
+    g.add_argument("--source-kind", choices=KINDS, default="auto",
+                   help="auto: .csv/.jsonl, or .parquet with a 'path' column -> list; save_to_disk folder, parquet "
+                        "dataset, or a hub name (owner/name) -> hf; other folders -> folder (one sub-folder per class)")
+    g.add_argument("--existing-splits", action="store_true",
+                   help="use the source's own splits (sub-folders of SOURCE, the list's 'split' column, or the HF "
+                        "dataset's splits) instead of --val-fraction")
+    g.add_argument("--val-fraction", type=float, default=None,
+                   help="fraction of inputs held out for the val split (default 0.1; not with --existing-splits)")
+    g.add_argument("--split", default=None,
+                   help="HF split(s) to read, comma-separated (default: train; all with --existing-splits)")
+    g.add_argument("--image-column", default="", help="HF image column (default: 'image', else the first Image column)")
+    g.add_argument("--label-column", default="label", help="HF label column ('' for unlabelled)")
+    g.add_argument("--streaming", action="store_true",
+                   help="HF: read the dataset's parquet files where they are (local or on the Hub), row group by "
+                        "row group, instead of loading it; files are shuffled with the seed, rows keep their order")
+    g.add_argument("--unlabelled-rows", choices=UNLABELLED_ROWS, default="error",
+                   help="a labelled list or HF dataset with some rows unlabelled: error (refuse), skip (leave them "
+                        "out, listed in failures.jsonl) or keep (write them without .cls: for pretraining only)")
+    g.add_argument("--allow-outside-paths", action="store_true",
+                   help="let list rows name absolute paths, URLs or paths above the list's folder (refused by "
+                        "default: a list reads files inside its own folder)")
+    g = p.add_argument_group("layout")
+    g.add_argument("--seed", type=int, default=0, help="seed of the shuffle before sharding")
+    g.add_argument("--shard-size", type=int, default=1000,
+                   help="inputs per shard at most; shards of a split are balanced by count (0: no count limit, "
+                        "shards of up to 10000 inputs cut by --shard-bytes)")
+    g.add_argument("--shard-bytes", type=int, default=0,
+                   help="also split a shard once it holds this many bytes (0: no limit)")
+    g = p.add_argument_group("images")
+    g.add_argument("--max-side", type=int, default=512,
+                   help="resize images whose --resize-side side exceeds this (0: never)")
+    g.add_argument("--resize-side", choices=["longer", "shorter"], default="longer",
+                   help="which side --max-side limits")
+    g.add_argument("--min-side", type=int, default=8, help="skip images whose shorter side is below this")
+    g.add_argument("--max-pixels", type=int, default=100_000_000,
+                   help="skip images with more pixels than this (decompression bombs)")
+    g.add_argument("--quality", type=int, default=90, help="JPEG/WebP quality when re-encoding (1-100)")
+    g.add_argument("--format", choices=["jpg", "png", "webp"], default="jpg", help="format when re-encoding")
+    g = p.add_argument_group("running")
+    g.add_argument("--workers", type=int, default=default_workers(),
+                   help="local executor: processes, each writing whole shards")
+    g.add_argument("--executor", choices=EXECUTORS, default="local",
+                   help="local: --workers processes on this machine; ray: one Ray task per shard range on the "
+                        "cluster ray.init() finds (RAY_ADDRESS), needs the [ray] extra")
+    g.add_argument("--num-parts", type=int, default=1,
+                   help="split the build into this many parts, each run separately (any scheduler: a SLURM array, "
+                        "a Kubernetes indexed Job); then `build-shards merge OUT`")
+    g.add_argument("--part", type=int, default=0, help="which part this run builds: 0 to --num-parts - 1")
+    g.add_argument("--overwrite", action="store_true",
+                   help="replace another or an unfinished build in OUT (with parts: this part's files only)")
+    g.add_argument("--dry-run", action="store_true", help="list and plan, print the plan, write nothing")
+    args = p.parse_args(argv)
+    checks = [
+        (args.shard_size < 0 or args.shard_bytes < 0 or (args.shard_size == 0 and args.shard_bytes == 0),
+         "--shard-size and --shard-bytes must be >= 0, and one of them > 0"),
+        (args.val_fraction is not None and args.existing_splits,
+         "--val-fraction and --existing-splits exclude each other"),
+        (args.val_fraction is not None and not 0 <= args.val_fraction < 1, "--val-fraction must be in [0, 1)"),
+        (args.workers < 1, "--workers must be >= 1"),
+        (args.num_parts < 1, "--num-parts must be >= 1"),
+        (not 0 <= args.part < max(args.num_parts, 1),
+         f"--part must be in 0..{args.num_parts - 1} (--num-parts {args.num_parts})"),
+        (args.max_side < 0, "--max-side must be >= 0"),
+        (args.min_side < 1, "--min-side must be >= 1"),
+        (args.max_pixels < 1, "--max-pixels must be >= 1"),
+        (not 1 <= args.quality <= 100, "--quality must be in 1..100"),
+    ]
+    for bad, message in checks:
+        if bad:
+            p.error(message)
+    return args
+
+
+def parse_merge_args(argv: list[str]) -> argparse.Namespace:
+    """`build-shards merge OUT`."""
+    p = Parser(prog="build-shards merge", description=merge.__doc__.split("\n\n")[0])
+    p.add_argument("out_dir", help="the OUT of the parts (a folder or a URL)")
+    return p.parse_args(argv)
+
+
+def parse_inspect_args(argv: list[str]) -> argparse.Namespace:
+    """`build-shards inspect OUT [--grid PNG] [--samples N] [--no-verify]`."""
+    p = Parser(prog="build-shards inspect", description=inspect_shards.__doc__.split("\n\n")[0],
+               formatter_class=HelpFormatter)
+    p.add_argument("out_dir", help="a build-shards output folder or URL")
+    p.add_argument("--grid", default=None, help="PNG grid of sample images (default: OUT/_samples.png)")
+    p.add_argument("--samples", type=int, default=32, help="images in the grid (0: no grid)")
+    p.add_argument("--no-verify", action="store_true", help="skip reading every shard (sha256, counts, keys, labels)")
+    args = p.parse_args(argv)
+    if args.samples < 0:
+        p.error("--samples must be >= 0")
+    return args
+
+
+def merge_main(argv: list[str]) -> dict:
+    """`build-shards merge OUT`: finish a build made of parts; returns the manifest."""
+    args = parse_merge_args(argv)
+    info = merge.finalize(open_store(args.out_dir))
+    print(merge.summary(info, args.out_dir))
+    return info
+
+
+def inspect_main(argv: list[str]) -> int:
+    """`build-shards inspect OUT`: returns the exit status (1 when a shard does not match the manifest)."""
+    args = parse_inspect_args(argv)
+    return inspect_shards.inspect(args.out_dir, args.grid, args.samples, verify_shards=not args.no_verify)
+
+
+def _main(argv: list[str] | None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "inspect":
+        status = inspect_main(argv[1:])
+        if status:
+            sys.exit(status)
+        return
+    if argv and argv[0] == "merge":
+        merge_main(argv[1:])
+        return
+    args = parse_args(argv)
+    spec = SourceSpec(args.source, args.source_kind, args.existing_splits, args.split, args.image_column,
+                      args.label_column, args.streaming, args.unlabelled_rows, args.allow_outside_paths)
+    val_fraction = None if args.existing_splits else (0.1 if args.val_fraction is None else args.val_fraction)
+    layout = Layout(args.seed, val_fraction, args.shard_size, args.shard_bytes)
+    encode = EncodeSettings(max_side=args.max_side, min_side=args.min_side, quality=args.quality, format=args.format,
+                            resize_side=args.resize_side, max_pixels=args.max_pixels)
+    build(spec, args.out_dir, layout, encode, args.workers, executor=args.executor,
+          parts=Parts(args.part, args.num_parts), overwrite=args.overwrite, dry_run=args.dry_run)
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt  # SIGTERM (a scheduler preempting the job) stops the build as Ctrl-C does
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`build-shards`: user mistakes end in one line and exit status 2 (vit_mpp.cli.run_main); a build that stops
+    for another reason (a worker died, an upload kept failing: 1; Ctrl-C or SIGTERM: 130) in one line too, saying
+    that re-running the same command resumes it. Anything else is a bug and keeps its traceback."""
+    previous = signal.signal(signal.SIGTERM, _terminate) if _in_main_thread() else None
+    try:
+        run_main(_main, argv)
+    except KeyboardInterrupt:
+        print("error: interrupted; finished shards are kept: re-run the same command to resume", file=sys.stderr)
+        sys.exit(Interrupted.status)
+    except BuildStopped as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(e.status)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _in_main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+if __name__ == "__main__":
+    main()
