@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vit_mpp.durable import write_atomic
 from vit_mpp.errors import UserError
 from vit_mpp.urls import is_local, join, local_path, read_url
 
@@ -119,8 +120,6 @@ def manifest_text(info: dict[str, Any]) -> str:
 def write_manifest(out_dir: str | Path, info: dict[str, Any]) -> None:
     """Write the manifest atomically and durably (synced before it appears under its name): it is the commit point
     of a build, so it must never be half-written, nor named before its bytes are on disk."""
-    from vit_mpp.durable import write_atomic
-
     write_atomic(Path(out_dir) / MANIFEST_NAME, manifest_text(info))
 
 
