@@ -109,6 +109,12 @@ class FinetuneConfig:
                                                   "model.global_pool", "num_classes", "optim.name", "train.mode",
                                                   "init.checkpoint", "train.ema_decay")
 
+    LENGTH_KEY: ClassVar[str] = "train.epochs"
+
+    def total_steps(self, steps_per_epoch: int | None = None) -> int | None:
+        """The run's length in optimizer steps, given the steps of an epoch (None when unknown)."""
+        return None if steps_per_epoch is None else self.train.epochs * steps_per_epoch
+
     init: InitConfig = section(InitConfig)
     model: ModelConfig = section(ModelConfig)
     num_classes: int | None = opt(None, "classes of the new head (default: from the shard manifest)", at_least(1))

@@ -9,11 +9,11 @@ Reads top to bottom: config -> accelerator -> data -> model -> optimizer -> resu
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 
 from finetune.augment import RandAugmentU8
@@ -24,21 +24,19 @@ from finetune.init_model import build_classifier
 from finetune.keep_best import Best, evaluate_and_keep_best
 from finetune.modes import set_train_mode
 from finetune.objective import ClassificationObjective
-from vit_mpp.accelerator import make_accelerator, prepare_model
+from vit_mpp import dry_run
+from vit_mpp.accelerator import prepare_model
 from vit_mpp.checkpoint import Checkpointer, resume_run
 from vit_mpp.config import ConfigError, ModelConfig, parse_args, to_dict
 from vit_mpp.data_stream import build_eval_loader, build_train_loader, to_device
-from vit_mpp.hub import check_hub
 from vit_mpp.models import count_params
 from vit_mpp.optimizer import build_optimizer
 from vit_mpp.preemption import StepBoundary, StopSignals
-from vit_mpp.run_dir import MetricsLog, prepare_run_dir
-from vit_mpp.sample_audit import SampleAudit
+from vit_mpp.run_setup import start_run
 from vit_mpp.schedule import describe_lr, itstime, lr_at, scaled_lr, set_lr, warmup_steps
 from vit_mpp.step_meter import StepMeter, format_epoch, micro_batch_output
-from vit_mpp.stream_plan import Layout
 from vit_mpp.tracking import start_trackers
-from vit_mpp.training_data import TrainingData, load_training_data
+from vit_mpp.training_data import TrainingData
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -55,20 +53,9 @@ def train(cfg: FinetuneConfig) -> None:
 def _train(cfg: FinetuneConfig, signals: StopSignals) -> None:
     """The spine of a run, top to bottom."""
     tc = cfg.train
-    accelerator, gbatch = make_accelerator(tc)
-    if accelerator.is_main_process:
-        check_hub(cfg.export)  # a push at the end of a long run must not fail for want of a token
-    set_seed(tc.seed, device_specific=True)
-    with accelerator.main_process_first():
-        changed = prepare_run_dir(tc.run_dir, cfg, accelerator.is_main_process)
-    log = MetricsLog(tc.run_dir, accelerator.is_main_process)
-
-    # Data: the manifests give sizes (so every process runs the same number of steps) and class names.
-    data = load_training_data(cfg.data)
+    run = start_run(cfg)  # accelerator, checks, seed, data manifests, run directory, logs
+    accelerator, gbatch, data, log, audit = run.accelerator, run.gbatch, run.data, run.log, run.audit
     num_classes, class_names = classes_of(cfg, data)
-    layout = Layout(accelerator.num_processes, max(1, cfg.data.num_workers), gbatch.micro_batch, gbatch.accum_steps)
-    audit = SampleAudit(tc.run_dir, accelerator.process_index, accelerator.is_main_process, data.names,
-                        tc.record_samples)
 
     # Model: encoder (pretrained or not) with position embeddings resized to model.img_size and a zero head.
     model, mean, std, model_cfg = build_classifier(cfg.init, cfg.model, num_classes, freeze=tc.mode == "linear_probe")
@@ -80,8 +67,18 @@ def _train(cfg: FinetuneConfig, signals: StopSignals) -> None:
     objective = ClassificationObjective(cfg.augment, num_classes, tc.label_smoothing, gbatch.micro_batch,
                                         accelerator.device, mean, std)
 
+    steps_per_epoch = max(1, data.samples_per_epoch() // tc.batch_size)
+    total_steps = cfg.total_steps(steps_per_epoch)
+    warmup = warmup_steps(cfg.optim, total_steps)
+    schedule = partial(lr_at, peak_lr=peak_lr, warmup=warmup, total_steps=total_steps,
+                       min_lr_ratio=cfg.optim.min_lr_ratio)
+    about = summary(cfg, model, model_cfg, num_classes, data, steps_per_epoch, gbatch.describe(), warmup, objective)
+    if run.dry_run:
+        return dry_run.report(run, cfg, about, total_steps, warmup, schedule)
+
     # Resume from the newest complete checkpoint of this run directory, if any, also on another layout.
-    resumed = resume_run(accelerator, tc.run_dir, changed, layout, data.sizes, data.weights, tc.seed, [log, audit])
+    resumed = resume_run(accelerator, tc.run_dir, run.changed, run.layout, data.sizes, data.weights, tc.seed,
+                         [log, audit], total_steps, schedule)
     start_step = resumed.step
     best = Best(resumed.state.get("best_top1", -1.0), resumed.state.get("best_ema_top1", -1.0))
 
@@ -92,11 +89,7 @@ def _train(cfg: FinetuneConfig, signals: StopSignals) -> None:
                                    rank=accelerator.process_index, resume_step=start_step, num_classes=num_classes,
                                    augment=augment)
     val_loader = _val_loader(accelerator, cfg, data, gbatch.micro_batch, num_classes)
-    steps_per_epoch = max(1, data.samples_per_epoch() // tc.batch_size)
-    total_steps = tc.epochs * steps_per_epoch
-    warmup = warmup_steps(cfg.optim, total_steps)
-    accelerator.print(summary(cfg, model, model_cfg, num_classes, data, steps_per_epoch, gbatch.describe(), warmup,
-                              objective))
+    accelerator.print(about)
     start_trackers(accelerator, tc, cfg)
     exporter = ClassifierExporter.for_run(accelerator, cfg, model_cfg, num_classes, mean, std, class_names,
                                           data.record(), peak_lr)
@@ -111,7 +104,7 @@ def _train(cfg: FinetuneConfig, signals: StopSignals) -> None:
     set_train_mode(accelerator.unwrap_model(model), tc.mode)
     signals.in_loop = True
     for step in range(start_step, total_steps):
-        lr = lr_at(step, peak_lr, warmup, total_steps, cfg.optim.min_lr_ratio)
+        lr = schedule(step)
         set_lr(optimizer, lr)
         outputs = []
         for _ in range(gbatch.accum_steps):  # gradients are synchronised on the last micro-batch only
@@ -137,8 +130,8 @@ def _train(cfg: FinetuneConfig, signals: StopSignals) -> None:
                 label=f"epoch {format_epoch(done / steps_per_epoch)}", split_size=data.val_split.num_samples)
             set_train_mode(accelerator.unwrap_model(model), tc.mode)
         checkpointer.after_step(done, lambda: {"config": to_dict(cfg), "stream": resumed.generation.to_dict(),
-                                               "best_top1": best.top1, "best_ema_top1": best.ema_top1,
-                                               **meter.checkpoint_state()})
+                                               "steps_per_epoch": steps_per_epoch, "best_top1": best.top1,
+                                               "best_ema_top1": best.ema_top1, **meter.checkpoint_state()})
 
     meter.draw()
     audit.flush()

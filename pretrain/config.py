@@ -73,6 +73,12 @@ class PretrainConfig:
     FIXED_ON_RESUME: ClassVar[tuple[str, ...]] = (*(f"model.{k}" for k in ARCH_KEYS), "model.img_size",
                                                   "mpp.target", "mpp.bits", "optim.name")
 
+    LENGTH_KEY: ClassVar[str] = "train.steps"
+
+    def total_steps(self, steps_per_epoch: int | None = None) -> int:
+        """The run's length in optimizer steps."""
+        return self.train.steps
+
     model: ModelConfig = section(ModelConfig)
     mpp: MPPConfig = section(MPPConfig)
     data: DataConfig = section(DataConfig)

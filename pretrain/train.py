@@ -10,32 +10,31 @@ Reads top to bottom: config -> accelerator -> data -> model -> optimizer -> resu
 from __future__ import annotations
 
 import hashlib
+from functools import partial
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import set_seed
 
 from pretrain.config import DESCRIPTION, PretrainConfig
 from pretrain.mpp import MaskedPatchPrediction
 from pretrain.validation import Validation
-from vit_mpp.accelerator import make_accelerator, prepare_model
+from vit_mpp import dry_run
+from vit_mpp.accelerator import prepare_model
 from vit_mpp.checkpoint import Checkpointer, resume_run
 from vit_mpp.config import parse_args, to_dict
 from vit_mpp.data_stream import build_eval_loader, build_train_loader, to_device
 from vit_mpp.export import strip_prefix, write_export
-from vit_mpp.hub import check_hub, publish
+from vit_mpp.hub import publish
 from vit_mpp.manifest import load_split
 from vit_mpp.models import count_params, create_vit, norm_stats, patch_size
 from vit_mpp.optimizer import build_optimizer
 from vit_mpp.preemption import StepBoundary, StopSignals
-from vit_mpp.run_dir import MetricsLog, prepare_run_dir
-from vit_mpp.sample_audit import SampleAudit
+from vit_mpp.run_setup import start_run
 from vit_mpp.schedule import describe_lr, itstime, lr_at, scaled_lr, set_lr, warmup_steps
 from vit_mpp.step_meter import StepMeter, micro_batch_output
-from vit_mpp.stream_plan import Layout
 from vit_mpp.tracking import start_trackers
-from vit_mpp.training_data import TrainingData, load_training_data
+from vit_mpp.training_data import TrainingData
 
 
 def corruption_generator(device: torch.device, seed: int, rank: int, step: int = 0) -> torch.Generator:
@@ -60,19 +59,8 @@ def train(cfg: PretrainConfig) -> None:
 def _train(cfg: PretrainConfig, signals: StopSignals) -> None:
     """The spine of a run, top to bottom."""
     tc = cfg.train
-    accelerator, gbatch = make_accelerator(tc)
-    if accelerator.is_main_process:
-        check_hub(cfg.export)  # a push at the end of a long run must not fail for want of a token
-    set_seed(tc.seed, device_specific=True)  # a different corruption draw on every process
-    with accelerator.main_process_first():
-        changed = prepare_run_dir(tc.run_dir, cfg, accelerator.is_main_process)
-    log = MetricsLog(tc.run_dir, accelerator.is_main_process)
-
-    # Data: the manifests give sizes, so every process knows the step counts without scanning shards.
-    data = load_training_data(cfg.data)
-    layout = Layout(accelerator.num_processes, max(1, cfg.data.num_workers), gbatch.micro_batch, gbatch.accum_steps)
-    audit = SampleAudit(tc.run_dir, accelerator.process_index, accelerator.is_main_process, data.names,
-                        tc.record_samples)
+    run = start_run(cfg)  # accelerator, checks, seed, data manifests, run directory, logs
+    accelerator, gbatch, data, log, audit = run.accelerator, run.gbatch, run.data, run.log, run.audit
 
     # Model: timm ViT + the MPP objective (mask token, corruption, head, targets).
     encoder = create_vit(cfg.model)
@@ -83,9 +71,14 @@ def _train(cfg: PretrainConfig, signals: StopSignals) -> None:
     optimizer = build_optimizer(model, cfg.optim, peak_lr)
     model, optimizer = prepare_model(accelerator, model, optimizer, tc.compile)
 
+    schedule = partial(lr_at, peak_lr=peak_lr, warmup=warmup, total_steps=tc.steps, min_lr_ratio=cfg.optim.min_lr_ratio)
+    if run.dry_run:
+        return dry_run.report(run, cfg, summary(cfg, encoder, data, gbatch.describe(), warmup), tc.steps, warmup,
+                              schedule)
+
     # Resume from the newest complete checkpoint of this run directory, if any, also on another layout.
-    resumed = resume_run(accelerator, tc.run_dir, changed, layout, data.sizes, data.weights, tc.seed,
-                         [log, audit])
+    resumed = resume_run(accelerator, tc.run_dir, run.changed, run.layout, data.sizes, data.weights, tc.seed,
+                         [log, audit], tc.steps, schedule)
     start_step = resumed.step
     gen = corruption_generator(accelerator.device, tc.seed, accelerator.process_index,
                                resumed.step if resumed.layout_changed else 0)
@@ -109,7 +102,7 @@ def _train(cfg: PretrainConfig, signals: StopSignals) -> None:
     model.train()
     signals.in_loop = True
     for step in range(start_step, tc.steps):
-        lr = lr_at(step, peak_lr, warmup, tc.steps, cfg.optim.min_lr_ratio)
+        lr = schedule(step)
         set_lr(optimizer, lr)
         outputs = []
         for _ in range(gbatch.accum_steps):  # gradients are synchronised on the last micro-batch only
@@ -161,7 +154,7 @@ def summary(cfg: PretrainConfig, encoder: torch.nn.Module, data: TrainingData, b
     steps_per_epoch = max(1, data.samples_per_epoch() // tc.batch_size)
     return (
         f"model {cfg.model.name} ({count_params(encoder) / 1e6:.2f}M params, patch {patch_size(encoder)}, "
-        f"{encoder.patch_embed.num_patches} patches, drop path {cfg.model.drop_path_rate:g}) | target "
+        f"{encoder.patch_embed.num_patches + 1} tokens, drop path {cfg.model.drop_path_rate:g}) | target "
         f"{cfg.mpp.target}, corrupt {cfg.mpp.mask_ratio:.0%} ({cfg.mpp.mask_prob:.0%} mask / "
         f"{cfg.mpp.random_prob:.0%} random / rest kept)\n"
         f"{data.describe()}, {steps_per_epoch} steps/epoch | {batching} | augment: crop scale "

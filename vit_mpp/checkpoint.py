@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -145,13 +146,20 @@ class Resumed:
 
 
 def resume_run(accelerator: Accelerator, run_dir: str | Path, changed: list[str], layout: Layout, sizes: list[int],
-               weights: list[float], seed: int, logs: list[Any]) -> Resumed:
+               weights: list[float], seed: int, logs: list[Any], total_steps: int, lr: Callable[[int], float],
+               ) -> Resumed:
     """Restore the newest checkpoint (`resume_latest`), cut `logs` (objects with `rewind(step)`) back to its step,
-    and continue the data stream where it stopped, on this layout; a line says so when the layout changed."""
+    and continue the data stream where it stopped, on this layout; a line says so when the layout changed, and when
+    a finished run goes on (train.extend), what its learning rate does (`lr` of a step)."""
     state, own = resume_latest(accelerator, run_dir, changed)
     step = state.get("step", 0)
     for log in logs:
         log.rewind(step)
+    if state.get("finished") and total_steps > step:
+        accelerator.print(f"note: the finished run goes on from step {step} to {total_steps} (train.extend): its "
+                          f"learning rate, which had decayed to the end of its schedule, follows the schedule of "
+                          f"{total_steps} steps from step {step + 1} on ({lr(step):.3g}, then down to step "
+                          f"{total_steps})")
     generation, note = resume_generation(state.get("stream"), step, layout, sizes, weights, seed)
     if note:
         accelerator.print(note)

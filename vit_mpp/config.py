@@ -22,6 +22,7 @@ from vit_mpp import urls
 from vit_mpp.errors import UserError
 
 T = TypeVar("T")
+DRY_RUN = "_dry_run"  # the attribute of a parsed config that says --dry-run was given
 
 
 class ConfigError(UserError):
@@ -281,8 +282,17 @@ def parse_args(cls: type[T], argv: list[str] | None, prog: str, description: str
     parser.add_argument("--config", help="YAML config file (see configs/); keys not given keep their defaults")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="overrides, e.g. train.batch_size=256 optim.base_lr=1e-3")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="check everything a run checks at start, print what it would do, write nothing")
     args = parser.parse_args(argv)
-    return load_config(cls, args.config, args.overrides)
+    cfg = load_config(cls, args.config, args.overrides)
+    object.__setattr__(cfg, DRY_RUN, args.dry_run)  # beside the fields, not one of them: not saved with the config
+    return cfg
+
+
+def is_dry_run(cfg: Any) -> bool:
+    """Whether the command line asked for a dry run (`--dry-run`)."""
+    return getattr(cfg, DRY_RUN, False)
 
 
 # --- Sections shared by both stages -----------------------------------------------------------------------------
@@ -427,6 +437,11 @@ class TrainConfig:
     project: str = opt("vit-mpp", "tracker project (W&B/MLflow); TensorBoard writes to run_dir/logs/<project>/",
                        NOT_EMPTY)
     run_name: str = opt("", "the run's name in the trackers ('' = the run directory's path)")
+    resume: Literal["auto", "never", "must"] = opt(
+        "auto", "auto: continue the run in train.run_dir if it holds one, else start; never: refuse a run dir that "
+                "holds a run; must: refuse one that holds none")
+    extend: bool = opt(False, "allow a finished run to continue to a larger train.steps / train.epochs (the learning "
+                              "rate then follows the schedule of the new length from where the run stopped)")
     record_samples: bool = opt(False, "sample audit: each rank appends one line per optimizer step to "
                                       "run_dir/samples/rank_<R>.jsonl listing the keys of every sample it used")
     preempt_signals: list[str] = opt(["SIGTERM", "SIGUSR1"], "signals that preempt the run: all ranks save a "

@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from vit_mpp.checkpoint import latest_checkpoint
+from vit_mpp.checkpoint import TRAINER_STATE, latest_checkpoint
 from vit_mpp.config import ConfigError, flatten, save_config, to_dict
 from vit_mpp.durable import write_atomic
 from vit_mpp.errors import UserError
@@ -85,15 +85,23 @@ def _describe(holder: str) -> str:
         return holder[:200]
 
 
-def prepare_run_dir(run_dir: str | Path, cfg: Any, is_main: bool) -> list[str]:
+def prepare_run_dir(run_dir: str | Path, cfg: Any, is_main: bool, dry_run: bool = False) -> list[str]:
     """Take `run_dir` for this run and write its config.yaml; returns the keys that differ from the previous run's.
 
     The main process locks the directory first (a second run gets RunDirBusy). When the directory holds a checkpoint
     to resume from, a change to a key the config class lists in `FIXED_ON_RESUME` (the architecture, the target,
-    the optimizer) is refused with a ConfigError before anything is written.
+    the optimizer) is refused with a ConfigError before anything is written, and so is what `train.resume` and
+    `train.extend` do not allow (`check_resume`). A dry run makes the same checks and writes nothing.
     """
     run_dir = Path(run_dir)
-    if is_main:
+    if dry_run:
+        if run_dir.exists() and not run_dir.is_dir():
+            raise ConfigError(f"train.run_dir {run_dir} is a file, not a folder")
+        busy = _holder_if_locked(run_dir)
+        if busy:
+            raise RunDirBusy(f"{run_dir} is in use by another run ({busy}): wait for it to end, or use another "
+                             "train.run_dir")
+    elif is_main:
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
         except (FileExistsError, NotADirectoryError):
@@ -112,14 +120,69 @@ def prepare_run_dir(run_dir: str | Path, cfg: Any, is_main: bool) -> list[str]:
         except yaml.YAMLError:
             old = {}  # unreadable: nothing to compare with; it is rewritten below
         changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+    checkpoint = latest_checkpoint(run_dir)
     fixed = [k for k in changed if k in getattr(type(cfg), "FIXED_ON_RESUME", ()) and k in old]
-    if fixed and latest_checkpoint(run_dir) is not None:
+    if fixed and checkpoint is not None:
         listed = ", ".join(f"{k} ({old.get(k)!r} -> {new.get(k)!r})" for k in fixed)
         raise ConfigError(f"{run_dir} holds a run to resume, and a resumed run cannot change {listed}: use another "
                           "train.run_dir, or the same values")
-    if is_main:
+    check_resume(run_dir, cfg, checkpoint)
+    if is_main and not dry_run:
         save_config(cfg, previous)
     return changed
+
+
+def _holder_if_locked(run_dir: Path) -> str | None:
+    """Who holds `run_dir`'s lock, when a live run does; None otherwise. Creates nothing (for dry runs)."""
+    try:
+        fd = os.open(run_dir / LOCK_NAME, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    except BlockingIOError:
+        return _describe(os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown")
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def check_resume(run_dir: Path, cfg: Any, checkpoint: Path | None) -> None:
+    """What `train.resume` and `train.extend` allow, decided from the newest checkpoint before anything is written:
+    a run dir that holds a run (never) or none (must); a length that ends before the step reached; a finished run
+    asked to go on (only with train.extend, since its learning rate then rises again)."""
+    tc = cfg.train
+    if tc.resume == "never" and checkpoint is not None:
+        raise ConfigError(f"train.resume=never, but {run_dir} holds a run ({checkpoint.name}): use another "
+                          "train.run_dir, or train.resume=auto to continue it")
+    if tc.resume == "must" and checkpoint is None:
+        raise ConfigError(f"train.resume=must, but {run_dir} holds no checkpoint to resume")
+    if checkpoint is None:
+        return
+    try:
+        state = json.loads((checkpoint / TRAINER_STATE).read_text())
+        reached, finished = int(state["step"]), bool(state.get("finished"))
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # unreadable: resume sets it aside and says so
+    total, key = cfg.total_steps(state.get("steps_per_epoch")), type(cfg).LENGTH_KEY
+    if total is None:
+        return
+    if total < reached:
+        raise ConfigError(f"{key}={_get(cfg, key)} ends at step {total}, before step {reached}, which the run in "
+                          f"{run_dir} has reached: give a larger {key}, or another train.run_dir")
+    if finished and total > reached and not tc.extend:
+        raise ConfigError(f"{run_dir} holds a finished run (step {reached}); {key}={_get(cfg, key)} would extend "
+                          f"it to step {total}, and its learning rate, which had decayed, would rise again: set "
+                          "train.extend=true to do so, or use another train.run_dir")
+
+
+def _get(cfg: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
 
 
 def rewind_jsonl(path: Path, step: int) -> None:

@@ -1,0 +1,49 @@
+"""The start of a training run, the same in both stages: the accelerator (trackers checked), the Hub checked, the
+seed, the data's manifests, the run directory (taken, its config written; in a dry run only checked), the metrics
+log and the sample audit. The data is read before the run directory is touched, so a wrong path changes nothing."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+
+from vit_mpp.accelerator import GlobalBatch, make_accelerator
+from vit_mpp.config import is_dry_run
+from vit_mpp.hub import check_hub
+from vit_mpp.run_dir import MetricsLog, prepare_run_dir
+from vit_mpp.sample_audit import SampleAudit
+from vit_mpp.stream_plan import Layout
+from vit_mpp.training_data import TrainingData, load_training_data
+
+
+@dataclass
+class RunStart:
+    """What every training run has once it has started."""
+
+    accelerator: Accelerator
+    gbatch: GlobalBatch
+    layout: Layout
+    data: TrainingData
+    changed: list[str]  # config keys that differ from the run directory's previous config
+    log: MetricsLog
+    audit: SampleAudit
+    dry_run: bool
+
+
+def start_run(cfg: Any) -> RunStart:
+    """Start a run of a stage config (with `train`, `data` and `export` sections); see the module doc."""
+    tc, dry_run = cfg.train, is_dry_run(cfg)
+    accelerator, gbatch = make_accelerator(tc)
+    if accelerator.is_main_process:
+        check_hub(cfg.export)  # a push at the end of a long run must not fail for want of a token
+    set_seed(tc.seed, device_specific=True)  # a different corruption draw and dropout on every process
+    data = load_training_data(cfg.data)
+    with accelerator.main_process_first():
+        changed = prepare_run_dir(tc.run_dir, cfg, accelerator.is_main_process, dry_run)
+    layout = Layout(accelerator.num_processes, max(1, cfg.data.num_workers), gbatch.micro_batch, gbatch.accum_steps)
+    is_main = accelerator.is_main_process and not dry_run
+    audit = SampleAudit(tc.run_dir, accelerator.process_index, is_main, data.names, tc.record_samples and not dry_run)
+    return RunStart(accelerator, gbatch, layout, data, changed, MetricsLog(tc.run_dir, is_main), audit, dry_run)
