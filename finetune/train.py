@@ -32,8 +32,8 @@ from vit_mpp.models import count_params
 from vit_mpp.optimizer import build_optimizer
 from vit_mpp.run_dir import MetricsLog, prepare_run_dir
 from vit_mpp.schedule import describe_lr, itstime, lr_at, scaled_lr, set_lr, warmup_steps
-from vit_mpp.step_meter import StepMeter
-from vit_mpp.tracking import start_trackers
+from vit_mpp.step_meter import StepMeter, plain_number
+from vit_mpp.tracking import finish_trackers, start_trackers
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -120,7 +120,7 @@ def train(cfg: FinetuneConfig) -> None:
         if val_loader is not None and itstime(done, steps_per_epoch * tc.eval_every_epochs, total_steps):
             result, ema_result = evaluate_and_keep_best(
                 accelerator, model, ema, val_loader, exporter, best, meter, step=done, split_size=val_split.num_samples,
-                label=f"epoch {done / steps_per_epoch:.3g}", run_dir=tc.run_dir)
+                label=f"epoch {plain_number(done / steps_per_epoch)}", run_dir=tc.run_dir)
             set_train_mode(accelerator.unwrap_model(model), tc.mode)
         if itstime(done, tc.ckpt_every, total_steps):
             save_checkpoint(accelerator, tc.run_dir, done, {"config": to_dict(cfg), "best_top1": best.top1,
@@ -136,6 +136,7 @@ def train(cfg: FinetuneConfig) -> None:
         accelerator.print(f"final validation top-1: {result['val_top1']:.4f} on {result['val_samples']} images "
                           f"({num_classes} classes, chance {1 / num_classes:.4f}); best {best.top1:.4f}, "
                           f"exported to {Path(tc.run_dir) / 'export' / 'best'}")
+    finish_trackers(accelerator, tc, {**result, **{f"ema_{k}": v for k, v in ema_result.items()}})
     accelerator.end_training()
 
 

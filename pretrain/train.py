@@ -31,7 +31,7 @@ from vit_mpp.optimizer import build_optimizer
 from vit_mpp.run_dir import MetricsLog, prepare_run_dir
 from vit_mpp.schedule import describe_lr, itstime, lr_at, scaled_lr, set_lr, warmup_steps
 from vit_mpp.step_meter import StepMeter
-from vit_mpp.tracking import start_trackers
+from vit_mpp.tracking import finish_trackers, start_trackers
 
 
 def corruption_generator(device: torch.device, seed: int, rank: int) -> torch.Generator:
@@ -125,6 +125,7 @@ def train(cfg: PretrainConfig) -> None:
 
     meter.draw()
     export_encoder(accelerator, model, cfg, mean, std, last_eval, info, peak_lr)
+    finish_trackers(accelerator, tc, last_eval)
     accelerator.end_training()
 
 

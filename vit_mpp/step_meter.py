@@ -9,6 +9,8 @@
 
 A log averages each metric over the optimizer steps actually summed since the previous log (a resumed run's first
 log may cover fewer than `log_every` steps), then over processes; undecodable samples are summed over processes.
+Every record also carries `elapsed_s`, the seconds since this process started training (for the run's wall time).
+What is written to metrics.jsonl is also sent to the trackers, named by vit_mpp/tracking.py's rule.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from accelerate import Accelerator
 
 from vit_mpp.run_dir import MetricsLog
 from vit_mpp.schedule import itstime
-from vit_mpp.training_curves import write_run_curves
+from vit_mpp.tracking import log_images, log_scalars
+from vit_mpp.training_curves import CURVES_NAME, write_run_curves
 
 SHOWN = ("loss", "acc")  # the metrics the progress line shows, besides lr, rate and eta
 
@@ -31,6 +34,13 @@ def format_duration(seconds: float) -> str:
     h, rem = divmod(seconds, 3600)
     m, s = divmod(rem, 60)
     return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+def plain_number(value: float) -> str:
+    """A count as people write it: `1160`, not `1.16e+03`; `2.5` or `0.33` when it is not whole."""
+    if float(value).is_integer():
+        return str(int(value))
+    return f"{value:.2f}".rstrip("0")
 
 
 def progress_line(step: int, total: int, metrics: dict[str, float], img_per_s: float, eta_s: float) -> str:
@@ -61,7 +71,7 @@ class StepMeter:
         self.accelerator, self.metrics_log = accelerator, log
         self.total, self.batch_size, self.log_every = total_steps, batch_size, log_every
         self.bad_total = bad_total  # undecodable samples replaced so far in the run, all processes (checkpointed)
-        self.start_step = start_step
+        self.start_step = self.last_step = start_step
         self.start_time = self.last_time = time.perf_counter()
         self._reset()
 
@@ -98,12 +108,16 @@ class StepMeter:
         shown = {k: metrics[k] for k in SHOWN if k in metrics}
         self.accelerator.print(progress_line(step, self.total, {**shown, "lr": lr}, rate, eta))
         record = {"step": step, **extra, "lr": lr, "img_per_s": rate, "bad_samples": bad_now,
-                  "bad_samples_total": self.bad_total, **metrics}
+                  "bad_samples_total": self.bad_total, **metrics, "elapsed_s": self.elapsed()}
         self.metrics_log.write(record)
-        self.accelerator.log(record, step=step)
-        self.last_time = now
+        log_scalars(self.accelerator, record, step)
+        self.last_time, self.last_step = now, step
         self._reset()
         return record
+
+    def elapsed(self) -> float:
+        """Seconds since this process started training (its meter was made), to 0.1 s."""
+        return round(time.perf_counter() - self.start_time, 1)
 
     def checkpoint_state(self) -> dict[str, Any]:
         """What a checkpoint keeps of the meter (call on every process: it sums over them)."""
@@ -121,11 +135,15 @@ class StepMeter:
             self.accelerator.print(warning)
         shown = " | ".join(f"{k} {v:.4g}" for k, v in result.items() if isinstance(v, (int, float)))
         self.accelerator.print(f"eval {label} | {shown}")
-        self.metrics_log.write({"step": step, **result, **(details or {})})
-        self.accelerator.log({k: v for k, v in result.items() if isinstance(v, (int, float))}, step=step)
+        self.metrics_log.write({"step": step, **result, **(details or {}), "elapsed_s": self.elapsed()})
+        log_scalars(self.accelerator, result, step)
+        self.last_step = step
         self.draw()
 
     def draw(self) -> None:
-        """Write the run's curves.png from its metrics.jsonl (main process); at each evaluation and at the end."""
+        """Write the run's curves.png from its metrics.jsonl (main process), and send it to the trackers that take
+        images; at each evaluation and at the end."""
         if self.accelerator.is_main_process:
-            write_run_curves(self.metrics_log.path.parent)
+            path = write_run_curves(self.metrics_log.path.parent)
+            if path is not None:
+                log_images(self.accelerator, {CURVES_NAME.removesuffix(".png"): path}, self.last_step)
