@@ -18,7 +18,7 @@ from finetune.augment import RandAugmentU8
 from finetune.config import DESCRIPTION, FinetuneConfig
 from finetune.ema import build_ema
 from finetune.exports import ClassifierExporter, publish_exports
-from finetune.init_model import build_classifier
+from finetune.init_model import build_classifier, check_architecture
 from finetune.keep_best import Best, evaluate_and_keep_best
 from finetune.modes import freeze_encoder, set_train_mode
 from finetune.objective import ClassificationObjective
@@ -48,6 +48,7 @@ def train(cfg: FinetuneConfig) -> None:
     if accelerator.is_main_process:
         check_hub(cfg.export)  # a push at the end of a long run must not fail for want of a token
     set_seed(tc.seed, device_specific=True)
+    check_architecture(cfg.init, cfg.model)  # a model.* key that the checkpoint fixes: refused before any write
     with accelerator.main_process_first():
         changed = prepare_run_dir(tc.run_dir, cfg, accelerator.is_main_process)
     log = MetricsLog(tc.run_dir, accelerator.is_main_process)
