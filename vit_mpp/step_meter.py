@@ -21,19 +21,13 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 
+from vit_mpp.progress import format_duration
 from vit_mpp.run_dir import MetricsLog
 from vit_mpp.schedule import itstime
 from vit_mpp.tracking import log_images, log_scalars
 from vit_mpp.training_curves import CURVES_NAME, write_run_curves
 
 SHOWN = ("loss", "acc")  # the metrics the progress line shows, besides lr, rate and eta
-
-
-def format_duration(seconds: float) -> str:
-    seconds = int(max(0, seconds))
-    h, rem = divmod(seconds, 3600)
-    m, s = divmod(rem, 60)
-    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
 
 
 def plain_number(value: float) -> str:
