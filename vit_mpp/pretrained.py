@@ -141,6 +141,26 @@ def describe_checkpoint(checkpoint: str, kind: str = "auto") -> tuple[ModelConfi
     return None, {}
 
 
+def results_folder(checkpoint: str, suffix: str) -> Path:
+    """Where a tool writes what it finds out about `checkpoint` (evaluation, analysis figures) unless told: never into
+    an export, whose folder is the model as trained and uploaded.
+
+    `PATH-<suffix>` beside the export folder PATH (or the folder of its weights file), outside any export that holds
+    it (`run/export/best` -> `run/export-best-<suffix>`); `FILE-<suffix>` beside a weights file that is no export
+    (`vit.npz` -> `vit-<suffix>`); for a Hub or timm name, `NAME-<suffix>` in the current directory."""
+    path = Path(checkpoint.removeprefix(LOCAL_DIR))
+    if not path.exists():
+        return Path(re.sub(r"[^\w.-]+", "_", checkpoint) + f"-{suffix}")
+    if path.is_dir() or is_export(path):
+        export = path if path.is_dir() else path.parent
+        folder, name = export.absolute().parent, export.absolute().name
+    else:
+        folder, name = path.absolute().parent, path.stem
+    while folder.parent != folder and is_export(folder):
+        folder, name = folder.parent, f"{folder.name}-{name}"
+    return folder / f"{name}-{suffix}"
+
+
 def hub_model_id(checkpoint: str) -> str | None:
     """The Hugging Face Hub repo a checkpoint comes from (`hf-hub:OWNER/NAME` -> OWNER/NAME; a timm pretrained name
     -> timm's repo for it), for a model card's `base_model`; None for a local checkpoint."""
