@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -12,9 +13,11 @@ import pytest
 from analysis.run_table import main as summary_main
 from finetune.config import FinetuneConfig
 from pretrain.config import PretrainConfig
+from pretrain.train import main as pretrain_main
 from tests.conftest import run_module
 from vit_mpp.config import load_config, save_config
 from vit_mpp.run_metrics import wall_time_s
+from vit_mpp.training_curves import read_metrics
 
 
 def make_run(run_dir: Path, cls: type, overrides: list[str], records: list[dict]) -> Path:
@@ -32,8 +35,8 @@ def runs(tmp_path) -> tuple[Path, Path]:
         "optim.base_lr=2e-4", "mpp.mask_ratio=0.15", "train.run_name=mpp 15%"], [
         {"step": 2, "loss": 5.0, "lr": 1e-5, "elapsed_s": 10.0},
         {"step": 2, "val_loss": 4.5, "val_acc": 0.10, "knn_top1_cls": 0.40, "elapsed_s": 12.0},
-        {"step": 4, "loss": 4.0, "lr": 1e-6, "elapsed_s": 20.0},  # the run was resumed after this record
-        {"step": 4, "val_loss": 4.7, "val_acc": 0.12, "knn_top1_cls": 0.35, "elapsed_s": 3.0}])
+        {"step": 4, "loss": 4.0, "lr": 1e-6, "elapsed_s": 20.0},
+        {"step": 4, "val_loss": 4.7, "val_acc": 0.12, "knn_top1_cls": 0.35, "elapsed_s": 23.0}])
     ft = make_run(tmp_path / "ft", FinetuneConfig, [
         "data.shards=/data/textures", "train.epochs=3", "init.checkpoint=runs/pre/export", "optim.lr=0.03"], [
         {"step": 10, "epoch": 1.0, "loss": 1.2, "elapsed_s": 30.0},
@@ -54,7 +57,7 @@ def test_two_runs_are_two_rows_in_markdown_and_in_csv(runs, tmp_path, capsys):
     assert pre_row["name"] == "mpp 15%" and pre_row["stage"] == "pretrain" and pre_row["target"] == "mean_color"
     assert pre_row["mask_ratio"] == "0.15" and pre_row["lr"] == "1.25e-05" and pre_row["steps"] == "4"
     assert pre_row["final val_loss"] == "4.7000" and pre_row["best val_loss"] == "4.5000"
-    assert pre_row["best knn_top1_cls"] == "0.4000" and pre_row["wall time"] == "0m23s"  # 20 s + 3 s resumed
+    assert pre_row["best knn_top1_cls"] == "0.4000" and pre_row["wall time"] == "0m23s"
     assert pre_row["model"] == "vit_tiny_patch16_224 @32" and pre_row["data"] == "/data/textures"
     ft_row = dict(zip(head, (c.strip() for c in lines[3].strip("|").split("|"))))
     assert (ft_row["stage"], ft_row["mode"], ft_row["init"], ft_row["epochs"]) == (
@@ -67,8 +70,17 @@ def test_two_runs_are_two_rows_in_markdown_and_in_csv(runs, tmp_path, capsys):
     assert float(table[0]["wall_s"]) == 23.0 and table[0]["epochs"] == "" and rows[1]["steps"] == 30
 
 
-def test_wall_time_adds_the_sessions_of_a_resumed_run():
-    assert wall_time_s([{"elapsed_s": 5.0}, {"elapsed_s": 9.0}, {"elapsed_s": 2.0}, {"elapsed_s": 4.0}]) == 13.0
+def test_a_resumed_runs_time_goes_on_from_its_records(demo_shards, tmp_path):
+    argv = ["--config", "configs/pretrain/tiny.yaml", f"data.shards={demo_shards}", f"train.run_dir={tmp_path}",
+            "data.num_workers=0", "train.steps=6", "train.ckpt_every=3", "train.log_every=1", "train.eval_every=0",
+            "knn.train_images=0"]
+    pretrain_main(argv)
+    first = {r["step"]: r["elapsed_s"] for r in read_metrics(tmp_path)}
+    shutil.rmtree(tmp_path / "checkpoints" / "step_000006")  # killed after its step-3 checkpoint: resumes at 3
+    pretrain_main(argv)
+    times = [r["elapsed_s"] for r in read_metrics(tmp_path)]
+    assert times == sorted(times) and times[2] == first[3]  # the kept records, then on from where they stopped
+    assert times[3] >= first[3] and wall_time_s(read_metrics(tmp_path)) == times[-1]
     assert wall_time_s([{"step": 1, "loss": 1.0}]) is None  # runs from before the records carried a time
 
 

@@ -6,6 +6,7 @@ arrive as images."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -100,3 +101,16 @@ def test_a_fine_tuning_run_sends_its_top1_and_its_confusion_matrix(tmp_path):
     assert scalars["final/val_top1"][0][1] == pytest.approx(last_eval["val_top1"])
     assert "best/val_top1" in scalars and hparams
     assert {"curves", "val/confusion_matrix"} <= set(images)
+
+
+def test_a_resumed_run_shows_each_step_once(demo_shards, tmp_path):
+    argv = ["--config", "configs/pretrain/tiny.yaml", f"data.shards={demo_shards}", f"train.run_dir={tmp_path}",
+            "data.num_workers=0", "train.steps=6", "train.ckpt_every=3", "train.log_every=1", "train.eval_every=0",
+            "knn.train_images=0", "train.trackers=[tensorboard]", "train.run_name=r"]
+    pretrain_main(argv)
+    # A run killed after its step-3 checkpoint leaves this behind; re-running resumes at step 3 and logs 4-6 again.
+    shutil.rmtree(tmp_path / "checkpoints" / "step_000006")
+    pretrain_main(argv)
+    scalars, _, _ = read_run(tmp_path / "logs" / "vit-mpp" / "r")
+    assert [step for step, _ in scalars["train/loss"]] == [1, 2, 3, 4, 5, 6]  # the killed run's 4-6 purged
+    assert [v for _, v in scalars["train/loss"]] == pytest.approx([r["loss"] for r in records(tmp_path) if "loss" in r])

@@ -26,12 +26,7 @@ def best_metrics(records: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def wall_time_s(records: list[dict[str, Any]]) -> float | None:
-    """Seconds of training, from the `elapsed_s` each record carries (seconds since its process started training):
-    a resumed run starts again from 0, so each session's last value is added. Time a killed session spent after its
-    last kept record is not counted. None when the records carry no time (runs of older versions)."""
-    total, last = 0.0, None
-    for elapsed in _numbers(records, "elapsed_s"):
-        if last is not None and elapsed < last:  # a new session (the run was resumed)
-            total += last
-        last = elapsed
-    return None if last is None else total + last
+    """Seconds of training, from the `elapsed_s` the records carry (the run's training time when each was written,
+    a resumed run's included: vit_mpp/step_meter.py). None when the records carry no time (runs of older versions)."""
+    times = _numbers(records, "elapsed_s")
+    return max(times) if times else None

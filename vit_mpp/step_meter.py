@@ -9,7 +9,9 @@
 
 A log averages each metric over the optimizer steps actually summed since the previous log (a resumed run's first
 log may cover fewer than `log_every` steps), then over processes; undecodable samples are summed over processes.
-Every record also carries `elapsed_s`, the seconds since this process started training (for the run's wall time).
+Every record also carries `elapsed_s`, the run's training time so far: this process's time since it started training,
+added to the `elapsed_s` of the last record kept from before a resume (the time a killed process spent after that
+record is not counted).
 What is written to metrics.jsonl is also sent to the trackers, named by vit_mpp/tracking.py's rule.
 """
 
@@ -25,7 +27,7 @@ from vit_mpp.progress import format_duration
 from vit_mpp.run_dir import MetricsLog
 from vit_mpp.schedule import itstime
 from vit_mpp.tracking import log_images, log_scalars
-from vit_mpp.training_curves import CURVES_NAME, write_run_curves
+from vit_mpp.training_curves import CURVES_NAME, read_metrics, write_run_curves
 
 SHOWN = ("loss", "acc")  # the metrics the progress line shows, besides lr, rate and eta
 
@@ -57,6 +59,15 @@ def with_unread(result: dict[str, Any], split_size: int) -> tuple[dict[str, Any]
                                               f"images of the split: {unread} could not be decoded")
 
 
+def previous_elapsed(log: MetricsLog) -> float:
+    """The training time the run's records reached before this process (its metrics.jsonl, rewound to the step it
+    resumes from); 0 without records that carry it."""
+    if not log.is_main:
+        return 0.0  # only the main process writes records
+    times = [r["elapsed_s"] for r in read_metrics(log.path.parent) if isinstance(r.get("elapsed_s"), (int, float))]
+    return float(max(times, default=0.0))
+
+
 class StepMeter:
     """Sums what each optimizer step produces; when a log is due, reports it once for all processes."""
 
@@ -67,6 +78,8 @@ class StepMeter:
         self.bad_total = bad_total  # undecodable samples replaced so far in the run, all processes (checkpointed)
         self.start_step = self.last_step = start_step
         self.start_time = self.last_time = time.perf_counter()
+        self.elapsed_before = previous_elapsed(log) if start_step else 0.0  # resumed: the run's time until then
+        self.curves_sent_at: int | None = None
         self._reset()
 
     def _reset(self) -> None:
@@ -110,8 +123,9 @@ class StepMeter:
         return record
 
     def elapsed(self) -> float:
-        """Seconds since this process started training (its meter was made), to 0.1 s."""
-        return round(time.perf_counter() - self.start_time, 1)
+        """The run's training time in seconds, to 0.1 s: before this process (a resumed run), then since its meter
+        was made."""
+        return round(self.elapsed_before + time.perf_counter() - self.start_time, 1)
 
     def checkpoint_state(self) -> dict[str, Any]:
         """What a checkpoint keeps of the meter (call on every process: it sums over them)."""
@@ -139,5 +153,6 @@ class StepMeter:
         images; at each evaluation and at the end."""
         if self.accelerator.is_main_process:
             path = write_run_curves(self.metrics_log.path.parent)
-            if path is not None:
+            if path is not None and self.curves_sent_at != self.last_step:  # the final draw repeats the last eval's
                 log_images(self.accelerator, {CURVES_NAME.removesuffix(".png"): path}, self.last_step)
+                self.curves_sent_at = self.last_step

@@ -82,8 +82,10 @@ class RunTensorBoard(TensorBoardTracker):
     """Accelerate's TensorBoard tracker, writing to the run's own folder; the hyperparameters go into that folder too,
     at the end, with the final metrics (`write_hparams`), where TensorBoard's HPARAMS tab pairs them."""
 
-    def __init__(self, folder: str, logging_dir: str | Path) -> None:
-        super().__init__(folder, logging_dir)
+    def __init__(self, folder: str, logging_dir: str | Path, purge_step: int | None = None) -> None:
+        # purge_step: a resumed run logs again the steps after its checkpoint; TensorBoard then drops those the
+        # killed run had logged, instead of showing both.
+        super().__init__(folder, logging_dir, purge_step=purge_step)
         self.hparams: dict[str, Any] = {}
 
     def store_init_configuration(self, values: dict) -> None:
@@ -107,7 +109,9 @@ def _create(name: str, train: TrainConfig, logging_dir: str | Path) -> Any:
     """Accelerate's tracker `name` for this run, named (not started)."""
     label = run_name(train)
     if name == "tensorboard":
-        return RunTensorBoard(f"{train.project}/{tensorboard_folder(label)}", logging_dir)
+        # metrics.jsonl is rewound to the step the run resumes from: what comes after it will be logged again
+        last = max((int(r.get("step", 0)) for r in read_metrics(train.run_dir)), default=-1)
+        return RunTensorBoard(f"{train.project}/{tensorboard_folder(label)}", logging_dir, purge_step=last + 1)
     if name == "aim":  # aim.Run(experiment=project), run named `label` by the tracker itself
         return LOGGER_TYPE_TO_CLASS[name](label, logging_dir, experiment=train.project)
     cls = LOGGER_TYPE_TO_CLASS[name]
