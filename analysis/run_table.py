@@ -1,5 +1,5 @@
 """`python -m analysis summary RUN_DIR [RUN_DIR ...] [--csv FILE]`: a table of runs, one row each (like timm's
-summary.csv), as markdown on standard output and, with --csv, as CSV.
+summary.csv), as markdown on standard output (on a terminal, turned: a column per run) and, with --csv, as CSV.
 
 Each row comes from what the run directory holds: its config.yaml (stage, model, data, length, batch, optimizer,
 peak learning rate, the stage's recipe: target and corruption for pretraining, mode and init for fine-tuning), its
@@ -131,6 +131,20 @@ def markdown(rows: list[dict[str, Any]], cols: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def terminal_table(rows: list[dict[str, Any]], cols: list[str], console: Any = None) -> None:
+    """The table for a terminal, turned: a row per column, a column per run (rich; `console`: standard output's)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(show_header=False, show_lines=False, box=None, padding=(0, 2))
+    table.add_column(style="bold", no_wrap=True)
+    for _ in rows:
+        table.add_column(overflow="fold")
+    for c in cols:
+        table.add_row("wall time" if c == "wall_s" else c, *(shown(c, r.get(c)) for r in rows))
+    (console or Console()).print(table)
+
+
 def write_csv(rows: list[dict[str, Any]], cols: list[str], path: Path) -> None:
     """The rows as CSV, values unrounded (wall time in seconds)."""
     buffer = io.StringIO()
@@ -151,11 +165,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     text = markdown(rows, cols)
     if args.csv:
         write_csv(rows, cols, Path(args.csv))
-    if sys.stdout.isatty():
-        from rich.console import Console
-        from rich.markdown import Markdown
-
-        Console().print(Markdown(text))
+    if sys.stdout.isatty():  # a terminal is narrower than a row of many columns: one column per run instead
+        terminal_table(rows, cols)
     else:
         sys.stdout.write(text)
     if args.csv:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from analysis.run_table import columns, run_row, terminal_table
 from analysis.run_table import main as summary_main
 from finetune.config import FinetuneConfig
 from pretrain.config import PretrainConfig
@@ -68,6 +69,20 @@ def test_two_runs_are_two_rows_in_markdown_and_in_csv(runs, tmp_path, capsys):
     assert [r["run"] for r in table] == [str(pre), str(ft)] and list(table[0]) == head[:-1] + ["wall_s"]
     assert float(table[1]["best val_top1"]) == 0.6 and float(table[1]["wall_s"]) == 92.5
     assert float(table[0]["wall_s"]) == 23.0 and table[0]["epochs"] == "" and rows[1]["steps"] == 30
+
+
+def test_on_a_terminal_the_table_is_turned_a_column_per_run(runs):
+    import io
+
+    from rich.console import Console
+
+    rows = [run_row(d) for d in runs]
+    out = io.StringIO()
+    terminal_table(rows, columns(rows), Console(file=out, width=100, color_system=None))
+    lines = {ln.split()[0] + (" " + ln.split()[1] if ln.split()[0] in ("final", "best", "wall") else ""): ln
+             for ln in out.getvalue().splitlines() if ln.strip()}
+    assert "mpp 15%" in lines["name"] and "ft" in lines["name"]
+    assert "0.6000" in lines["best val_top1"] and "0m23s" in lines["wall time"]
 
 
 def test_a_resumed_runs_time_goes_on_from_its_records(demo_shards, tmp_path):
