@@ -1,4 +1,5 @@
-"""`python -m analysis CHECKPOINT ...` (figures) or `python -m analysis plot RUN_DIR ...` (curves): see __init__.py."""
+"""`python -m analysis CHECKPOINT ...` (figures), `python -m analysis plot RUN_DIR ...` (curves) or
+`python -m analysis summary RUN_DIR ...` (a table of runs): see __init__.py."""
 
 import sys
 
@@ -9,6 +10,10 @@ if __name__ == "__main__":
         from analysis.compare_runs import main as plot_main
 
         run_main(plot_main, sys.argv[2:])
+    elif sys.argv[1:2] == ["summary"]:
+        from analysis.run_table import main as summary_main
+
+        run_main(summary_main, sys.argv[2:])
     else:
         from analysis.analyze import main
 

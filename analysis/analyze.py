@@ -4,7 +4,7 @@ and a parameter/memory table for any checkpoint.
 CHECKPOINT is anything fine-tuning starts from (vit_mpp/pretrained.py): an export of either stage (its folder or
 `model.safetensors`; `local-dir:PATH`), `hf-hub:NAME` or a timm pretrained name, or a timm state dict
 (`.safetensors`, weights-only `.pth`) or original ViT `.npz` together with `--model NAME --img-size N`.
-Written to `--out` (default: `analysis/` beside the checkpoint):
+Written to `--out` (default: `PATH-analysis` beside the export folder PATH, never inside an export):
 
     attention_<i>_<name>.png   [class]-token attention rollout over each image, and per layer (paper figure 6)
     position_similarity.png    cosine similarity of the position embeddings (figure 7, center)
@@ -24,6 +24,7 @@ import csv
 import dataclasses
 import io
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,8 @@ from vit_mpp.data_stream import normalize
 from vit_mpp.image_decoder import ImageDecoder, image_bytes
 from vit_mpp.manifest import load_split
 from vit_mpp.models import grid_size, img_hw, norm_stats, patch_size
-from vit_mpp.pretrained import HUB, LOCAL_DIR, Pretrained, build_model, checkpoint_kind, read_pretrained
+from vit_mpp.pretrained import Pretrained, build_model, checkpoint_kind, read_pretrained, results_folder
+from vit_mpp.progress import progress
 from vit_mpp.shard_reader import range_segments, read_segment
 
 
@@ -49,7 +51,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="`python -m analysis plot RUN_DIR [RUN_DIR ...]` draws training curves.")
     parser.add_argument("checkpoint", help="an export folder or file, local-dir:/hf-hub: name, or a state dict")
-    parser.add_argument("--out", default=None, help="output folder (default: analysis/ beside the checkpoint)")
+    parser.add_argument("--out", default=None, help="output folder (default: PATH-analysis beside the export folder "
+                                                    "PATH, never inside it)")
     parser.add_argument("--model", default=None, help="timm model name, for a state dict that names no architecture")
     parser.add_argument("--img-size", type=int, nargs="+", default=None, metavar="N",
                         help="input size (N or H W); required with --model; for an export, resizes its position "
@@ -151,8 +154,9 @@ def param_report(model: torch.nn.Module, out: Path) -> list[dict[str, Any]]:
 
 def attention_figures(model: VisionTransformer, images: torch.Tensor, names: list[str], num_maps: int,
                       mean: tuple[float, ...], std: tuple[float, ...], out: Path, device: str, batch_size: int,
-                      ) -> dict[str, Any]:
-    """Attention maps for the first `num_maps` images and the mean attention distance over all of them."""
+                      advance: Callable[[int], None] = lambda n: None) -> dict[str, Any]:
+    """Attention maps for the first `num_maps` images and the mean attention distance over all of them; `advance(n)`
+    is told of each chunk of n images done."""
     grid, p, prefix = grid_size(model), patch_size(model), model.num_prefix_tokens
     dist_sum, maps = None, []
     for start in range(0, len(images), batch_size):  # chunks bound the memory of L x (B, heads, T, T) probabilities
@@ -167,6 +171,7 @@ def attention_figures(model: VisionTransformer, images: torch.Tensor, names: lis
                 path = out / f"attention_{j}_{names[j]}.png"
                 paper_figures.plot_attention(batch[i].permute(1, 2, 0).numpy(), rollout[i], layers[i], names[j], path)
                 maps.append(path.name)
+        advance(len(batch))
     dist = dist_sum / len(images)  # (L, heads)
     uniform = float(stats.patch_distances(grid, p).mean())  # a head attending to every patch equally
     paper_figures.plot_attention_distance(dist, uniform, img_hw(tuple(model.patch_embed.img_size)), len(images),
@@ -178,11 +183,11 @@ def attention_figures(model: VisionTransformer, images: torch.Tensor, names: lis
 
 
 def default_out(checkpoint: str) -> Path:
-    """`analysis/` beside a local checkpoint (inside an export folder); for a hub name, `analysis/<name>` here."""
-    path = Path(checkpoint.removeprefix(LOCAL_DIR))
-    if path.exists():
-        return (path if path.is_dir() else path.parent) / "analysis"
-    return Path("analysis") / checkpoint.replace(HUB, "").replace("/", "_").replace(":", "_")
+    """`PATH-analysis` beside the export folder PATH, never inside an export (the folder is the model as trained and
+    uploaded); `FILE-analysis` beside a bare weights file; for a Hub or timm name, `NAME-analysis` here. The same
+    rule as evaluation's (vit_mpp.pretrained.results_folder). The model card's figures are drawn into the export on
+    purpose, with --out (vit_mpp/hub.py)."""
+    return results_folder(checkpoint, "analysis")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -219,8 +224,9 @@ def main(argv: list[str] | None = None) -> None:
     if len(images):
         model.to(args.device)
         num_maps = len(args.images) + (min(args.num_maps, len(images) - len(args.images)) if args.shards else 0)
-        summary.update(attention_figures(model, images, names, num_maps, mean, std, out, args.device,
-                                          args.batch_size))
+        with progress("attention", len(images)) as advance:
+            summary.update(attention_figures(model, images, names, num_maps, mean, std, out, args.device,
+                                              args.batch_size, advance))
     else:
         print("no --images and no --shards: attention maps and mean attention distance skipped")
     written = ["params.txt", "params.csv", "params.json", "position_similarity.png", "embedding_filters.png",

@@ -3,6 +3,7 @@
     python experiments/pretrain_vs_scratch.py                   # the main comparison, 3 seeds (see docs/results.md)
     python experiments/pretrain_vs_scratch.py --ablations       # plus the target and mask-ratio ablations
     python experiments/pretrain_vs_scratch.py --seeds 0 --pretrain-steps 200 --finetune-epochs 10   # a quick look
+    python experiments/pretrain_vs_scratch.py --data-only --seeds 0   # only the data the digits configs read
 
 What it does, with the real commands as subprocesses (so it measures the product, not a re-implementation):
 
@@ -337,7 +338,8 @@ def report(plan: Plan, args: argparse.Namespace, baseline: list[float]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The experiment's command line."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--out", type=Path, default=REPO / "runs/experiments/digits", help="where data and runs go")
@@ -370,7 +372,14 @@ def main() -> None:
     p.add_argument("--reuse", action="store_true",
                    help="keep finished runs found in --out instead of running them again (e.g. to add seeds)")
     p.add_argument("--threads", type=int, default=None, help="threads per run (default: cores / jobs)")
-    args = p.parse_args()
+    p.add_argument("--data-only", action="store_true",
+                   help="only write the digits and build their shards (all images, and the labelled subset of each "
+                        "seed), where configs/*/digits.yaml read them, then stop: to run those configs by hand")
+    return p
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     args.extra_seeds = [k for k in args.extra_seeds if k in args.seeds]
     out = args.out.resolve()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -384,6 +393,10 @@ def main() -> None:
     else:
         print(f"== data: digits at {args.size}x{args.size}, shards under {out / 'shards'}", flush=True)
         items, labelled = make_data(out, args.size, args.val_fraction, args.labels_per_class, seeds)
+        if args.data_only:
+            print(f"shards of every training image: {out / 'shards' / 'all'}; labelled shards: "
+                  f"{', '.join(str(labelled[k]) for k in sorted(labelled))}")
+            return
     baseline = [pixel_baseline(items, args.labels_per_class, k) for k in args.seeds]
     data_minutes = (time.perf_counter() - started) / 60
 

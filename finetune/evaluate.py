@@ -10,14 +10,16 @@ normalisation, evaluation crop); the images are decoded as in fine-tuning's eval
 
 Prints loss, top-1, top-5 (more than 5 classes), mean per-class accuracy and per-class accuracy; writes
 `evaluation.json` (all of it, with the confusion matrix), `confusion_matrix.json` and `confusion_matrix.png` to
-`--out`, by default the folder `PATH-eval-SPLIT` beside the export folder PATH (never into an export).
+`--out`, by default the folder `PATH-eval-SPLIT` beside the export folder PATH (never into an export). Progress
+(rate, ETA) goes to standard error while it reads (vit_mpp/progress.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
-import re
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,25 +30,18 @@ from vit_mpp.config import ConfigError, DataConfig
 from vit_mpp.data_stream import build_eval_loader
 from vit_mpp.export import is_export
 from vit_mpp.manifest import load_split
-from vit_mpp.pretrained import LOCAL_DIR, Pretrained, load_classifier
+from vit_mpp.pretrained import Pretrained, load_classifier, results_folder
+from vit_mpp.progress import progress
 from vit_mpp.step_meter import with_unread
 
 MAX_ROWS = 20  # per-class rows printed; evaluation.json has them all
 
 
 def default_out(checkpoint: str, split: str) -> Path:
-    """`PATH-eval-SPLIT` beside the export folder PATH (or the folder of its weights file), outside any export that
-    holds it (`run/export/best` -> `run/export-best-eval-val`), so that no export folder gains files; for a Hub or timm
-    name, `NAME-eval-SPLIT` in the current directory."""
-    path = Path(checkpoint.removeprefix(LOCAL_DIR))
-    if not path.exists():
-        return Path(re.sub(r"[^\w.-]+", "_", checkpoint) + f"-eval-{split}")
-    folder = (path if path.is_dir() else path.parent).absolute()
-    name = folder.name
-    while folder.parent != folder and is_export(folder.parent):
-        folder = folder.parent
-        name = f"{folder.name}-{name}"
-    return folder.parent / f"{name}-eval-{split}"
+    """`PATH-eval-SPLIT` beside the export folder PATH, outside any export that holds it (`run/export/best` ->
+    `run/export-best-eval-val`), so that no export folder gains files; for a Hub or timm name, `NAME-eval-SPLIT` in
+    the current directory (vit_mpp.pretrained.results_folder, as for the analysis figures)."""
+    return results_folder(checkpoint, f"eval-{split}")
 
 
 def check_classes(pre: Pretrained, info: dict[str, Any], shards: str, ignore_names: bool) -> str | None:
@@ -109,7 +104,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     _, loader = build_eval_loader(split, data, pre.model.img_size, args.batch_size, rank=accelerator.process_index,
                                   world_size=accelerator.num_processes, num_classes=pre.num_classes)
     model.to(accelerator.device)
-    result, confusion = evaluate(accelerator, model, loader, pre.mean, pre.std, pre.num_classes)
+    shown = progress("evaluating", split.num_samples) if accelerator.is_main_process else \
+        contextlib.nullcontext(lambda n: None)
+    with shown as advance:
+        counted = counting(loader, advance, accelerator.num_processes)
+        result, confusion = evaluate(accelerator, model, counted, pre.mean, pre.std, pre.num_classes)
 
     metrics, warning = with_unread(result, split.num_samples)  # the keys of fine-tuning's own evaluation records
     if warning:
@@ -127,6 +126,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print_report(report, out)
     accelerator.end_training()
     return report
+
+
+def counting(loader: Iterable[dict[str, Any]], advance: Callable[[int], None], processes: int,
+             ) -> Iterator[dict[str, Any]]:
+    """The batches of `loader`, telling `advance` of the images each holds (this process's valid ones times the
+    number of processes: every process reads an equal share)."""
+    for batch in loader:
+        yield batch
+        advance(int(batch["valid"].sum()) * processes)
 
 
 def print_report(report: dict[str, Any], out: Path) -> None:

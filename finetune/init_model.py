@@ -14,9 +14,9 @@ from timm.models.vision_transformer import VisionTransformer
 
 from finetune.config import InitConfig
 from finetune.modes import freeze_encoder
-from vit_mpp.config import ARCH_KEYS, ConfigError, ModelConfig
+from vit_mpp.config import ARCH_KEYS, ConfigError, ModelConfig, given_keys
 from vit_mpp.models import architecture, create_vit, norm_stats
-from vit_mpp.pretrained import build_model, read_pretrained
+from vit_mpp.pretrained import build_model, describe_checkpoint, read_pretrained
 
 
 def attach_zero_head(model: VisionTransformer, num_classes: int) -> None:
@@ -53,16 +53,35 @@ def build_classifier(init: InitConfig, model_cfg: ModelConfig, num_classes: int,
     return model, mean, std, model_cfg
 
 
+def check_architecture(init: InitConfig, model_cfg: ModelConfig) -> None:
+    """Before a run writes anything: when `init.checkpoint` names its architecture (an export, a Hub model), the
+    `model.*` architecture keys the user set must agree with it (read from the checkpoint's config, not its weights).
+    `build_classifier` checks the same on the weights it loads."""
+    if init.checkpoint:
+        named, _ = describe_checkpoint(init.checkpoint, init.kind)
+        if named is not None:
+            _check_same_architecture(model_cfg, named)
+
+
 def _check_same_architecture(asked: ModelConfig, checkpoint: ModelConfig) -> None:
-    """An architecture size set in the fine-tuning config must agree with the checkpoint's (it cannot change)."""
-    given = {k: getattr(asked, k) for k in ARCH_KEYS if k != "name" and getattr(asked, k) is not None}
+    """An architecture key set in the fine-tuning config must agree with the checkpoint's (it cannot change). The
+    sizes default to null, so a size that is set was asked for; `model.name` has a default, so it counts only when
+    the user wrote it (vit_mpp.config.given_keys): otherwise a fine-tuning of a ViT-Tiny export with
+    `model.name=vit_base_patch16_224` would train the tiny model under the base model's name."""
+    given = {k: getattr(asked, k) for k in ARCH_KEYS
+             if getattr(asked, k) is not None and (k != "name" or k in given_keys(asked))}
     if not given:
         return
     actual = architecture(checkpoint)
-    differ = [f"model.{k}={v} (the checkpoint's is {actual[k]:g})" for k, v in given.items() if v != actual[k]]
+    differ = [f"model.{k}={v} (the checkpoint's is {_shown(actual[k])})" for k, v in given.items()
+              if (v.split(".")[0] != actual[k].split(".")[0] if k == "name" else v != actual[k])]
     if differ:
         raise ConfigError(f"the checkpoint fixes the architecture, which cannot change in fine-tuning: "
                           f"{', '.join(differ)}; remove these keys or use another checkpoint")
+
+
+def _shown(value: object) -> str:
+    return f"{value:g}" if isinstance(value, (int, float)) else str(value)
 
 
 def _chosen_stats(init: InitConfig, mean: tuple[float, ...], std: tuple[float, ...],

@@ -13,6 +13,7 @@ from timm.utils import ModelEmaV3
 from finetune.exports import ClassifierExporter
 from finetune.scoring import evaluate, per_class_accuracy, write_confusion
 from vit_mpp.step_meter import StepMeter
+from vit_mpp.tracking import log_images
 
 
 @dataclass
@@ -38,6 +39,7 @@ def evaluate_and_keep_best(accelerator: Accelerator, model: Any, ema: ModelEmaV3
     if accelerator.is_main_process:
         write_confusion(confusion, exporter.class_names, run_dir,
                         title=f"step {step}: top-1 {result['val_top1']:.4f} on {result['val_samples']} images")
+        log_images(accelerator, {"val/confusion_matrix": Path(run_dir) / "confusion_matrix.png"}, step)
     if result["val_top1"] > best.top1:  # the same decision on every process: the metrics were reduced
         exporter.write(model, Path(run_dir) / "export" / "best", step, result)
         best.top1 = result["val_top1"]

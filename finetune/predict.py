@@ -8,6 +8,10 @@ prepared exactly as the shards were (build-shards' own `prepare_image`, with the
 shards' manifest: RGB conversion, EXIF rotation, 16-bit scaling, resizing), then gets the validation preprocessing
 of fine-tuning (resize, centre crop). Writes CSV rows `path,class_index,class_name,prob` (plus the next-best
 classes with `--top-k`) to `--out` or standard output.
+
+An image that cannot be read is skipped with a warning and the others are labelled; when no image at all can be,
+that is one line `error: ...` (exit 2) and nothing is written. Progress (rate, ETA) goes to standard error
+(vit_mpp/progress.py).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import argparse
 import contextlib
 import csv
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -28,6 +32,15 @@ from vit_mpp.data_stream import normalize
 from vit_mpp.image_decoder import ImageDecoder
 from vit_mpp.image_formats import IMAGE_EXTENSIONS, is_image_file
 from vit_mpp.pretrained import Pretrained, load_classifier
+from vit_mpp.progress import progress
+
+
+class NothingLabelled(ConfigError):
+    """Not one of the images given could be read."""
+
+
+def warn_skipped(path: Path, reason: str) -> None:
+    print(f"warning: skipped {path}: {reason}", file=sys.stderr)
 
 
 def image_paths(items: list[str]) -> list[Path]:
@@ -55,18 +68,23 @@ def prepared_image(path: Path, decoder: ImageDecoder, pre: Pretrained) -> torch.
 
 @torch.no_grad()
 def predict(model: torch.nn.Module, pre: Pretrained, paths: list[Path], batch_size: int = 64, top_k: int = 1,
-            device: str | torch.device = "cpu") -> Iterator[tuple[Path, list[tuple[int, float]]]]:
-    """(path, [(class index, probability)] best first) for each image; undecodable images are reported and skipped."""
+            device: str | torch.device = "cpu", *, on_skip: Callable[[Path, str], None] = warn_skipped,
+            advance: Callable[[int], None] | None = None) -> Iterator[tuple[Path, list[tuple[int, float]]]]:
+    """(path, [(class index, probability)] best first) for each image; an image that cannot be read is passed to
+    `on_skip` (a warning by default) and skipped. `advance(n)` is told of every batch of n images done."""
     decoder = ImageDecoder(pre.model.img_size, train=False, eval_crop_pct=pre.crop_pct or 0.875)
     model.to(device)
     for i in range(0, len(paths), batch_size):
         good, images = [], []
-        for p in paths[i:i + batch_size]:
+        chunk = paths[i:i + batch_size]
+        for p in chunk:
             try:
                 images.append(prepared_image(p, decoder, pre))
                 good.append(p)
             except (BadImage, OSError) as e:  # one bad file must not stop the labelling of the others
-                print(f"warning: skipped {p}: {e}", file=sys.stderr)
+                on_skip(p, str(e))
+        if advance is not None:
+            advance(len(chunk))
         if not images:
             continue
         x = normalize(torch.stack(images).to(device), pre.mean, pre.std)
@@ -91,14 +109,32 @@ def main(argv: list[str] | None = None) -> None:
     model, pre = load_classifier(args.checkpoint)
     names = pre.class_names or [str(i) for i in range(pre.num_classes)]
     paths = image_paths(args.images)
+    header = ["path", "class_index", "class_name", "prob"]
+    header += [f"{h}_{r}" for r in range(2, args.top_k + 1) for h in header[1:]]
+    skipped: list[tuple[Path, str]] = []
     count = 0
-    with open(args.out, "w", newline="") if args.out else contextlib.nullcontext(sys.stdout) as out:
-        writer = csv.writer(out)
-        header = ["path", "class_index", "class_name", "prob"]
-        writer.writerow(header + [f"{h}_{r}" for r in range(2, args.top_k + 1) for h in header[1:]])
-        for path, top in predict(model, pre, paths, args.batch_size, args.top_k, args.device):
+
+    def skip(path: Path, reason: str) -> None:
+        skipped.append((path, reason))
+        if count:  # while nothing is labelled the warnings wait: if nothing ever is, the error says it in one line
+            warn_skipped(path, reason)
+
+    with contextlib.ExitStack() as stack, progress("labelling", len(paths)) as advance:
+        writer = None
+        for path, top in predict(model, pre, paths, args.batch_size, args.top_k, args.device, on_skip=skip,
+                                 advance=advance):
+            if writer is None:  # opened at the first label: when no image can be read, nothing is written
+                out = stack.enter_context(open(args.out, "w", newline="")) if args.out else sys.stdout
+                writer = csv.writer(out)
+                writer.writerow(header)
+                for held in skipped:
+                    warn_skipped(*held)
             writer.writerow([str(path)] + [x for idx, prob in top for x in (idx, names[idx], f"{prob:.6f}")])
             count += 1
+    if not count:
+        first, reason = skipped[0]
+        raise NothingLabelled(f"none of the {len(paths)} image(s) could be read, so nothing was labelled "
+                              f"({first}: {' '.join(reason.split())})")
     if args.out:
         print(f"labelled {count} of {len(paths)} images -> {args.out}", file=sys.stderr)
 

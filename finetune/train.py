@@ -20,7 +20,7 @@ from finetune.augment import RandAugmentU8
 from finetune.config import DESCRIPTION, FinetuneConfig
 from finetune.ema import build_ema
 from finetune.exports import ClassifierExporter, publish_exports
-from finetune.init_model import build_classifier
+from finetune.init_model import build_classifier, check_architecture
 from finetune.keep_best import Best, evaluate_and_keep_best
 from finetune.modes import set_train_mode
 from finetune.objective import ClassificationObjective
@@ -34,8 +34,8 @@ from vit_mpp.optimizer import build_optimizer
 from vit_mpp.preemption import StepBoundary, StopSignals
 from vit_mpp.run_setup import start_run
 from vit_mpp.schedule import describe_lr, itstime, lr_at, scaled_lr, set_lr, warmup_steps
-from vit_mpp.step_meter import StepMeter, format_epoch, micro_batch_output
-from vit_mpp.tracking import start_trackers
+from vit_mpp.step_meter import StepMeter, micro_batch_output, plain_number
+from vit_mpp.tracking import finish_trackers, start_trackers
 from vit_mpp.training_data import TrainingData
 
 
@@ -53,6 +53,7 @@ def train(cfg: FinetuneConfig) -> None:
 def _train(cfg: FinetuneConfig, signals: StopSignals) -> None:
     """The spine of a run, top to bottom."""
     tc = cfg.train
+    check_architecture(cfg.init, cfg.model)  # a model.* key that the checkpoint fixes: refused before any write
     run = start_run(cfg)  # accelerator, checks, seed, data manifests, run directory, logs
     accelerator, gbatch, data, log, audit = run.accelerator, run.gbatch, run.data, run.log, run.audit
     num_classes, class_names = classes_of(cfg, data)
@@ -127,7 +128,7 @@ def _train(cfg: FinetuneConfig, signals: StopSignals) -> None:
         if val_loader is not None and itstime(done, steps_per_epoch * tc.eval_every_epochs, total_steps):
             result, ema_result = evaluate_and_keep_best(
                 accelerator, model, ema, val_loader, exporter, best, meter, step=done, run_dir=tc.run_dir,
-                label=f"epoch {format_epoch(done / steps_per_epoch)}", split_size=data.val_split.num_samples)
+                label=f"epoch {plain_number(done / steps_per_epoch)}", split_size=data.val_split.num_samples)
             set_train_mode(accelerator.unwrap_model(model), tc.mode)
         checkpointer.after_step(done, lambda: {"config": to_dict(cfg), "stream": resumed.generation.to_dict(),
                                                "steps_per_epoch": steps_per_epoch, "best_top1": best.top1,
@@ -143,6 +144,7 @@ def _train(cfg: FinetuneConfig, signals: StopSignals) -> None:
         accelerator.print(f"final validation top-1: {result['val_top1']:.4f} on {result['val_samples']} images "
                           f"({num_classes} classes, chance {1 / num_classes:.4f}); best {best.top1:.4f}, exported "
                           f"to {Path(tc.run_dir) / 'export' / 'best'}")
+    finish_trackers(accelerator, tc, {**result, **{f"ema_{k}": v for k, v in ema_result.items()}})
     accelerator.end_training()
 
 

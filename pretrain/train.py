@@ -33,7 +33,7 @@ from vit_mpp.preemption import StepBoundary, StopSignals
 from vit_mpp.run_setup import start_run
 from vit_mpp.schedule import describe_lr, itstime, lr_at, scaled_lr, set_lr, warmup_steps
 from vit_mpp.step_meter import StepMeter, micro_batch_output
-from vit_mpp.tracking import start_trackers
+from vit_mpp.tracking import finish_trackers, start_trackers
 from vit_mpp.training_data import TrainingData
 
 
@@ -130,6 +130,7 @@ def _train(cfg: PretrainConfig, signals: StopSignals) -> None:
     meter.draw()
     audit.flush()
     export_encoder(accelerator, model, cfg, mean, std, last_eval, data, peak_lr)
+    finish_trackers(accelerator, tc, last_eval)
     accelerator.end_training()
 
 

@@ -29,8 +29,8 @@ def test_the_final_export_has_a_model_card_from_its_record(demo_shards, tmp_path
     pretrain_main(["--config", "configs/pretrain/tiny.yaml", f"data.shards={demo_shards}", f"train.run_dir={tmp_path}",
                    "data.num_workers=0", "export.license=apache-2.0"])
     card = (tmp_path / "export" / "README.md").read_text()
-    assert card.startswith("---\nlibrary_name: timm\ntags:\n- vit-mpp") and "license: apache-2.0" in card
-    assert 'timm.create_model("hf-hub:OWNER/NAME", pretrained=True)' in card
+    assert card.startswith("---\nlibrary_name: timm\n") and "- vit-mpp\n" in card and "license: apache-2.0" in card
+    assert f'timm.create_model("local-dir:{tmp_path / "export"}", pretrained=True)' in card and "hf-hub:" not in card
     for fact in ("| target | mean_color |", "| steps | 6 |", "| train images |", "## Results", "| val_loss |",
                  "![curves](curves.png)"):
         assert fact in card, fact

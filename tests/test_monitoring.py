@@ -39,10 +39,11 @@ def test_tensorboard_receives_the_scalars_and_the_flattened_config(demo_shards, 
         acc = EventAccumulator(str(path))
         acc.Reload()
         scalars.update({tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]})
-    for tag in ("loss", "acc", "lr", "img_per_s", "frac_mask", "val_loss", "val_acc", "knn_top1_cls"):
+    for tag in ("train/loss", "train/acc", "train/lr", "train/img_per_s", "train/frac_mask", "val/loss", "val/acc",
+                "knn/top1_cls"):  # grouped by vit_mpp/tracking.py's rule (tests/test_trackers.py)
         assert tag in scalars, sorted(scalars)
-    assert len(scalars["loss"]) == 4 and len(scalars["val_loss"]) == 2
-    assert scalars["loss"] == pytest.approx([r["loss"] for r in records(tmp_path) if "loss" in r])
+    assert len(scalars["train/loss"]) == 4 and len(scalars["val/loss"]) == 2
+    assert scalars["train/loss"] == pytest.approx([r["loss"] for r in records(tmp_path) if "loss" in r])
     hparams = b"".join(p.read_bytes() for p in events)
     assert b"optim.base_lr" in hparams and b"mpp.mask_ratio" in hparams  # the config, flattened to dotted keys
 

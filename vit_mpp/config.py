@@ -3,6 +3,16 @@
 Every stage describes its config as nested dataclasses. `parse_args` reads `--config FILE` and any number of
 `section.key=value` overrides (values parsed as YAML), checks every key and type, and returns the filled
 dataclass. Unknown keys and wrong types raise `ConfigError` with a one-line message that names the key.
+
+Values are read as users write them: YAML 1.1 reads `no`, `off`, `yes`, `on` (and `true`, `false`) as booleans and
+`~`, `null` or nothing as null, so the loader keeps the word written beside what YAML made of it (`Word`). A bool
+field takes the boolean; a string-choice field (`Literal[...]`) or a `str` field takes the word itself
+(`mixed_precision: no` is "no"); a null in a `str` field that does not allow null is "", which every such field
+reads as "none".
+
+The loader also records which keys the user set, in the YAML file or as key=value, per section (`given_keys`): a
+default and a value written equal to it are otherwise indistinguishable, and a checkpoint that fixes a value must
+refuse only what the user asked for.
 """
 
 from __future__ import annotations
@@ -23,10 +33,54 @@ from vit_mpp.errors import UserError
 
 T = TypeVar("T")
 DRY_RUN = "_dry_run"  # the attribute of a parsed config that says --dry-run was given
+GIVEN = "_given_keys"  # the instance attribute (not a field: the dataclasses keep their shape) that given_keys reads
 
 
 class ConfigError(UserError):
     """A bad config file, key or value; the message is one line meant for the user."""
+
+
+class Word(str):
+    """A YAML scalar that YAML 1.1 reads as a boolean or null, kept as the text written; `value` is what YAML made
+    of it (True, False or None). A str, so a string field takes the word; a bool field takes `value`."""
+
+    value: bool | None
+
+    def __new__(cls, text: str, value: bool | None) -> Word:
+        word = super().__new__(cls, text)
+        word.value = value
+        return word
+
+
+class _WordLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, except that booleans and nulls come back as `Word`s (the type decides, not YAML)."""
+
+
+_WordLoader.add_constructor("tag:yaml.org,2002:bool",
+                            lambda loader, node: Word(node.value, loader.construct_yaml_bool(node)))
+_WordLoader.add_constructor("tag:yaml.org,2002:null", lambda loader, node: Word(node.value, None))
+
+
+def read_yaml(text: str) -> Any:
+    """`text` parsed as YAML, with booleans and nulls kept as `Word`s (see the module doc)."""
+    return yaml.load(text, Loader=_WordLoader)  # a SafeLoader subclass: plain data only, never objects
+
+
+def _plain(value: Any) -> Any:
+    """`value` with every `Word` replaced by what YAML made of it (for values no field type decides)."""
+    if isinstance(value, Word):
+        return value.value
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
+
+
+def given_keys(section: Any) -> frozenset[str]:
+    """The names of the fields of a loaded config section that the user set (in the YAML file or as key=value),
+    whatever their value; empty for a section built in code or left to its defaults."""
+    return getattr(section, GIVEN, frozenset())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,38 +153,44 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     """Return `value` checked (and minimally converted) against type `tp`, or raise ConfigError naming `key`."""
     origin = get_origin(tp)
     if tp is Any:
-        return value
+        return _plain(value)
     if origin in (Union, types.UnionType):
+        if _is_null(value) and type(None) in get_args(tp):  # before `str` can take a null as ""
+            return None
         errors = []
         for arg in get_args(tp):
             try:
                 return _coerce(value, arg, key)
             except ConfigError as e:
                 errors.append(e)
-        raise ConfigError(f"config key '{key}' expects {_type_name(tp)}, got {value!r}")
+        raise ConfigError(f"config key '{key}' expects {_type_name(tp)}, got {_shown(value)}")
     if tp is type(None):
-        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+        if _is_null(value) or (isinstance(value, str) and value.lower() in ("none", "null")):
             return None
-        raise ConfigError(f"config key '{key}' expects null, got {value!r}")
+        raise ConfigError(f"config key '{key}' expects null, got {_shown(value)}")
     if origin is Literal:
-        if value in get_args(tp):
+        if isinstance(value, Word) and value.value is not None:  # `no` meant the choice "no", not False
+            value = str(value)
+        if not isinstance(value, Word) and value in get_args(tp):
             return value
-        raise ConfigError(f"config key '{key}' expects one of {_type_name(tp)}, got {value!r}")
+        raise ConfigError(f"config key '{key}' expects one of {_type_name(tp)}, got {_shown(value)}")
     if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"config key '{key}' expects {_type_name(tp)}, got {value!r}")
+            raise ConfigError(f"config key '{key}' expects {_type_name(tp)}, got {_shown(value)}")
         args = get_args(tp)
         inner = args[0] if args else Any
         items = [_coerce(v, inner, f"{key}[{i}]") for i, v in enumerate(value)]
         return tuple(items) if origin is tuple else items
     if tp is bool:
+        if isinstance(value, Word) and isinstance(value.value, bool):
+            return value.value
         if isinstance(value, bool):
             return value
-        raise ConfigError(f"config key '{key}' expects bool, got {value!r}")
+        raise ConfigError(f"config key '{key}' expects bool, got {_shown(value)}")
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-        raise ConfigError(f"config key '{key}' expects int, got {value!r}")
+        raise ConfigError(f"config key '{key}' expects int, got {_shown(value)}")
     if tp is float:
         # PyYAML reads `2e-4` (no dot) as a string; accept any number-looking value for float fields.
         if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -140,18 +200,31 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                 return float(value)
             except ValueError:
                 pass
-        raise ConfigError(f"config key '{key}' expects float, got {value!r}")
+        raise ConfigError(f"config key '{key}' expects float, got {_shown(value)}")
     if tp is str:
+        if _is_null(value):  # no str field here allows null: the user meant "none", which is '' in every one
+            return ""
+        if isinstance(value, Word):  # a YAML boolean meant the word
+            return str(value)
         if isinstance(value, str):
             return value
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return str(value)  # e.g. a path or name that YAML read as a number
-        raise ConfigError(f"config key '{key}' expects str, got {value!r}")
+        raise ConfigError(f"config key '{key}' expects str, got {_shown(value)}")
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
-            raise ConfigError(f"config section '{key}' expects a mapping, got {value!r}")
+            raise ConfigError(f"config section '{key}' expects a mapping, got {_plain(value)!r}")
         return _fill(tp, value, prefix=f"{key}.")
     raise ConfigError(f"config key '{key}' has an unsupported type {tp!r}")  # a bug in a config class
+
+
+def _is_null(value: Any) -> bool:
+    return value is None or (isinstance(value, Word) and value.value is None)
+
+
+def _shown(value: Any) -> str:
+    """`value` as an error message shows it: a null as null, whatever the user wrote for it."""
+    return "null" if _is_null(value) else repr(value)
 
 
 def _fill(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
@@ -162,11 +235,12 @@ def _fill(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
             raise ConfigError(f"unknown config key '{prefix}{k}' (known in this section: {', '.join(sorted(names))})")
     kwargs = {k: _coerce(v, hints[k], f"{prefix}{k}") for k, v in data.items()}
     obj = cls(**kwargs)
+    object.__setattr__(obj, GIVEN, frozenset(data))  # beside the fields, not one of them (see given_keys)
     for f in dataclasses.fields(cls):  # defaults too: every field of a loaded config follows its rule
         check = _check_of(cls, f.name)
         value = getattr(obj, f.name)
         if check is not None and not check(value):
-            raise ConfigError(f"config key '{prefix}{f.name}' must be {check.text}, got {value!r}")
+            raise ConfigError(f"config key '{prefix}{f.name}' must be {check.text}, got {_shown(value)}")
     for key, problem in getattr(obj, "problems", lambda: [])():  # rules that join several fields
         raise ConfigError(f"config key '{prefix}{key}' {problem}")
     return obj
@@ -206,9 +280,10 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}")
         try:
-            loaded = yaml.safe_load(path.read_text())
+            loaded = read_yaml(path.read_text())
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+        loaded = None if _is_null(loaded) else loaded  # a file holding only `~`: no keys
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"config file {path} must hold a mapping at the top level")
         data = loaded or {}
@@ -217,7 +292,7 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
             raise ConfigError(f"override '{item}' is not of the form key=value")
         key, raw = item.split("=", 1)
         try:
-            value = yaml.safe_load(raw) if raw != "" else ""
+            value = read_yaml(raw) if raw != "" else ""
         except yaml.YAMLError:
             value = raw
         _set_dotted(data, key.strip(), value)

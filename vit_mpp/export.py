@@ -222,20 +222,31 @@ def _from_timm_config(config: dict[str, Any], where: Path) -> ModelConfig:
 def read_export(path: str | Path) -> Export:
     """Read the export at `path` (its folder or weights file): this tool's, either format, or a plain timm
     Hugging Face folder (config.json + model.safetensors). Raises ExportError with one line when it cannot."""
-    path = Path(path)
+    return _read(Path(path), weights=True)
+
+
+def read_export_config(path: str | Path) -> tuple[ModelConfig, dict[str, Any]]:
+    """(the model, the vit_mpp record) of the export at `path`, from its config alone: the weights are not read (a
+    check before a run starts, a model card's provenance)."""
+    ex = _read(Path(path), weights=False)
+    return ex.model, ex.record
+
+
+def _read(path: Path, weights: bool) -> Export:
+    """The export at `path`; its `state` is {} unless `weights`."""
     files = _files(path)
     if files is None:
         old = path.with_name(path.name + ".old")
         raise ExportError(f"not an export (config.json + model.safetensors, or an older .safetensors + .json): "
                               f"{path}{' (an older export is at ' + str(old) + ')' if old.exists() else ''}")
-    weights, meta_path = files
+    weights_path, meta_path = files
     meta = _json(meta_path)
     if meta_path.name == CONFIG:
         ours = meta.get(RECORD) or {}
         if not isinstance(ours, dict):
             raise ExportError(f"{meta_path}: '{RECORD}' is not a JSON object")
         model = _model_config(ours["model"], meta_path) if "model" in ours else _from_timm_config(meta, meta_path)
-        state = _weights(weights, ours.get("export_id"))
+        state = _weights(weights_path, ours.get("export_id")) if weights else {}
         data = meta.get("pretrained_cfg") or {}
         mean, std = data.get("mean", (0.5,) * 3), data.get("std", (0.5,) * 3)
         crop_pct, names = data.get("crop_pct", 0.875), meta.get("label_names")
@@ -244,15 +255,15 @@ def read_export(path: str | Path) -> Export:
         if "model" not in meta:
             raise ExportError(f"{meta_path} has no 'model' section: not an export of this tool")
         model = _model_config(meta["model"], meta_path)
-        state = _weights(weights, None)
+        state = _weights(weights_path, None) if weights else {}
         ours = {k: v for k, v in meta.items() if k not in ("model", "mean", "std", "class_names")}
         ours["kind"] = "classifier" if "num_classes" in meta else "encoder"
         mean, std = meta.get("mean", (0.5,) * 3), meta.get("std", (0.5,) * 3)
         crop_pct, names = meta.get("eval_crop_pct", 0.875), meta.get("class_names")
         num_classes = int(meta.get("num_classes", 0))
-    if "patch_embed.proj.weight" not in state:
-        raise ExportError(f"{weights} holds no ViT patch embedding (patch_embed.proj.weight)")
+    if weights and "patch_embed.proj.weight" not in state:
+        raise ExportError(f"{weights_path} holds no ViT patch embedding (patch_embed.proj.weight)")
     if len(mean) != 3 or len(std) != 3:
         raise ExportError(f"{meta_path}: mean and std must hold three numbers each")
-    return Export(path=weights.parent, state=state, model=model, num_classes=num_classes, mean=tuple(mean),
+    return Export(path=weights_path.parent, state=state, model=model, num_classes=num_classes, mean=tuple(mean),
                   std=tuple(std), crop_pct=float(crop_pct), class_names=names, record=ours)

@@ -123,10 +123,17 @@ def write_manifest(out_dir: str | Path, info: dict[str, Any]) -> None:
     write_atomic(Path(out_dir) / MANIFEST_NAME, manifest_text(info))
 
 
+# The loaders build-shards records for a dataset read from the Hugging Face Hub by name (not from a local copy).
+HUB_LOADERS = ("hub", "hub-stream")
+
+
 def data_record(location: str | Path, info: dict[str, Any]) -> dict[str, Any]:
     """What an export records about the shards it was trained on (for model cards, and for predict, which prepares
-    images with the same encoder settings)."""
-    return {"shards": str(location), "name": info.get("name"), "source": (info.get("source") or {}).get("kind"),
+    images with the same encoder settings). `hf_dataset` is the Hub dataset the shards were built from, if any."""
+    source = info.get("source") if isinstance(info.get("source"), dict) else {}
+    hub = source.get("kind") == "hf" and source.get("loader") in HUB_LOADERS
+    return {"shards": str(location), "name": info.get("name"), "source": source.get("kind"),
+            "hf_dataset": source.get("path") if hub else None,
             "splits": {k: v.get("num_samples") for k, v in (info.get("splits") or {}).items()},
             "encoder": info.get("encoder"), "tool_version": info.get("tool_version")}
 

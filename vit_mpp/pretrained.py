@@ -40,7 +40,7 @@ from timm.models.vision_transformer import VisionTransformer, _load_weights
 
 from vit_mpp.checkpoint import CheckpointError
 from vit_mpp.config import ModelConfig
-from vit_mpp.export import ExportError, is_export, read_export
+from vit_mpp.export import ExportError, is_export, read_export, read_export_config
 from vit_mpp.models import create_vit, norm_stats, patch_size
 
 TORCH_SUFFIXES = (".pth", ".pt", ".bin")
@@ -114,6 +114,64 @@ def read_pretrained(checkpoint: str, model_cfg: ModelConfig, kind: str = "auto",
             probe = create_vit(model_cfg)
         return Pretrained(state, state_dict_grid(state, probe, grid), None, None, None)
     raise CheckpointError(f"unknown checkpoint kind {kind!r} (auto, export, hub, timm or npz)")
+
+
+def describe_checkpoint(checkpoint: str, kind: str = "auto") -> tuple[ModelConfig | None, dict[str, Any]]:
+    """(the architecture `checkpoint` names, its provenance record) without reading its weights: for checks before a
+    run writes anything, and for the records an export carries on. An export gives its config and its record; a
+    Hub repo its config.json (from the cache, or downloaded); a timm pretrained name its architecture and
+    {"source": name}; a timm state dict or an .npz names nothing: (None, {})."""
+    kind = checkpoint_kind(checkpoint) if kind == "auto" else kind
+    try:
+        if kind == "export":
+            return read_export_config(checkpoint.removeprefix(LOCAL_DIR))
+        if kind == "hub" and checkpoint.startswith(HUB):
+            from huggingface_hub import hf_hub_download
+
+            repo, _, revision = checkpoint[len(HUB):].partition("@")
+            return read_export_config(Path(hf_hub_download(repo, "config.json", revision=revision or None)).parent)
+    except (CheckpointError, ExportError):
+        raise
+    except Exception as e:  # offline and not cached, no such repo, a network error: many types
+        reason = " ".join(str(e).split())[:300] or type(e).__name__
+        raise CheckpointError(f"cannot get {checkpoint} (not in the local cache and the Hugging Face Hub not "
+                              f"reachable, or no such model): {type(e).__name__}: {reason}") from None
+    if kind == "hub":  # a timm pretrained name: architecture.tag
+        return ModelConfig(name=checkpoint.split(".")[0]), {"source": checkpoint}
+    return None, {}
+
+
+def results_folder(checkpoint: str, suffix: str) -> Path:
+    """Where a tool writes what it finds out about `checkpoint` (evaluation, analysis figures) unless told: never into
+    an export, whose folder is the model as trained and uploaded.
+
+    `PATH-<suffix>` beside the export folder PATH (or the folder of its weights file), outside any export that holds
+    it (`run/export/best` -> `run/export-best-<suffix>`); `FILE-<suffix>` beside a weights file that is no export
+    (`vit.npz` -> `vit-<suffix>`); for a Hub or timm name, `NAME-<suffix>` in the current directory."""
+    path = Path(checkpoint.removeprefix(LOCAL_DIR))
+    if not path.exists():
+        return Path(re.sub(r"[^\w.-]+", "_", checkpoint) + f"-{suffix}")
+    if path.is_dir() or is_export(path):
+        export = path if path.is_dir() else path.parent
+        folder, name = export.absolute().parent, export.absolute().name
+    else:
+        folder, name = path.absolute().parent, path.stem
+    while folder.parent != folder and is_export(folder):
+        folder, name = folder.parent, f"{folder.name}-{name}"
+    return folder / f"{name}-{suffix}"
+
+
+def hub_model_id(checkpoint: str) -> str | None:
+    """The Hugging Face Hub repo a checkpoint comes from (`hf-hub:OWNER/NAME` -> OWNER/NAME; a timm pretrained name
+    -> timm's repo for it), for a model card's `base_model`; None for a local checkpoint."""
+    if checkpoint.startswith(HUB):
+        return checkpoint[len(HUB):].partition("@")[0]
+    if Path(checkpoint).exists() or checkpoint.startswith(LOCAL_DIR) or not _is_timm_pretrained(checkpoint):
+        return None
+    from timm.models import get_pretrained_cfg
+
+    cfg = get_pretrained_cfg(checkpoint)
+    return getattr(cfg, "hf_hub_id", None) or None
 
 
 def _from_export(path: str | Path) -> Pretrained:

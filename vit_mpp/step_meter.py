@@ -9,6 +9,10 @@
 
 A log averages each metric over the optimizer steps actually summed since the previous log (a resumed run's first
 log may cover fewer than `log_every` steps), then over processes; undecodable samples are summed over processes.
+Every record also carries `elapsed_s`, the run's training time so far: this process's time since it started training,
+added to the `elapsed_s` of the last record kept from before a resume (the time a killed process spent after that
+record is not counted).
+What is written to metrics.jsonl is also sent to the trackers, named by vit_mpp/tracking.py's rule.
 """
 
 from __future__ import annotations
@@ -19,23 +23,20 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 
+from vit_mpp.progress import format_duration
 from vit_mpp.run_dir import MetricsLog
 from vit_mpp.schedule import itstime
-from vit_mpp.training_curves import write_run_curves
+from vit_mpp.tracking import log_images, log_scalars
+from vit_mpp.training_curves import CURVES_NAME, read_metrics, write_run_curves
 
 SHOWN = ("loss", "acc")  # the metrics the progress line shows, besides lr, rate and eta
 
 
-def format_duration(seconds: float) -> str:
-    seconds = int(max(0, seconds))
-    h, rem = divmod(seconds, 3600)
-    m, s = divmod(rem, 60)
-    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
-
-
-def format_epoch(epochs: float) -> str:
-    """An epoch count as people write it: `3`, `2.5`, `1160` (never `1.16e+03`)."""
-    return f"{epochs:.0f}" if abs(epochs - round(epochs)) < 1e-9 else f"{epochs:.2f}".rstrip("0")
+def plain_number(value: float) -> str:
+    """A count as people write it: `1160`, not `1.16e+03`; `2.5` or `0.33` when it is not whole."""
+    if float(value).is_integer():
+        return str(int(value))
+    return f"{value:.2f}".rstrip("0")
 
 
 def progress_line(step: int, total: int, metrics: dict[str, float], img_per_s: float, eta_s: float) -> str:
@@ -68,6 +69,15 @@ def micro_batch_output(out: dict[str, Any], batch: dict[str, Any], set_names: li
     return {**out, "metrics": metrics, "bad_samples": batch["bad"]}
 
 
+def previous_elapsed(log: MetricsLog) -> float:
+    """The training time the run's records reached before this process (its metrics.jsonl, rewound to the step it
+    resumes from); 0 without records that carry it."""
+    if not log.is_main:
+        return 0.0  # only the main process writes records
+    times = [r["elapsed_s"] for r in read_metrics(log.path.parent) if isinstance(r.get("elapsed_s"), (int, float))]
+    return float(max(times, default=0.0))
+
+
 class StepMeter:
     """Sums what each optimizer step produces; when a log is due, reports it once for all processes."""
 
@@ -76,8 +86,10 @@ class StepMeter:
         self.accelerator, self.metrics_log = accelerator, log
         self.total, self.batch_size, self.log_every = total_steps, batch_size, log_every
         self.bad_total = bad_total  # undecodable samples replaced so far in the run, all processes (checkpointed)
-        self.start_step = start_step
+        self.start_step = self.last_step = start_step
         self.start_time = self.last_time = time.perf_counter()
+        self.elapsed_before = previous_elapsed(log) if start_step else 0.0  # resumed: the run's time until then
+        self.curves_sent_at: int | None = None
         self._reset()
 
     def _reset(self) -> None:
@@ -113,12 +125,17 @@ class StepMeter:
         shown = {k: metrics[k] for k in SHOWN if k in metrics}
         self.accelerator.print(progress_line(step, self.total, {**shown, "lr": lr}, rate, eta))
         record = {"step": step, **extra, "lr": lr, "img_per_s": rate, "bad_samples": bad_now,
-                  "bad_samples_total": self.bad_total, **metrics}
+                  "bad_samples_total": self.bad_total, **metrics, "elapsed_s": self.elapsed()}
         self.metrics_log.write(record)
-        self.accelerator.log(record, step=step)
-        self.last_time = now
+        log_scalars(self.accelerator, record, step)
+        self.last_time, self.last_step = now, step
         self._reset()
         return record
+
+    def elapsed(self) -> float:
+        """The run's training time in seconds, to 0.1 s: before this process (a resumed run), then since its meter
+        was made."""
+        return round(self.elapsed_before + time.perf_counter() - self.start_time, 1)
 
     def checkpoint_state(self) -> dict[str, Any]:
         """What a checkpoint keeps of the meter (call on every process: it sums over them)."""
@@ -136,11 +153,16 @@ class StepMeter:
             self.accelerator.print(warning)
         shown = " | ".join(f"{k} {v:.4g}" for k, v in result.items() if isinstance(v, (int, float)))
         self.accelerator.print(f"eval {label} | {shown}")
-        self.metrics_log.write({"step": step, **result, **(details or {})})
-        self.accelerator.log({k: v for k, v in result.items() if isinstance(v, (int, float))}, step=step)
+        self.metrics_log.write({"step": step, **result, **(details or {}), "elapsed_s": self.elapsed()})
+        log_scalars(self.accelerator, result, step)
+        self.last_step = step
         self.draw()
 
     def draw(self) -> None:
-        """Write the run's curves.png from its metrics.jsonl (main process); at each evaluation and at the end."""
+        """Write the run's curves.png from its metrics.jsonl (main process), and send it to the trackers that take
+        images; at each evaluation and at the end."""
         if self.accelerator.is_main_process:
-            write_run_curves(self.metrics_log.path.parent)
+            path = write_run_curves(self.metrics_log.path.parent)
+            if path is not None and self.curves_sent_at != self.last_step:  # the final draw repeats the last eval's
+                log_images(self.accelerator, {CURVES_NAME.removesuffix(".png"): path}, self.last_step)
+                self.curves_sent_at = self.last_step
