@@ -1,7 +1,8 @@
-"""Run the data streams under a real multi-process launch and write what each rank saw (tests/test_stream_launch.py).
+"""Run the data streams under a real multi-process launch and write what each rank saw
+(tests/vit_mpp/test_stream_launch.py).
 
     python -m accelerate.commands.launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no \
-        --dynamo_backend no --main_process_port 0 tests/stream_probe.py OUT_DIR NAME=SHARDS [NAME=SHARDS ...]
+        --dynamo_backend no --main_process_port 0 tests/vit_mpp/stream_probe.py OUT_DIR NAME=SHARDS [NAME=SHARDS ...]
 
 For each shard set, every rank iterates `--epochs` training epochs (with one collective per step, as training
 does, so unequal step counts would hang) and one evaluation pass, then writes `OUT_DIR/NAME.rank<R>.json` with its

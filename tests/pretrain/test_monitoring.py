@@ -16,7 +16,7 @@ from analysis.plot import main as plot_main
 from pretrain.knn import knn_top1
 from pretrain.train import main as pretrain_main
 from tests.conftest import REPO, subprocess_env
-from tests.faults.test_stream_faults import shard_set
+from tests.vit_mpp.test_stream_faults import shard_set
 from vit_mpp.cli import run_main
 
 

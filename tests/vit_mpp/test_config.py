@@ -58,7 +58,7 @@ def test_unknown_key_in_yaml_file(tmp_path):
         load_config(PretrainConfig, tmp_path / "missing.yaml")
 
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 STAGES = {"pretrain": PretrainConfig, "finetune": FinetuneConfig}
 
 

@@ -12,7 +12,7 @@ from PIL import Image
 
 pytest.importorskip("sklearn")  # the dev extra; its bundled digits are the dataset
 
-SCRIPT = Path(__file__).resolve().parents[1] / "experiments" / "pretrain_vs_scratch.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "experiments" / "pretrain_vs_scratch.py"
 spec = importlib.util.spec_from_file_location("pretrain_vs_scratch", SCRIPT)
 bench = importlib.util.module_from_spec(spec)
 sys.modules[spec.name] = bench  # dataclasses look their module up there

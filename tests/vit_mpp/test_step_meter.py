@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from finetune.train import main as finetune_main
 from pretrain.train import main as pretrain_main
 from tests.conftest import write_encoder_export, write_shard_set
-from tests.test_stream_io import bad_shard_set
+from tests.vit_mpp.test_stream_io import bad_shard_set
 from vit_mpp.config import ModelConfig
 from vit_mpp.models import create_encoder
 from vit_mpp.run_dir import MetricsLog

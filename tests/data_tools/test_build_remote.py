@@ -24,8 +24,8 @@ from fsspec.implementations.memory import MemoryFileSystem
 
 from data_tools.build_shards import main as build_main
 from tests.conftest import REPO, subprocess_env
-from tests.test_build_parts import result_files
-from tests.test_build_shards import make_tree
+from tests.data_tools.test_build_parts import result_files
+from tests.data_tools.test_build_shards import make_tree
 from vit_mpp import urls
 
 

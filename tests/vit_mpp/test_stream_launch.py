@@ -1,7 +1,7 @@
 """The shard stream under a real `accelerate launch` of 2 processes x 2 data-loader workers (CPU, gloo).
 
-One launch of tests/stream_probe.py reads three shard sets: uneven shards, fewer shards than processes x workers,
-and the uneven set again over http from a loopback server. The per-rank JSON it writes is checked here.
+One launch of tests/vit_mpp/stream_probe.py reads three shard sets: uneven shards, fewer shards than processes x
+workers, and the uneven set again over http from a loopback server. The per-rank JSON it writes is checked here.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def launched(tmp_path_factory):
     with serve_directory(uneven) as url:
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
-               "tests/stream_probe.py", str(out), f"uneven={uneven}", f"few={few}", f"http={url}",
+               "tests/vit_mpp/stream_probe.py", str(out), f"uneven={uneven}", f"few={few}", f"http={url}",
                "--workers", "2", "--batch", "3", "--epochs", str(EPOCHS)]
         # The timeout is the hang detector: unequal step counts would block a collective forever.
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=subprocess_env(), cwd=REPO)

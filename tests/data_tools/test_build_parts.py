@@ -14,7 +14,7 @@ import pytest
 from data_tools.build_shards import main as build_main
 from data_tools.plan import Shuffle, plan_ranges, range_bounds
 from tests.conftest import REPO
-from tests.test_build_shards import make_tree
+from tests.data_tools.test_build_shards import make_tree
 
 
 def result_files(out: Path) -> dict[str, bytes]:
