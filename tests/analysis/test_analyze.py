@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 
 from analysis import attention_stats as stats
 from analysis.analyze import main as analyze_main
-from tests.conftest import write_encoder_export
+from tests.helpers.models import write_encoder_export
 from vit_mpp.cli import run_main
 from vit_mpp.config import ModelConfig
 from vit_mpp.models import create_encoder

@@ -13,23 +13,8 @@ import pytest
 
 from data_tools.build_shards import main as build_main
 from data_tools.plan import Shuffle, plan_ranges, range_bounds
-from tests.conftest import REPO
-from tests.data_tools.test_build_shards import make_tree
-
-
-def result_files(out: Path) -> dict[str, bytes]:
-    """What a build delivers: shards, manifest, failures (journals are its working state)."""
-    return {p.name: p.read_bytes() for p in sorted(out.iterdir())
-            if p.suffix == ".tar" or p.name in ("_info.json", "failures.jsonl")}
-
-
-def one_line_error(capsys, *argv: str) -> str:
-    """Run build-shards in-process; it must exit with status 2 and print exactly one `error:` line."""
-    with pytest.raises(SystemExit) as exit_info:
-        build_main(list(argv))
-    err = capsys.readouterr().err.strip().splitlines()
-    assert exit_info.value.code == 2 and len(err) == 1 and err[0].startswith("error: "), err
-    return err[0]
+from tests.helpers.build import make_tree, one_line_error, result_files
+from tests.helpers.processes import REPO
 
 
 @pytest.fixture

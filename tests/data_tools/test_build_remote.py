@@ -23,9 +23,8 @@ import pytest
 from fsspec.implementations.memory import MemoryFileSystem
 
 from data_tools.build_shards import main as build_main
-from tests.conftest import REPO, subprocess_env
-from tests.data_tools.test_build_parts import result_files
-from tests.data_tools.test_build_shards import make_tree
+from tests.helpers.build import make_tree, result_files
+from tests.helpers.processes import REPO, subprocess_env
 from vit_mpp import urls
 
 

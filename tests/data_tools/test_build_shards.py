@@ -16,44 +16,19 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import webdataset as wds
 from PIL import Image
 
 from data_tools import shard_ranges
 from data_tools.build_shards import main as build_main
 from data_tools.plan import plan_ranges
-from tests.conftest import REPO, run_module, subprocess_env
-from vit_mpp.manifest import load_split
-
-
-def image_bytes(rng: np.random.Generator, w: int = 24, h: int = 20, fmt: str = "JPEG", mode: str = "RGB") -> bytes:
-    arr = rng.integers(0, 256, (h, w, len(mode) if mode != "L" else 1), dtype=np.uint8).squeeze()
-    out = io.BytesIO()
-    Image.fromarray(arr, mode).save(out, format=fmt)
-    return out.getvalue()
-
-
-def make_tree(root: Path, layout: dict[str, int], seed: int = 0, size: int = 24) -> dict[str, bytes]:
-    """Writes `count` JPEGs under each relative folder of `layout`; returns relative path -> bytes."""
-    rng = np.random.default_rng(seed)
-    files = {}
-    for folder, count in layout.items():
-        (root / folder).mkdir(parents=True, exist_ok=True)
-        for i in range(count):
-            rel = f"{folder}/img{i:03d}.jpg"
-            files[rel] = image_bytes(rng, size, size - 4)
-            (root / rel).write_bytes(files[rel])
-    return files
+from tests.helpers.build import make_tree, samples
+from tests.helpers.processes import REPO, run_module, subprocess_env
+from tests.helpers.shards import image_bytes
 
 
 def build(src, out, *args: str) -> dict:
     build_main([str(src), str(out), "--workers", "2", *args])
     return json.loads((Path(out) / "_info.json").read_text())
-
-
-def samples(out: Path, split: str) -> list[dict]:
-    s, _ = load_split(out, split)
-    return list(wds.WebDataset(s.urls, shardshuffle=False, empty_check=False))
 
 
 def all_samples(out: Path) -> list[dict]:

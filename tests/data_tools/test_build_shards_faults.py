@@ -24,9 +24,9 @@ from PIL import Image
 
 from data_tools.build_shards import main as build_main
 from data_tools.writer import ShardWriter
-from tests.conftest import REPO, subprocess_env
-from tests.data_tools.test_build_parts import one_line_error, result_files
-from tests.data_tools.test_build_shards import image_bytes, make_tree, samples
+from tests.helpers.build import make_tree, one_line_error, result_files, samples
+from tests.helpers.processes import REPO, subprocess_env
+from tests.helpers.shards import image_bytes
 
 
 def failures(out: Path) -> list[dict]:

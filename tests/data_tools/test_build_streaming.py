@@ -10,8 +10,8 @@ import random
 import pytest
 
 from data_tools.build_shards import main as build_main
-from tests.data_tools.test_build_parts import one_line_error, result_files
-from tests.data_tools.test_build_shards import image_bytes, samples
+from tests.helpers.build import one_line_error, result_files, samples
+from tests.helpers.shards import image_bytes
 
 ROWS = {"train": [7, 5, 6], "test": [5]}  # rows per parquet file
 NAMES = ["cat", "dog", "emu"]

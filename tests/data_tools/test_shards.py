@@ -10,16 +10,10 @@ import tarfile
 from pathlib import Path
 
 import pytest
-import webdataset as wds
 from PIL import Image
 
 from data_tools.writer import ShardWriter
-from vit_mpp.manifest import load_split
-
-
-def read_all(shards: Path, split: str) -> list[dict]:
-    s, _ = load_split(shards, split)
-    return list(wds.WebDataset(s.urls, shardshuffle=False, empty_check=False))
+from tests.helpers.build import samples as read_all
 
 
 def test_round_trip_every_image_with_its_label(demo_folder, demo_shards):

@@ -5,45 +5,37 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import REPO, subprocess_env
-
-# `--multi_gpu` on a machine without GPUs starts N CPU processes with gloo; `--cpu --num_processes 2` starts one.
-LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-          "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0"]
+from tests.helpers.processes import REPO, launch, subprocess_env
+from tests.helpers.runs import read_metrics
 
 
-def launch(module: str, *args: str) -> str:
-    result = subprocess.run([*LAUNCH, "-m", module, *args], capture_output=True, text=True, timeout=600,
-                            env=subprocess_env(), cwd=REPO)
+def launched(module: str, *args: str) -> str:
+    """`accelerate launch -m module args` with two CPU processes, which must succeed; returns its stdout."""
+    result = launch("-m", module, *args)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result.stdout
-
-
-def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_pretrain_resume_then_finetune_with_two_processes(demo_shards, tmp_path):
     pre = tmp_path / "pretrain"
     common = ["--config", "configs/pretrain/tiny.yaml", f"data.shards={demo_shards}", f"train.run_dir={pre}"]
-    out = launch("pretrain", *common, "train.steps=3")
+    out = launched("pretrain", *common, "train.steps=3")
     assert "global batch 8 = 2 process(es) x 4 per device x 1 accumulation step(s)" in out
     assert (pre / "checkpoints" / "step_000003" / "trainer_state.json").is_file()
 
     # Same run directory, longer run: resumes from the step-3 checkpoint and finishes.
-    out = launch("pretrain", *common, "train.steps=6")
+    out = launched("pretrain", *common, "train.steps=6")
     assert "resuming from" in out and "(step 3)" in out
-    steps = [m["step"] for m in metrics(pre) if "loss" in m]
+    steps = [m["step"] for m in read_metrics(pre) if "loss" in m]
     assert steps == [2, 3, 4, 6]  # log_every 2, plus the last step of each run
-    assert any("val_loss" in m for m in metrics(pre))
+    assert any("val_loss" in m for m in read_metrics(pre))
     assert sorted(p.name for p in (pre / "checkpoints").iterdir()) == ["step_000003", "step_000006"]
-    record = [m for m in metrics(pre) if "frac_mask" in m][-1]
+    record = [m for m in read_metrics(pre) if "frac_mask" in m][-1]
     assert record["frac_mask"] + record["frac_random"] + record["frac_keep"] == pytest.approx(1.0)
     weights = load_file(pre / "export" / "model.safetensors")
     assert "pos_embed" in weights and not any(k.startswith(("head", "mask_token")) for k in weights)
@@ -51,10 +43,10 @@ def test_pretrain_resume_then_finetune_with_two_processes(demo_shards, tmp_path)
     assert json.loads((pre / "export" / "config.json").read_text())["vit_mpp"]["model"]["img_size"] == 16
 
     ft = tmp_path / "finetune"
-    out = launch("finetune", "--config", "configs/finetune/tiny.yaml", f"data.shards={demo_shards}",
+    out = launched("finetune", "--config", "configs/finetune/tiny.yaml", f"data.shards={demo_shards}",
                  f"init.checkpoint={pre / 'export'}", f"train.run_dir={ft}")
     assert "final validation top-1" in out
-    evals = [m for m in metrics(ft) if "val_top1" in m]
+    evals = [m for m in read_metrics(ft) if "val_top1" in m]
     n_val = json.loads((demo_shards / "_info.json").read_text())["splits"]["val"]["num_samples"]
     assert evals and evals[-1]["val_samples"] == n_val  # every validation image counted once over both processes
     assert sum(evals[-1]["val_per_class_count"]) == n_val

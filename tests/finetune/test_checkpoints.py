@@ -9,14 +9,12 @@ from safetensors.torch import save_file
 
 from finetune.config import FinetuneConfig, InitConfig
 from finetune.init_model import build_classifier
-from tests.conftest import write_encoder_export
+from tests.helpers.models import SMALL, write_encoder_export
 from vit_mpp.checkpoint import CheckpointError
 from vit_mpp.config import ConfigError, ModelConfig, load_config
 from vit_mpp.export import strip_prefix
 from vit_mpp.models import create_encoder
 from vit_mpp.pretrained import checkpoint_kind, read_state_dict, resize_pos_embed
-
-SMALL = dict(patch_size=4, embed_dim=32, depth=1, num_heads=2)
 
 
 @pytest.fixture

@@ -5,40 +5,27 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from finetune import evaluate
-from finetune.train import main as finetune_main
-from tests.conftest import REPO, run_module, subprocess_env, write_encoder_export, write_shard_set
+from tests.helpers.models import SMALL, write_encoder_export
+from tests.helpers.processes import launch, run_module
+from tests.helpers.runs import run_tiny_finetune
 from vit_mpp.cli import run_main
 from vit_mpp.config import ModelConfig
 from vit_mpp.export import write_export
 from vit_mpp.models import create_encoder
 
-SMALL = dict(patch_size=4, embed_dim=32, depth=1, num_heads=2)
-N_VAL = 13
+N_VAL = 13  # the validation images of the `shards` fixture (tests/finetune/conftest.py)
 
 
 @pytest.fixture(scope="module")
-def shards(tmp_path_factory) -> Path:
-    """3 classes (a, b, c); 40 training images, 13 validation images in uneven shards."""
-    return write_shard_set(tmp_path_factory.mktemp("shards"), {"train": [24, 16], "val": [7, 6]})
-
-
-@pytest.fixture(scope="module")
-def run(shards, tmp_path_factory) -> Path:
+def run(shards, pretrained, tmp_path_factory) -> Path:
     """A linear probe of a random encoder (a large LR, so its predictions differ from class to class)."""
-    torch.manual_seed(0)
-    cfg = ModelConfig(img_size=16, **SMALL)
-    encoder = write_encoder_export(tmp_path_factory.mktemp("encoder"), create_encoder(cfg), cfg)
     run_dir = tmp_path_factory.mktemp("probe")
-    finetune_main(["--config", "configs/finetune/tiny.yaml", f"data.shards={shards}", f"train.run_dir={run_dir}",
-                   f"init.checkpoint={encoder}", "data.num_workers=0", "train.mode=linear_probe", "optim.lr=0.5"])
+    run_tiny_finetune(shards, run_dir, pretrained, "train.mode=linear_probe", "optim.lr=0.5")
     return run_dir
 
 
@@ -85,11 +72,8 @@ def test_batches_and_workers_do_not_change_the_numbers(run, shards, tmp_path):
 
 
 def test_two_processes_count_each_sample_once_and_agree_with_one(run, shards, tmp_path):
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
-           "-m", "finetune.evaluate", "--checkpoint", str(run / "export"), "--shards", str(shards),
-           "--workers", "1", "--batch-size", "4", "--out", str(tmp_path / "two")]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=subprocess_env(), cwd=REPO)
+    result = launch("-m", "finetune.evaluate", "--checkpoint", str(run / "export"), "--shards", str(shards),
+                    "--workers", "1", "--batch-size", "4", "--out", str(tmp_path / "two"), timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert result.stdout.count("per-class accuracy") == 1  # printed by the main process only
     two = json.loads((tmp_path / "two" / "evaluation.json").read_text())

@@ -22,33 +22,12 @@ from finetune.config import AugmentConfig, FinetuneConfig, InitConfig
 from finetune.ema import build_ema
 from finetune.init_model import build_classifier
 from finetune.train import main
-from tests.conftest import png_bytes, write_encoder_export, write_shard_set
+from tests.helpers.runs import read_metrics, run_tiny_finetune
+from tests.helpers.shards import png_bytes
 from vit_mpp.config import ConfigError, DataConfig, ModelConfig, load_config
 from vit_mpp.data_stream import ImageDecoder, build_loader
 from vit_mpp.export import read_export
 from vit_mpp.manifest import load_split
-from vit_mpp.models import create_encoder
-
-SMALL = dict(patch_size=4, embed_dim=32, depth=1, num_heads=2)
-
-
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory) -> Path:
-    """3 classes; 40 training images, 13 validation images."""
-    return write_shard_set(tmp_path_factory.mktemp("shards"), {"train": [24, 16], "val": [7, 6]})
-
-
-@pytest.fixture(scope="module")
-def pretrained(tmp_path_factory) -> Path:
-    torch.manual_seed(0)
-    out = tmp_path_factory.mktemp("pretrain_export")
-    cfg = ModelConfig(img_size=16, **SMALL)
-    return write_encoder_export(out, create_encoder(cfg), cfg)
-
-
-def finetune(shards: Path, run_dir: Path, init: Path, *overrides: str) -> None:
-    main(["--config", "configs/finetune/tiny.yaml", f"data.shards={shards}", f"train.run_dir={run_dir}",
-          f"init.checkpoint={init}", "data.num_workers=0", *overrides])
 
 
 def smooth_images(n: int, size: int = 24, seed: int = 0) -> list[torch.Tensor]:
@@ -174,7 +153,7 @@ EMA_RUN = ("train.ema_decay=0.5", "train.ckpt_every=1", "train.keep_last=100", "
 @pytest.fixture(scope="module")
 def ema_run(shards, pretrained, tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("ema")
-    finetune(shards, run_dir, pretrained, *EMA_RUN)
+    run_tiny_finetune(shards, run_dir, pretrained, *EMA_RUN)
     return run_dir
 
 
@@ -197,7 +176,7 @@ def test_ema_in_training_is_the_running_average_of_every_step(ema_run, pretraine
 
 
 def test_ema_is_evaluated_beside_the_model_and_exported_as_its_own_model(ema_run):
-    evals = [m for m in map(json.loads, (ema_run / "metrics.jsonl").read_text().splitlines()) if "val_top1" in m]
+    evals = [m for m in read_metrics(ema_run) if "val_top1" in m]
     assert len(evals) == 2
     assert all({"ema_val_top1", "ema_val_loss", "ema_val_mean_class_acc"} <= m.keys() for m in evals)
     last = read_export(ema_run / "export_ema")
@@ -215,7 +194,7 @@ def test_ema_is_evaluated_beside_the_model_and_exported_as_its_own_model(ema_run
 
 
 def test_evaluate_on_the_ema_export_gives_the_ema_numbers_of_training(ema_run, shards, tmp_path):
-    evals = [m for m in map(json.loads, (ema_run / "metrics.jsonl").read_text().splitlines()) if "val_top1" in m]
+    evals = [m for m in read_metrics(ema_run) if "val_top1" in m]
     report = evaluate.main(["--checkpoint", str(ema_run / "export_ema"), "--shards", str(shards), "--workers",
                             "0", "--out", str(tmp_path)])
     assert report["metrics"]["top1"] == evals[-1]["ema_val_top1"]
@@ -230,7 +209,7 @@ def test_a_resumed_run_restores_the_ema_exactly(ema_run, shards, pretrained, tmp
     for ckpt in (resumed / "checkpoints").glob("step_*"):
         if int(ckpt.name[5:]) > 4:
             shutil.rmtree(ckpt)
-    finetune(shards, resumed, pretrained, *EMA_RUN)
+    run_tiny_finetune(shards, resumed, pretrained, *EMA_RUN)
     for step in range(5, 11):  # every later step's model and EMA, bit for bit
         for a, b in zip(checkpoint_weights(ema_run, step), checkpoint_weights(resumed, step)):
             assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), step
@@ -244,7 +223,7 @@ def test_a_resumed_run_restores_the_ema_exactly(ema_run, shards, pretrained, tmp
 
 def test_a_resumed_run_keeps_its_ema_setting(ema_run, shards, pretrained):
     with pytest.raises(ConfigError, match=r"cannot change train.ema_decay \(0.5 -> 0.0\)"):
-        finetune(shards, ema_run, pretrained, *EMA_RUN, "train.ema_decay=0")
+        run_tiny_finetune(shards, ema_run, pretrained, *EMA_RUN, "train.ema_decay=0")
 
 
 # --- the recipe --------------------------------------------------------------------------------------------------
@@ -269,7 +248,7 @@ def test_the_mae_style_recipe_runs_on_tiny_data(shards, pretrained, tmp_path):
           "data.num_workers=1", "data.shuffle_buffer=16", "train.batch_size=8", "train.micro_batch_size=null",
           "train.mixed_precision='no'", "train.epochs=2", "train.eval_every_epochs=1", "train.log_every=5",
           "train.ckpt_every=100", "optim.warmup_steps=2", "train.ema_decay=0.9"])
-    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(tmp_path)
     assert records[-1]["val_samples"] == 13 and "ema_val_top1" in records[-1]
     assert all(r["bad_samples"] == 0 for r in records if "bad_samples" in r)  # no augmentation error: no bad sample
     for folder in ("export", "export/best", "export_ema", "export_ema/best"):

@@ -10,13 +10,11 @@ from timm.layers import resample_abs_pos_embed
 
 from finetune.config import InitConfig
 from finetune.init_model import attach_zero_head, build_classifier
-from tests.conftest import write_encoder_export
+from tests.helpers.models import SMALL, write_encoder_export
 from vit_mpp.checkpoint import CheckpointError
 from vit_mpp.config import ModelConfig
 from vit_mpp.models import create_encoder
 from vit_mpp.pretrained import load_weights, resize_pos_embed
-
-SMALL = dict(patch_size=4, embed_dim=32, depth=1, num_heads=2)
 
 
 def test_zero_head_gives_zero_logits():

@@ -17,8 +17,8 @@ from data_tools.build_shards import main as build_main
 from finetune import predict
 from finetune.augment import build_mixup, color_jitter
 from finetune.config import AugmentConfig, FinetuneOptimConfig
-from finetune.train import main
-from tests.conftest import png_bytes, write_encoder_export, write_shard_set
+from tests.helpers.runs import read_metrics, run_tiny_finetune
+from tests.helpers.shards import png_bytes
 from vit_mpp.config import ConfigError, ModelConfig
 from vit_mpp.data_stream import ImageDecoder, range_segments, read_segment
 from vit_mpp.export import read_export
@@ -28,39 +28,17 @@ from vit_mpp.pretrained import resize_pos_embed
 from vit_mpp.runtime import build_optimizer
 from vit_mpp.schedule import set_lr
 
-SMALL = dict(patch_size=4, embed_dim=32, depth=1, num_heads=2)
-
-
-@pytest.fixture(scope="module")
-def pretrained(tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor]]:
-    torch.manual_seed(0)
-    encoder = create_encoder(ModelConfig(img_size=16, **SMALL))
-    out = tmp_path_factory.mktemp("pretrain_export")
-    write_encoder_export(out, encoder, ModelConfig(img_size=16, **SMALL))
-    return out, {k: v.detach().clone() for k, v in encoder.state_dict().items()}
-
-
-def finetune(shards: Path, run_dir: Path, init: Path, *overrides: str) -> None:
-    main(["--config", "configs/finetune/tiny.yaml", f"data.shards={shards}", f"train.run_dir={run_dir}",
-          f"init.checkpoint={init}", "data.num_workers=0", *overrides])
-
-
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory) -> Path:
-    """3 classes; 40 training images, 13 validation images in uneven shards (the last eval batches are padded)."""
-    return write_shard_set(tmp_path_factory.mktemp("shards"), {"train": [24, 16], "val": [7, 6]})
-
 
 @pytest.fixture(scope="module")
 def probe_run(shards, pretrained, tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("probe")
-    finetune(shards, run_dir, pretrained[0], "train.mode=linear_probe", "optim.base_lr=0.1")
+    run_tiny_finetune(shards, run_dir, pretrained, "train.mode=linear_probe", "optim.base_lr=0.1")
     return run_dir
 
 
 def test_linear_probe_leaves_the_encoder_unchanged(probe_run, pretrained):
     weights = load_file(probe_run / "export" / "model.safetensors")
-    for k, v in pretrained[1].items():
+    for k, v in load_file(pretrained / "model.safetensors").items():
         expected = resize_pos_embed(v, (4, 4), (6, 6), 1, "bilinear") if k == "pos_embed" else v
         torch.testing.assert_close(weights[k], expected, rtol=0, atol=0, msg=k)
     assert torch.count_nonzero(weights["head.weight"]) > 0  # the head did train
@@ -69,8 +47,7 @@ def test_linear_probe_leaves_the_encoder_unchanged(probe_run, pretrained):
 def test_evaluation_counts_each_sample_once_and_writes_the_confusion_matrix(probe_run, shards):
     info = json.loads((shards / "_info.json").read_text())
     n_val, k = info["splits"]["val"]["num_samples"], len(info["class_names"])
-    evals = [json.loads(line) for line in (probe_run / "metrics.jsonl").read_text().splitlines()]
-    evals = [m for m in evals if "val_top1" in m]
+    evals = [m for m in read_metrics(probe_run) if "val_top1" in m]
     assert len(evals) == 2  # each of the 2 epochs
     for m in evals:
         assert m["val_samples"] == n_val == sum(m["val_per_class_count"])
@@ -83,7 +60,7 @@ def test_evaluation_counts_each_sample_once_and_writes_the_confusion_matrix(prob
 
 
 def test_best_and_last_exports(probe_run):
-    evals = [json.loads(line) for line in (probe_run / "metrics.jsonl").read_text().splitlines()]
+    evals = read_metrics(probe_run)
     best = max(m["val_top1"] for m in evals if "val_top1" in m)
     best_meta, last_meta = read_export(probe_run / "export" / "best"), read_export(probe_run / "export")
     assert best_meta.record["metrics"]["val_top1"] == best and last_meta.record["metrics"]["val_top1"] == \
@@ -117,11 +94,12 @@ def test_predict_labels_a_folder(probe_run, tmp_path):
 
 
 def test_adamw_recipe_with_layer_decay_mixup_and_jitter(shards, pretrained, tmp_path):
-    finetune(shards, tmp_path, pretrained[0], "train.epochs=1", "data.val_split=", "optim.name=adamw",
-             "optim.base_lr=1e-3", "optim.weight_decay=0.05", "optim.layer_decay=0.75", "augment.mixup=0.8",
-             "augment.cutmix=1.0", "augment.color_jitter=0.4", "train.label_smoothing=0.1")
+    run_tiny_finetune(shards, tmp_path, pretrained, "train.epochs=1", "data.val_split=", "optim.name=adamw",
+                      "optim.base_lr=1e-3", "optim.weight_decay=0.05", "optim.layer_decay=0.75", "augment.mixup=0.8",
+                      "augment.cutmix=1.0", "augment.color_jitter=0.4", "train.label_smoothing=0.1")
     weights = load_file(tmp_path / "export" / "model.safetensors")
-    assert not torch.equal(weights["blocks.0.attn.qkv.weight"], pretrained[1]["blocks.0.attn.qkv.weight"])
+    before = load_file(pretrained / "model.safetensors")
+    assert not torch.equal(weights["blocks.0.attn.qkv.weight"], before["blocks.0.attn.qkv.weight"])
     assert not (tmp_path / "export" / "best").exists()  # no validation split, no best model
 
 

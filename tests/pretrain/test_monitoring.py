@@ -3,7 +3,6 @@ config), curves.png for every run and `python -m analysis plot` overlaying runs,
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -14,19 +13,14 @@ from PIL import Image
 
 from analysis.plot import main as plot_main
 from pretrain.knn import knn_top1
-from pretrain.train import main as pretrain_main
-from tests.conftest import REPO, subprocess_env
-from tests.vit_mpp.test_stream_faults import shard_set
+from tests.helpers.processes import REPO, subprocess_env
+from tests.helpers.runs import read_metrics, run_tiny_pretrain
+from tests.helpers.shards import write_shard_set
 from vit_mpp.cli import run_main
 
 
 def tiny_pretrain(shards: Path, run_dir: Path, *overrides: str) -> None:
-    pretrain_main(["--config", "configs/pretrain/tiny.yaml", f"data.shards={shards}", f"train.run_dir={run_dir}",
-                   "data.num_workers=0", "train.steps=4", "train.eval_every=2", "train.log_every=1", *overrides])
-
-
-def records(run_dir: Path) -> list[dict]:
-    return [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    run_tiny_pretrain(shards, run_dir, "train.steps=4", "train.eval_every=2", "train.log_every=1", *overrides)
 
 
 def test_tensorboard_receives_the_scalars_and_the_flattened_config(demo_shards, tmp_path):
@@ -42,7 +36,7 @@ def test_tensorboard_receives_the_scalars_and_the_flattened_config(demo_shards, 
     for tag in ("loss", "acc", "lr", "img_per_s", "frac_mask", "val_loss", "val_acc", "knn_top1_cls"):
         assert tag in scalars, sorted(scalars)
     assert len(scalars["loss"]) == 4 and len(scalars["val_loss"]) == 2
-    assert scalars["loss"] == pytest.approx([r["loss"] for r in records(tmp_path) if "loss" in r])
+    assert scalars["loss"] == pytest.approx([r["loss"] for r in read_metrics(tmp_path) if "loss" in r])
     hparams = b"".join(p.read_bytes() for p in events)
     assert b"optim.base_lr" in hparams and b"mpp.mask_ratio" in hparams  # the config, flattened to dotted keys
 
@@ -88,14 +82,11 @@ def test_knn_top1_on_separable_and_on_random_features():
 
 def test_the_knn_monitor_reports_on_labelled_shards_and_stays_off_without_labels(demo_shards, tmp_path, capsys):
     tiny_pretrain(demo_shards, tmp_path / "labelled", "knn.train_images=40", "knn.val_images=16")
-    evals = [r for r in records(tmp_path / "labelled") if "val_loss" in r]
+    evals = [r for r in read_metrics(tmp_path / "labelled") if "val_loss" in r]
     assert len(evals) == 2 and all(0 <= r["knn_top1_cls"] <= 1 and 0 <= r["knn_top1_avg"] <= 1 for r in evals)
-    unlabelled = shard_set(tmp_path / "unlabelled", [None] * 24, val=0)
-    (unlabelled / "val-000000.tar").write_bytes((unlabelled / "train-000000.tar").read_bytes())
-    info = json.loads((unlabelled / "_info.json").read_text())
-    info["splits"]["val"] = {**info["splits"]["train"], "name": "val", "filenames": ["val-000000.tar"]}
-    (unlabelled / "_info.json").write_text(json.dumps(info))
+    unlabelled = write_shard_set(tmp_path / "unlabelled", {"train": [24], "val": [24]},
+                                 labels={"train": [None] * 24, "val": [None] * 24})
     capsys.readouterr()
     tiny_pretrain(unlabelled, tmp_path / "plain", "knn.train_images=16", "knn.val_images=8")
     assert "note: the k-NN monitor is off: the shards carry no labels" in capsys.readouterr().out
-    assert not any("knn_top1_cls" in r for r in records(tmp_path / "plain"))
+    assert not any("knn_top1_cls" in r for r in read_metrics(tmp_path / "plain"))

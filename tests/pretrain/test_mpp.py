@@ -10,7 +10,7 @@ import torch
 from pretrain import targets as tg
 from pretrain.config import MPPConfig
 from pretrain.mpp import KEEP, MASK, RANDOM, MaskedPatchPrediction, apply_corruption, draw_corruption
-from vit_mpp.config import ModelConfig
+from tests.helpers.models import SMALL_MODEL
 from vit_mpp.models import create_encoder
 
 
@@ -111,7 +111,7 @@ def test_targets_match_a_slow_reference_on_random_images():
 
 def tiny_mpp(target: str = "mean_color") -> MaskedPatchPrediction:
     torch.manual_seed(0)
-    enc = create_encoder(ModelConfig(img_size=16, patch_size=4, embed_dim=32, depth=1, num_heads=2))
+    enc = create_encoder(SMALL_MODEL)
     return MaskedPatchPrediction(enc, MPPConfig(target=target), (0.5,) * 3, (0.5,) * 3)
 
 

@@ -16,7 +16,9 @@ from safetensors.torch import load_file
 
 from pretrain.config import MPPConfig
 from pretrain.mpp import MaskedPatchPrediction
-from tests.conftest import REPO, subprocess_env, write_encoder_export
+from tests.helpers.models import write_encoder_export
+from tests.helpers.processes import REPO, subprocess_env
+from tests.helpers.runs import read_metrics
 from vit_mpp.config import ModelConfig
 from vit_mpp.models import create_encoder
 
@@ -80,7 +82,7 @@ def test_killed_run_resumes_from_its_checkpoint_and_finishes(demo_shards, tmp_pa
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     resumed = int(result.stdout.split("(step ")[1].split(")")[0])
     assert resumed >= 5 and resumed % 5 == 0
-    logged = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    logged = [r["step"] for r in read_metrics(run_dir)]
     assert logged == list(range(5, 301, 5)), "each step logged once, in order, across the kill"
     assert (run_dir / "export" / "model.safetensors").is_file()
     assert json.loads((run_dir / "checkpoints" / "step_000300" / "trainer_state.json").read_text())["step"] == 300

@@ -10,29 +10,22 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from safetensors.torch import save_file
 
 from analysis.analyze import main as analyze_main
 from finetune.predict import main as predict_main
 from finetune.train import main as finetune_main
 from pretrain.train import main as pretrain_main
-from tests.conftest import write_encoder_export, write_shard_set
+from tests.helpers.models import SMALL_MODEL
+from tests.helpers.runs import read_metrics
+from tests.helpers.shards import write_shard_set
 from vit_mpp.cli import run_main
-from vit_mpp.config import ModelConfig
 from vit_mpp.models import create_encoder
-
-CFG = ModelConfig(img_size=16, patch_size=4, embed_dim=32, depth=1, num_heads=2)
-
-
-@pytest.fixture(scope="module")
-def good(tmp_path_factory) -> Path:
-    torch.manual_seed(0)
-    return write_encoder_export(tmp_path_factory.mktemp("good"), create_encoder(CFG), CFG)
 
 
 def broken(tmp_path: Path, good: Path, kind: str) -> Path:
-    """A checkpoint damaged the way `kind` says; returns what to pass as init.checkpoint."""
+    """A checkpoint damaged the way `kind` says (a copy of `good`, when it is an export); returns what to pass as
+    init.checkpoint."""
     if kind in ("truncated_export", "empty_export", "garbage_config", "config_without_weights_id"):
         out = tmp_path / "export"
         out.mkdir()
@@ -53,7 +46,7 @@ def broken(tmp_path: Path, good: Path, kind: str) -> Path:
     path = tmp_path / {"truncated_safetensors": "w.safetensors", "empty_safetensors": "w.safetensors",
                        "empty_pth": "w.pth", "text_pth": "w.pth", "object_npz": "w.npz",
                        "garbage_encoder_json": "encoder.safetensors"}[kind]
-    state = create_encoder(CFG).state_dict()
+    state = create_encoder(SMALL_MODEL).state_dict()
     if kind == "truncated_safetensors":
         save_file(state, str(path))
         path.write_bytes(path.read_bytes()[:500])
@@ -92,9 +85,9 @@ def one_line(capsys) -> str:
 
 
 @pytest.mark.parametrize("kind", sorted(CASES))
-def test_fine_tuning_from_a_broken_checkpoint_is_one_line(tmp_path, good, capsys, kind):
+def test_fine_tuning_from_a_broken_checkpoint_is_one_line(tmp_path, encoder_export, capsys, kind):
     shards = write_shard_set(tmp_path / "shards", {"train": [8], "val": [4]})
-    ckpt = broken(tmp_path, good, kind)
+    ckpt = broken(tmp_path, encoder_export, kind)
     with pytest.raises(SystemExit) as e:
         run_main(finetune_main, ["--config", "configs/finetune/tiny.yaml", f"data.shards={shards}",
                                  f"train.run_dir={tmp_path / 'run'}", f"init.checkpoint={ckpt}", "data.num_workers=0",
@@ -104,8 +97,8 @@ def test_fine_tuning_from_a_broken_checkpoint_is_one_line(tmp_path, good, capsys
 
 
 @pytest.mark.parametrize("kind", ["truncated_export", "garbage_config"])
-def test_predict_and_analysis_of_a_broken_export_are_one_line(tmp_path, good, capsys, kind):
-    ckpt = broken(tmp_path, good, kind)
+def test_predict_and_analysis_of_a_broken_export_are_one_line(tmp_path, encoder_export, capsys, kind):
+    ckpt = broken(tmp_path, encoder_export, kind)
     for main, argv in ((predict_main, ["--checkpoint", str(ckpt), "--images", str(tmp_path)]),
                        (analyze_main, [str(ckpt), "--out", str(tmp_path / "a")])):
         with pytest.raises(SystemExit) as e:
@@ -121,7 +114,7 @@ def test_a_resumed_pretraining_reproduces_the_uninterrupted_losses(demo_shards, 
             "train.eval_every=0", "data.val_split=", "train.steps=6", "train.ckpt_every=3", f"train.run_dir={tmp_path}"]
 
     def losses() -> list[float]:
-        return [json.loads(ln)["loss"] for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+        return [r["loss"] for r in read_metrics(tmp_path)]
 
     pretrain_main(argv)
     whole = losses()

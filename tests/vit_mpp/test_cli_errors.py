@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import run_module
+from tests.helpers.processes import run_module
 
 
 @pytest.mark.parametrize("module, args, message", [

@@ -6,14 +6,11 @@ Config errors are found before torch is imported (the stage's __main__ checks th
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
 from finetune.__main__ import main as finetune_main
 from pretrain.__main__ import main as pretrain_main
-from tests.conftest import REPO, subprocess_env
+from tests.helpers.processes import launch, run_module
 from vit_mpp.cli import run_main
 
 # (stage, overrides, what the one line must contain)
@@ -145,20 +142,14 @@ def test_in_process(stage, overrides, message, capsys):
 
 @pytest.mark.parametrize("stage, overrides, message", BAD_VALUES, ids=IDS)
 def test_python_m(stage, overrides, message, tmp_path):
-    result = subprocess.run([sys.executable, "-m", stage, *argv(stage, overrides, f"{tmp_path}/run")],
-                            capture_output=True, text=True, timeout=120, env=subprocess_env(), cwd=REPO)
+    result = run_module(stage, *argv(stage, overrides, f"{tmp_path}/run"), timeout=120)
     assert result.returncode == 2
     assert_one_line(result.stderr, message)
     assert not (tmp_path / "run").exists()  # nothing was written
 
 
-LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-          "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0"]
-
-
 def launched(stage: str, overrides: list[str], message: str, tmp_path) -> None:
-    result = subprocess.run([*LAUNCH, "-m", stage, *argv(stage, overrides, f"{tmp_path}/run")],
-                            capture_output=True, text=True, timeout=300, env=subprocess_env(), cwd=REPO)
+    result = launch("-m", stage, *argv(stage, overrides, f"{tmp_path}/run"), timeout=300)
     # Every rank exits with status 2 (unless the launcher's SIGTERM, sent when the first one ends, comes first) and
     # the main one prints the line; the launcher then reports the failed ranks in its own words and with its own
     # status (torch elastic: 1), which no rank can change.

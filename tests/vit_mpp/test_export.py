@@ -19,19 +19,18 @@ from finetune import predict
 from finetune.config import InitConfig
 from finetune.init_model import build_classifier
 from finetune.train import main as finetune_main
-from tests.conftest import write_encoder_export, write_shard_set
+from tests.helpers.models import SMALL_MODEL
+from tests.helpers.shards import write_shard_set
 from vit_mpp.checkpoint import CheckpointError
 from vit_mpp.config import ModelConfig, to_dict
 from vit_mpp.export import read_export, write_export
 from vit_mpp.models import create_encoder
 from vit_mpp.pretrained import read_pretrained
 
-SMALL = ModelConfig(img_size=16, patch_size=4, embed_dim=32, depth=1, num_heads=2)
-
 
 def classifier(pool: str, seed: int = 0) -> tuple[torch.nn.Module, ModelConfig]:
     torch.manual_seed(seed)
-    cfg = dataclasses.replace(SMALL, img_size=[16, 24], global_pool=pool)
+    cfg = dataclasses.replace(SMALL_MODEL, img_size=[16, 24], global_pool=pool)
     model = create_encoder(cfg, num_classes=3).eval()
     torch.nn.init.normal_(model.head.weight)  # a trained-looking head: zero would hide differences
     return model, cfg
@@ -53,17 +52,15 @@ def test_a_classifier_export_is_a_timm_local_dir_model(tmp_path, pool):
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+def trained(tmp_path_factory, encoder_export):
     """Two tiny fine-tuning runs from the same pretraining export, with token and with avg pooling."""
     root = tmp_path_factory.mktemp("trained")
     shards = write_shard_set(root / "shards", {"train": [16], "val": [5]})
-    torch.manual_seed(0)
-    write_encoder_export(root / "pretrain", create_encoder(SMALL), SMALL)
     runs = {}
     for pool in ("token", "avg"):
         runs[pool] = root / pool
         finetune_main(["--config", "configs/finetune/tiny.yaml", f"data.shards={shards}", f"train.run_dir={runs[pool]}",
-                       f"init.checkpoint={root / 'pretrain'}", "data.num_workers=0", "train.epochs=1",
+                       f"init.checkpoint={encoder_export}", "data.num_workers=0", "train.epochs=1",
                        f"model.global_pool={pool}", "optim.lr=0.5"])
     return runs
 
@@ -92,12 +89,12 @@ def test_predict_and_analysis_rebuild_the_trained_classifier_exactly(trained, po
 
 def test_older_exports_still_load(tmp_path):
     torch.manual_seed(0)
-    encoder = create_encoder(SMALL)
+    encoder = create_encoder(SMALL_MODEL)
     save_file(encoder.state_dict(), str(tmp_path / "encoder.safetensors"))
-    (tmp_path / "encoder.json").write_text(json.dumps({"model": to_dict(SMALL), "mean": [0.1, 0.2, 0.3],
+    (tmp_path / "encoder.json").write_text(json.dumps({"model": to_dict(SMALL_MODEL), "mean": [0.1, 0.2, 0.3],
                                                        "std": [0.4, 0.5, 0.6], "pretrain": {"steps": 3}}))
     pre = read_pretrained(str(tmp_path), ModelConfig())
-    assert pre.model == SMALL and pre.mean == (0.1, 0.2, 0.3) and pre.record["pretrain"] == {"steps": 3}
+    assert pre.model == SMALL_MODEL and pre.mean == (0.1, 0.2, 0.3) and pre.record["pretrain"] == {"steps": 3}
     model, mean, _, cfg = build_classifier(InitConfig(checkpoint=str(tmp_path)), ModelConfig(img_size=24), 3)
     assert cfg.embed_dim == 32 and mean == (0.1, 0.2, 0.3)
     torch.testing.assert_close(model.blocks[0].attn.qkv.weight, encoder.blocks[0].attn.qkv.weight)

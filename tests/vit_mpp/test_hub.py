@@ -15,19 +15,17 @@ import torch
 
 from finetune.config import InitConfig
 from finetune.init_model import build_classifier
-from pretrain.train import main as pretrain_main
-from tests.conftest import REPO, subprocess_env, write_encoder_export
+from tests.helpers.models import SMALL_MODEL, write_encoder_export
+from tests.helpers.processes import REPO, subprocess_env
+from tests.helpers.runs import run_tiny_pretrain
 from vit_mpp.checkpoint import CheckpointError
 from vit_mpp.config import ExportConfig, ModelConfig
 from vit_mpp.hub import push
 from vit_mpp.models import create_encoder
 
-SMALL = ModelConfig(img_size=16, patch_size=4, embed_dim=32, depth=1, num_heads=2)
-
 
 def test_the_final_export_has_a_model_card_from_its_record(demo_shards, tmp_path):
-    pretrain_main(["--config", "configs/pretrain/tiny.yaml", f"data.shards={demo_shards}", f"train.run_dir={tmp_path}",
-                   "data.num_workers=0", "export.license=apache-2.0"])
+    run_tiny_pretrain(demo_shards, tmp_path, "export.license=apache-2.0")
     card = (tmp_path / "export" / "README.md").read_text()
     assert card.startswith("---\nlibrary_name: timm\ntags:\n- vit-mpp") and "license: apache-2.0" in card
     assert 'timm.create_model("hf-hub:OWNER/NAME", pretrained=True)' in card
@@ -55,7 +53,7 @@ def test_push_uploads_the_folder_and_a_failure_keeps_the_export(tmp_path, monkey
     import huggingface_hub
 
     torch.manual_seed(0)
-    write_encoder_export(tmp_path, create_encoder(SMALL), SMALL)
+    write_encoder_export(tmp_path, create_encoder(SMALL_MODEL), SMALL_MODEL)
     (tmp_path / "README.md").write_text("card")
     RecordingApi.calls = []
     monkeypatch.setattr(huggingface_hub, "HfApi", RecordingApi)
@@ -102,8 +100,8 @@ def test_init_from_a_cached_hub_model_works_offline_and_an_uncached_one_is_one_l
     from huggingface_hub import constants
 
     torch.manual_seed(0)
-    encoder = create_encoder(SMALL)
-    write_encoder_export(hub_cache(tmp_path, "someone/tiny-mpp"), encoder, SMALL, mean=(0.1, 0.2, 0.3))
+    encoder = create_encoder(SMALL_MODEL)
+    write_encoder_export(hub_cache(tmp_path, "someone/tiny-mpp"), encoder, SMALL_MODEL, mean=(0.1, 0.2, 0.3))
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     init = InitConfig(checkpoint="hf-hub:someone/tiny-mpp")

@@ -12,10 +12,8 @@ import sys
 import time
 from pathlib import Path
 
-from tests.conftest import REPO, subprocess_env
-
-LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-          "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0"]
+from tests.helpers.processes import LAUNCH, REPO, subprocess_env
+from tests.helpers.runs import read_metrics
 
 
 def pretrain(shards: Path, run_dir: Path, *overrides: str) -> list[str]:
@@ -113,7 +111,7 @@ def test_an_unreadable_newest_checkpoint_is_set_aside_and_the_previous_one_resum
     assert "checkpoint" in resumed.stderr and "step_000006 cannot be read" in resumed.stderr
     assert f"resuming from {run_dir / 'checkpoints' / 'step_000003'} (step 3)" in resumed.stdout
     assert (run_dir / "checkpoints" / "step_000006.unreadable").is_dir()
-    steps = [json.loads(ln)["step"] for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in read_metrics(run_dir)]
     assert steps == [2, 4, 6, 8, 9]  # each step once: the log was cut back to step 3 and carried on
 
 

@@ -3,26 +3,16 @@ a resumed run's first log), bad samples counted in both stages, and a tiny run t
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 import torch
 from accelerate import Accelerator
 from safetensors.torch import load_file
 
 from finetune.train import main as finetune_main
-from pretrain.train import main as pretrain_main
-from tests.conftest import write_encoder_export, write_shard_set
-from tests.vit_mpp.test_stream_io import bad_shard_set
-from vit_mpp.config import ModelConfig
-from vit_mpp.models import create_encoder
+from tests.helpers.runs import read_metrics, run_tiny_pretrain
+from tests.helpers.shards import write_shard_set
 from vit_mpp.run_dir import MetricsLog
 from vit_mpp.step_meter import StepMeter
-
-
-def records(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def step_output(loss: float, frac: float) -> dict:
@@ -41,18 +31,13 @@ def test_a_log_averages_over_the_steps_summed_since_the_last_one(tmp_path):
     meter.add([step_output(3.0, 0.8)])
     record = meter.log(6, lr=0.1)
     assert record["loss"] == 2.0 and record["frac_mask"] == pytest.approx(0.8) and record["bad_samples_total"] == 4
-    assert [r["step"] for r in records(tmp_path)] == [4, 6]
-
-
-def tiny_pretrain(shards: Path, run_dir: Path, *overrides: str) -> None:
-    pretrain_main(["--config", "configs/pretrain/tiny.yaml", f"data.shards={shards}", f"train.run_dir={run_dir}",
-                   "data.num_workers=0", *overrides])
+    assert [r["step"] for r in read_metrics(tmp_path)] == [4, 6]
 
 
 def test_a_resumed_pretraining_logs_true_averages_and_its_weights_move(demo_shards, tmp_path):
-    tiny_pretrain(demo_shards, tmp_path, "train.steps=3")
-    tiny_pretrain(demo_shards, tmp_path, "train.steps=6")  # resumes from the step-3 checkpoint
-    logged = [r for r in records(tmp_path) if "loss" in r]
+    run_tiny_pretrain(demo_shards, tmp_path, "train.steps=3")
+    run_tiny_pretrain(demo_shards, tmp_path, "train.steps=6")  # resumes from the step-3 checkpoint
+    logged = [r for r in read_metrics(tmp_path) if "loss" in r]
     assert [r["step"] for r in logged] == [2, 3, 4, 6]
     for r in logged:  # the realised corruption fractions always sum to one, also in the first log after resuming
         assert abs(r["frac_mask"] + r["frac_random"] + r["frac_keep"] - 1) < 1e-6, r
@@ -64,22 +49,12 @@ def test_a_resumed_pretraining_logs_true_averages_and_its_weights_move(demo_shar
     assert (after - before).norm() / before.norm() > 1e-3
 
 
-def test_fine_tuning_counts_and_reports_bad_samples(tmp_path):
+def test_fine_tuning_counts_and_reports_bad_samples(tmp_path, encoder_export):
     # 24 training images, 4 of them undecodable: one epoch of 3 steps at batch 8 replaces and counts all 4.
-    shards = bad_shard_set(tmp_path / "bad", good=20, bad=4)
-    write_shard_set(tmp_path / "val", {"val": [6]})  # a val split of good images beside it
-    info = json.loads((shards / "_info.json").read_text())
-    val = json.loads((tmp_path / "val" / "_info.json").read_text())["splits"]["val"]
-    for name in val["filenames"]:
-        (tmp_path / "val" / name).rename(shards / name)
-    info["splits"]["val"] = val
-    info["class_names"] = ["a", "b", "c"]
-    (shards / "_info.json").write_text(json.dumps(info))
-    torch.manual_seed(0)
-    cfg = ModelConfig(img_size=16, patch_size=4, embed_dim=32, depth=1, num_heads=2)
-    write_encoder_export(tmp_path / "pre", create_encoder(cfg), cfg)
+    shards = write_shard_set(tmp_path / "bad", {"train": [24], "val": [6]},  # a val split of good images beside it
+                             bad={"train": [i for i in range(24) if i % 6 == 1]})
     finetune_main(["--config", "configs/finetune/tiny.yaml", f"data.shards={shards}",
-                   f"train.run_dir={tmp_path / 'ft'}", f"init.checkpoint={tmp_path / 'pre'}", "data.num_workers=0",
+                   f"train.run_dir={tmp_path / 'ft'}", f"init.checkpoint={encoder_export}", "data.num_workers=0",
                    "train.epochs=1", "data.max_bad_fraction=0.5", "data.shuffle_buffer=1", "train.log_every=1"])
-    logged = [r for r in records(tmp_path / "ft") if "loss" in r]
+    logged = [r for r in read_metrics(tmp_path / "ft") if "loss" in r]
     assert sum(r["bad_samples"] for r in logged) == 4 and logged[-1]["bad_samples_total"] == 4

@@ -6,7 +6,7 @@ import collections
 
 import pytest
 
-from tests.conftest import write_shard_set
+from tests.helpers.shards import write_shard_set
 from vit_mpp.config import DataConfig
 from vit_mpp.data_stream import DataError, build_loader
 from vit_mpp.manifest import load_split

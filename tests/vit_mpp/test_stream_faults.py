@@ -3,23 +3,20 @@ in small data, evaluation that could not count every image. Each ends in recover
 
 from __future__ import annotations
 
-import io
-import json
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
-from PIL import Image
 
-from data_tools.writer import ShardWriter
 from finetune.train import main as finetune_main
 from pretrain.train import main as pretrain_main
-from tests.conftest import REPO, FaultyHandler, serve_faulty, subprocess_env, write_encoder_export, write_shard_set
+from tests.helpers.processes import REPO, in_process, launch, subprocess_env
+from tests.helpers.runs import read_metrics
+from tests.helpers.servers import FaultyHandler, serve_faulty
+from tests.helpers.shards import shard_set, write_shard_set
 from vit_mpp import data_stream
-from vit_mpp.cli import run_main
 from vit_mpp.data_stream import ShardError
 
 
@@ -48,19 +45,14 @@ def test_a_server_that_stays_silent_is_one_error_within_a_bounded_time(stalling)
     assert time.monotonic() - start < 20
 
 
-LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-          "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0"]
-
-
 def test_two_ranks_reading_from_a_stalling_server_stop_with_an_error_instead_of_hanging(stalling, tmp_path):
     # The failure reported: 2 processes, half a body then silence, `timeout 300` expired with no word.
     for name in ("/train-000000.tar", "/train-000001.tar"):
         FaultyHandler.faults[name] = ("stall", 99)
     start = time.monotonic()
-    result = subprocess.run(
-        [*LAUNCH, "-m", "pretrain", "--config", "configs/pretrain/tiny.yaml", f"data.shards={stalling}",
-         f"train.run_dir={tmp_path / 'run'}", "data.read_timeout_s=1", "data.read_retries=1", "data.val_split=",
-         "train.steps=3"], capture_output=True, text=True, timeout=240, env=subprocess_env(), cwd=REPO)
+    result = launch("-m", "pretrain", "--config", "configs/pretrain/tiny.yaml", f"data.shards={stalling}",
+                    f"train.run_dir={tmp_path / 'run'}", "data.read_timeout_s=1", "data.read_retries=1",
+                    "data.val_split=", "train.steps=3", timeout=240)
     assert result.returncode != 0 and time.monotonic() - start < 180
     errors = [ln for ln in result.stderr.splitlines() if ln.startswith("error: ")]
     assert errors and all(ln.startswith("error: [rank ") and "no data for 1 s" in ln for ln in errors), \
@@ -69,60 +61,12 @@ def test_two_ranks_reading_from_a_stalling_server_stop_with_an_error_instead_of_
 
 # ---------------------------------------------------------------- shards that are broken or lie
 
-def png(rng: np.random.Generator) -> bytes:
-    out = io.BytesIO()
-    Image.fromarray(rng.integers(0, 256, (16, 16, 3), dtype=np.uint8)).save(out, format="PNG")
-    return out.getvalue()
-
-
-def shard_set(root: Path, labels: list[int | None], corrupt: set[int] = frozenset(), manifest_count: int | None = None,
-              val: int = 0) -> Path:
-    """One train shard (sample i labelled labels[i]; None: no .cls; i in `corrupt`: not an image), a manifest that
-    says it holds `manifest_count` samples, and optionally a val shard of `val` good images."""
-    rng = np.random.default_rng(0)
-    root.mkdir(parents=True)
-    splits = {}
-    for split, items in (("train", labels), ("val", [0] * val)):
-        if not items:
-            continue
-        w = ShardWriter(root / f"{split}-000000.tar")
-        for i, label in enumerate(items):
-            files = {"png": b"not an image" if split == "train" and i in corrupt else png(rng)}
-            if label is not None:
-                files["cls"] = str(label).encode()
-            w.write(f"{split}_{i:06d}", files)
-        w.close()
-        n = manifest_count if split == "train" and manifest_count is not None else len(items)
-        splits[split] = {"name": split, "num_samples": n, "filenames": [f"{split}-000000.tar"], "shard_lengths": [n]}
-    (root / "_info.json").write_text(json.dumps({"name": "t", "splits": splits, "num_classes": 3,
-                                                 "class_names": ["a", "b", "c"]}))
-    return root
-
-
-@pytest.fixture(scope="module")
-def encoder_export(tmp_path_factory) -> Path:
-    import torch
-
-    from vit_mpp.config import ModelConfig
-    from vit_mpp.models import create_encoder
-
-    torch.manual_seed(0)
-    cfg = ModelConfig(img_size=16, patch_size=4, embed_dim=32, depth=1, num_heads=2)
-    return write_encoder_export(tmp_path_factory.mktemp("encoder"), create_encoder(cfg), cfg)
-
-
 def run_stage(stage: str, shards: Path, run_dir: Path, *overrides: str, capsys, init: Path | None = None) -> tuple:
     main = pretrain_main if stage == "pretrain" else finetune_main
     defaults = ["train.steps=2"] if stage == "pretrain" else [f"init.checkpoint={init}", "train.epochs=1"]
     argv = ["--config", f"configs/{stage}/tiny.yaml", f"data.shards={shards}", f"train.run_dir={run_dir}",
             "data.num_workers=0", "data.val_split=", *defaults, *overrides]  # the test's overrides win
-    try:
-        run_main(main, argv)
-        code = 0
-    except SystemExit as e:
-        code = e.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
+    return in_process(main, argv, capsys)
 
 
 def one_error_line(err: str) -> str:
@@ -182,28 +126,18 @@ def test_a_shard_with_more_samples_than_the_manifest_says_so(tmp_path, capsys):
 
 def test_a_fully_corrupt_shard_in_small_data_stops_the_run(tmp_path, capsys):
     # 16 good images, then a shard of 16 undecodable ones: the range is far under 100 samples, the old threshold.
-    shards = write_shard_set(tmp_path / "s", {"train": [16, 16]})
-    truncate_images = shards / "train-000001.tar"
-    w = ShardWriter(truncate_images)
-    for i in range(16, 32):
-        w.write(f"train_{i:06d}", {"png": b"not an image", "cls": b"0"})
-    w.close()
+    shards = write_shard_set(tmp_path / "s", {"train": [16, 16]}, bad={"train": range(16, 32)})
     code, _, err = run_stage("pretrain", shards, tmp_path / "run", "data.shuffle_buffer=1", "train.steps=4",
                              capsys=capsys)
     assert code == 2 and "16 of 32 samples undecodable in split 'train'" in one_error_line(err), err
 
 
 def test_evaluation_says_when_it_counted_fewer_images_than_the_split_holds(tmp_path, capsys, encoder_export):
-    shards = shard_set(tmp_path / "s", [0, 1, 2] * 8, val=6)
-    val = shards / "val-000000.tar"
-    w = ShardWriter(val)
-    rng = np.random.default_rng(1)
-    for i in range(6):
-        w.write(f"val_{i:06d}", {"png": b"broken" if i in (1, 4) else png(rng), "cls": b"1"})
-    w.close()
+    shards = write_shard_set(tmp_path / "s", {"train": [24], "val": [6]}, labels={"train": [0, 1, 2] * 8,
+                                                                                 "val": [1] * 6}, bad={"val": [1, 4]})
     code, out, _ = run_stage("finetune", shards, tmp_path / "run", "data.val_split=val", "data.max_bad_fraction=0.5",
                              capsys=capsys, init=encoder_export)
     assert code == 0
     assert "warning: evaluation counted 4 of the 6 images of the split: 2 could not be decoded" in out
-    evals = [json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    evals = read_metrics(tmp_path / "run")
     assert [e["val_unread"] for e in evals if "val_top1" in e] == [2]

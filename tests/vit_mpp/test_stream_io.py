@@ -3,19 +3,16 @@
 from __future__ import annotations
 
 import collections
-import io
 
-import numpy as np
 import pytest
-from PIL import Image
 
-from data_tools.writer import ShardWriter
-from tests.conftest import FaultyHandler, serve_directory, serve_faulty, write_shard_set
+from tests.helpers.servers import FaultyHandler, serve_directory, serve_faulty
+from tests.helpers.shards import bad_shard_set, write_shard_set
 from vit_mpp import data_stream
 from vit_mpp.cli import run_main
 from vit_mpp.config import DataConfig
 from vit_mpp.data_stream import DataError, build_loader
-from vit_mpp.manifest import ManifestError, load_split, write_manifest
+from vit_mpp.manifest import ManifestError, load_split
 
 
 @pytest.fixture
@@ -40,24 +37,6 @@ def test_http_manifest_missing_is_a_clear_error(served):
     url, _ = served
     with pytest.raises(ManifestError, match="HTTP 404"):
         load_split(url + "/nowhere", "train")
-
-
-def bad_shard_set(root, good: int, bad: int):
-    """One train shard of `good` decodable and `bad` undecodable images, interleaved."""
-    rng = np.random.default_rng(0)
-    root.mkdir()
-    w = ShardWriter(root / "train-000000.tar")
-    for i in range(good + bad):
-        out = io.BytesIO()
-        Image.fromarray(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)).save(out, format="PNG")
-        data = b"not an image" if i % ((good + bad) // bad) == 1 else out.getvalue()
-        w.write(f"train_{i:06d}", {"png": data, "cls": b"0"})
-    w.close()
-    n = good + bad
-    write_manifest(root, {"name": "bad", "splits": {"train": {"name": "train", "num_samples": n,
-                                                              "filenames": ["train-000000.tar"],
-                                                              "shard_lengths": [n]}}})
-    return root
 
 
 def test_too_many_bad_samples_stop_the_run_with_one_line(tmp_path, capsys):

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import collections
 import json
-import subprocess
-import sys
 
 import pytest
 
-from tests.conftest import REPO, serve_directory, subprocess_env, write_shard_set
+from tests.helpers.processes import launch
+from tests.helpers.servers import serve_directory
+from tests.helpers.shards import write_shard_set
 
 # 36 train samples in 6 uneven shards: the global batch 2 ranks x 2 workers x 3 = 12 divides it.
 UNEVEN = {"train": [7, 1, 12, 4, 9, 3], "val": [5, 2, 4]}
@@ -29,12 +29,9 @@ def launched(tmp_path_factory):
     few = write_shard_set(root / "few", FEW, size=8)
     out = root / "out"
     with serve_directory(uneven) as url:
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
-               "tests/vit_mpp/stream_probe.py", str(out), f"uneven={uneven}", f"few={few}", f"http={url}",
-               "--workers", "2", "--batch", "3", "--epochs", str(EPOCHS)]
         # The timeout is the hang detector: unequal step counts would block a collective forever.
-        result = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=subprocess_env(), cwd=REPO)
+        result = launch("tests/vit_mpp/stream_probe.py", str(out), f"uneven={uneven}", f"few={few}", f"http={url}",
+                        "--workers", "2", "--batch", "3", "--epochs", str(EPOCHS), timeout=180)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     sets = {name: [json.loads((out / f"{name}.rank{r}.json").read_text()) for r in range(2)]
             for name in ("uneven", "few", "http")}
