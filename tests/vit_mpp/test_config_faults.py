@@ -1,8 +1,9 @@
 """Every config field's bad values end in one line, `error: ...` naming the key, and exit status 2: in-process, under
 `python -m`, and under `accelerate launch --multi_gpu --num_processes 2` (printed once, not once per rank).
 
-Config errors are found before torch is imported (the stage's __main__ checks the config first), so the
-`python -m` table runs in seconds; the launcher table starts torch elastic per row and is marked slow."""
+Config errors are found before torch is imported (the stage's __main__ checks the config first), so a `python -m`
+row takes a fraction of a second; the launcher starts torch elastic per row. Both run a fixed sample of rows by
+default and every other row in the slow suite (`-m slow`); the in-process table runs every row."""
 
 from __future__ import annotations
 
@@ -120,6 +121,18 @@ MAINS = {"pretrain": pretrain_main, "finetune": finetune_main}
 IDS = [" ".join(o) for _, o, _ in BAD_VALUES]
 # A few rows under the launcher in the default suite; all of them in the slow one.
 LAUNCH_SAMPLE = {0, 10, 19, 29, 44, 56, 63, 71}
+# Under `python -m`, what is checked does not depend on the row (the ConfigError becomes one `error:` line and exit
+# status 2 before anything is written; test_in_process checks every row's message): the default suite starts an
+# interpreter for one row per config section and stage, and for each kind of rule (a field's range, a rule joining
+# fields, a choice, a list, an unknown key, a wrong type, a missing config file); the slow suite for every other row.
+PYTHON_M_SAMPLE = {
+    "train.log_every=0", "train.epochs=0", "data.crop_scale=[0.9,0.5]", "optim.name=adam optim.weight_decay=0.05",
+    "optim.layer_decay=0", "model.img_size=30 model.patch_size=8", "model.global_pool=max", "mpp.random_prob=0.5",
+    "init.std=[0.2,0,0.2]", "augment.mixup=-1", "optim.lrr=1", "train.steps=many",
+    "--config configs/finetune/missing.yaml", "train.trackers=[nosuch]", "knn.k=0", "export.push_to_hub=a/b/c",
+    "augment.auto_augment=rand-m9-x1", "train.ema_decay=high",
+}
+assert PYTHON_M_SAMPLE <= set(IDS), sorted(PYTHON_M_SAMPLE - set(IDS))  # the sample names rows of the table
 
 
 def argv(stage: str, overrides: list[str], run_dir: str = "runs/never") -> list[str]:
@@ -140,12 +153,25 @@ def test_in_process(stage, overrides, message, capsys):
     assert_one_line(capsys.readouterr().err, message)
 
 
-@pytest.mark.parametrize("stage, overrides, message", BAD_VALUES, ids=IDS)
-def test_python_m(stage, overrides, message, tmp_path):
+def python_m(stage: str, overrides: list[str], message: str, tmp_path) -> None:
     result = run_module(stage, *argv(stage, overrides, f"{tmp_path}/run"), timeout=120)
     assert result.returncode == 2
     assert_one_line(result.stderr, message)
     assert not (tmp_path / "run").exists()  # nothing was written
+
+
+@pytest.mark.parametrize("stage, overrides, message", [row for row, i in zip(BAD_VALUES, IDS) if i in PYTHON_M_SAMPLE],
+                         ids=[i for i in IDS if i in PYTHON_M_SAMPLE])
+def test_python_m(stage, overrides, message, tmp_path):
+    python_m(stage, overrides, message, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage, overrides, message",
+                         [row for row, i in zip(BAD_VALUES, IDS) if i not in PYTHON_M_SAMPLE],
+                         ids=[i for i in IDS if i not in PYTHON_M_SAMPLE])
+def test_python_m_every_row(stage, overrides, message, tmp_path):
+    python_m(stage, overrides, message, tmp_path)
 
 
 def launched(stage: str, overrides: list[str], message: str, tmp_path) -> None:

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import collections
+from pathlib import Path
 
 import pytest
 
-from tests.helpers.shards import write_shard_set
+from tests.helpers.shards import bad_shard_set, write_shard_set
 from vit_mpp.config import DataConfig
 from vit_mpp.data_stream import DataError, build_loader
 from vit_mpp.manifest import load_split
@@ -85,20 +86,28 @@ def test_too_few_samples_is_a_clear_error(uneven):
         build_loader(s, DataConfig(num_workers=2), 8, 8, rank=0, world_size=2, train=True)
 
 
-def test_bad_samples_are_replaced_and_counted(tmp_path):
-    shards = write_shard_set(tmp_path / "s", {"train": [6]}, size=8)
+def zeroed_in_place(root: Path) -> Path:
+    """6 samples; the image of sample 2 zeroed in place (same size, so the tar stays valid)."""
     import tarfile
 
-    # Corrupt the image of sample 2 in place (same size, so the tar stays valid).
+    shards = write_shard_set(root, {"train": [6]}, size=8)
     path = shards / "train-000000.tar"
     with tarfile.open(path) as tf:
         member = tf.getmember("train_000002.png")
     data = bytearray(path.read_bytes())
     data[member.offset_data:member.offset_data + member.size] = b"\0" * member.size
     path.write_bytes(bytes(data))
-    s, _ = load_split(shards, "train")
-    data = DataConfig(num_workers=0, shuffle_buffer=1, max_bad_fraction=0.5)  # 1 of 6: over the default limit
-    _, loader = build_loader(s, data, 8, 3, rank=0, world_size=1, train=True)
-    batches = [b for _, b in zip(range(2), loader)]
-    assert [len(b["key"]) for b in batches] == [3, 3]  # batches stay full
-    assert sum(b["bad"] for b in batches) == 1
+    return shards
+
+
+@pytest.mark.parametrize("make, batch, max_bad_fraction, bad", [
+    (zeroed_in_place, 3, 0.5, 1),  # 1 of 6: over the default limit
+    (lambda root: bad_shard_set(root, good=180, bad=20), 4, 0.2, 20),  # not images at all, 10%, spread out
+], ids=["zeroed_in_place", "undecodable_10_percent"])
+def test_bad_samples_are_replaced_and_counted(tmp_path, make, batch, max_bad_fraction, bad):
+    s, _ = load_split(make(tmp_path / "s"), "train")
+    data = DataConfig(num_workers=0, shuffle_buffer=1, max_bad_fraction=max_bad_fraction)
+    stream, loader = build_loader(s, data, 8, batch, rank=0, world_size=1, train=True)
+    batches = [b for _, b in zip(range(stream.batches_per_epoch), loader)]  # one epoch
+    assert [len(b["key"]) for b in batches] == [batch] * stream.batches_per_epoch  # batches stay full
+    assert sum(b["bad"] for b in batches) == bad

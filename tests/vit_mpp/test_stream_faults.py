@@ -84,7 +84,10 @@ def truncate(path: Path) -> None:
     (lambda p: p.write_bytes(b""), "cannot be read after sample 0 of 16: ReadError: empty file"),
     (lambda p: p.write_text("not a tar\n" * 100), "cannot be read after sample 0 of 16: ReadError: invalid"),
     (lambda p: p.unlink(), "cannot be read after sample 0 of 16: FileNotFoundError"),
-], ids=["truncated", "empty", "not_a_tar", "deleted"])
+    # a whole shard of 8 samples, but the manifest says 16: a silent short epoch would desynchronise the ranks
+    (lambda p: shard_set(p.parent, [0] * 8, manifest_count=16),
+     "holds only 8 samples but the manifest says at least 16"),
+], ids=["truncated", "empty", "not_a_tar", "deleted", "shorter_than_its_manifest"])
 def test_a_broken_shard_is_one_line_exit_2(tmp_path, capsys, damage, message):
     shards = shard_set(tmp_path / "s", [0] * 16)
     damage(shards / "train-000000.tar")
