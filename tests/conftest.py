@@ -22,6 +22,15 @@ __all__ = ["REPO", "FaultyHandler", "png_bytes", "run_module", "serve_directory"
            "write_encoder_export", "write_shard_set"]
 
 
+def pytest_configure(config) -> None:
+    """One torch thread in the test process, as in the child processes (tests/helpers/processes.py): the machines
+    that run the suite have 2 cores, often busy with other work, and a parallel region whose second thread waits for
+    a core stalls the whole step (the small models here gain nothing from a second thread)."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
 @pytest.fixture(scope="session")
 def demo_folder(tmp_path_factory) -> Path:
     """A class-folder tree of 6 x 16 small generated images."""

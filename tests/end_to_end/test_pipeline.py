@@ -49,7 +49,7 @@ def test_pretrain_resume_then_finetune_with_two_processes(demo_shards, tmp_path)
 
     ft = tmp_path / "finetune"
     out = launched("finetune", "--config", "configs/finetune/tiny.yaml", f"data.shards={demo_shards}",
-                 f"init.checkpoint={pre / 'export'}", f"train.run_dir={ft}")
+                   f"init.checkpoint={pre / 'export'}", f"train.run_dir={ft}", "train.epochs=1")  # one evaluation
     assert "final validation top-1" in out
     evals = [m for m in read_metrics(ft) if "val_top1" in m]
     n_val = json.loads((demo_shards / "_info.json").read_text())["splits"]["val"]["num_samples"]

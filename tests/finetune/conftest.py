@@ -1,5 +1,6 @@
-"""Fixtures of the fine-tuning tests: one small labelled shard set and the encoder export fine-tuning starts from.
-Both are shared by every test of the folder: never write into them."""
+"""Fixtures of the fine-tuning tests: one small labelled shard set, the encoder export fine-tuning starts from, and
+one linear probe trained on them that several tests read (its evaluation, exports, predict, `finetune.evaluate`).
+They are shared by every test of the folder: never write into them (beside the probe's export is fine)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.runs import run_tiny_finetune
 from tests.helpers.shards import write_shard_set
 
 
@@ -21,3 +23,12 @@ def shards(tmp_path_factory) -> Path:
 def pretrained(encoder_export) -> Path:
     """The pretraining export fine-tuning starts from: a random small encoder (tests/conftest.py)."""
     return encoder_export
+
+
+@pytest.fixture(scope="session")
+def probe_run(shards, pretrained, tmp_path_factory) -> Path:
+    """A linear probe of the random encoder, 2 epochs with an evaluation each (a large LR, so that its predictions
+    differ from class to class)."""
+    run_dir = tmp_path_factory.mktemp("probe")
+    run_tiny_finetune(shards, run_dir, pretrained, "train.mode=linear_probe", "optim.lr=0.5")
+    return run_dir

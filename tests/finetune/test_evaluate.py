@@ -12,7 +12,6 @@ import pytest
 from finetune import evaluate
 from tests.helpers.models import SMALL, write_encoder_export
 from tests.helpers.processes import launch, run_module
-from tests.helpers.runs import run_tiny_finetune
 from vit_mpp.cli import run_main
 from vit_mpp.config import ModelConfig
 from vit_mpp.export import write_export
@@ -21,12 +20,10 @@ from vit_mpp.models import create_encoder
 N_VAL = 13  # the validation images of the `shards` fixture (tests/finetune/conftest.py)
 
 
-@pytest.fixture(scope="module")
-def run(shards, pretrained, tmp_path_factory) -> Path:
-    """A linear probe of a random encoder (a large LR, so its predictions differ from class to class)."""
-    run_dir = tmp_path_factory.mktemp("probe")
-    run_tiny_finetune(shards, run_dir, pretrained, "train.mode=linear_probe", "optim.lr=0.5")
-    return run_dir
+@pytest.fixture
+def run(probe_run) -> Path:
+    """The run these tests evaluate: a linear probe of a random encoder (tests/finetune/conftest.py)."""
+    return probe_run
 
 
 def classifier(out: Path, num_classes: int, class_names: list[str] | None) -> Path:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import csv
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -27,13 +26,6 @@ from vit_mpp.models import create_encoder
 from vit_mpp.pretrained import resize_pos_embed
 from vit_mpp.runtime import build_optimizer
 from vit_mpp.schedule import set_lr
-
-
-@pytest.fixture(scope="module")
-def probe_run(shards, pretrained, tmp_path_factory) -> Path:
-    run_dir = tmp_path_factory.mktemp("probe")
-    run_tiny_finetune(shards, run_dir, pretrained, "train.mode=linear_probe", "optim.base_lr=0.1")
-    return run_dir
 
 
 def test_linear_probe_leaves_the_encoder_unchanged(probe_run, pretrained):

@@ -12,7 +12,8 @@ import sys
 import time
 from pathlib import Path
 
-from tests.helpers.processes import LAUNCH, REPO, subprocess_env
+from pretrain.__main__ import main as pretrain_main
+from tests.helpers.processes import LAUNCH, REPO, in_process, subprocess_env
 from tests.helpers.runs import read_metrics
 
 
@@ -21,9 +22,12 @@ def pretrain(shards: Path, run_dir: Path, *overrides: str) -> list[str]:
             f"train.run_dir={run_dir}", "train.eval_every=0", "data.val_split=", *overrides]
 
 
-def run(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout,
-                          env=subprocess_env(), cwd=REPO)
+def run(args: list[str], capsys) -> subprocess.CompletedProcess:
+    """`python <args>` (a `pretrain` command line) in this process: the run that is not the one being killed or
+    locked out needs no interpreter of its own. A run dir this process has used stays locked by it to the end."""
+    assert args[:2] == ["-m", "pretrain"]
+    code, out, err = in_process(pretrain_main, args[2:], capsys)
+    return subprocess.CompletedProcess([sys.executable, *args], code, out, err)
 
 
 def wait_for(condition, what: str, timeout: float = 120) -> None:
@@ -61,7 +65,7 @@ def children(pid: int) -> list[int]:
     return found
 
 
-def test_a_second_run_on_a_locked_run_dir_gets_one_line_naming_the_holder(demo_shards, tmp_path):
+def test_a_second_run_on_a_locked_run_dir_gets_one_line_naming_the_holder(demo_shards, tmp_path, capsys):
     run_dir = tmp_path / "run"
     first = subprocess.Popen([sys.executable, *pretrain(demo_shards, run_dir, "train.steps=100000")], cwd=REPO,
                              env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -69,7 +73,7 @@ def test_a_second_run_on_a_locked_run_dir_gets_one_line_naming_the_holder(demo_s
         wait_for(lambda: holder(run_dir).get("pid") == first.pid and (run_dir / "config.yaml").is_file(),
                  "the first run to lock its run dir and write its config")
         config_before = (run_dir / "config.yaml").read_text()
-        second = run(pretrain(demo_shards, run_dir, "train.steps=5", "optim.lr=0.5"))
+        second = run(pretrain(demo_shards, run_dir, "train.steps=5", "optim.lr=0.5"), capsys)
         lines = second.stderr.strip().splitlines()
         assert second.returncode == 2 and len(lines) == 1, second.stderr
         assert lines[0].startswith(f"error: {run_dir} is in use by another run (pid {first.pid} on ")
@@ -77,11 +81,11 @@ def test_a_second_run_on_a_locked_run_dir_gets_one_line_naming_the_holder(demo_s
     finally:
         first.kill()  # kill -9: the lock goes with the process
         first.wait()
-    third = run(pretrain(demo_shards, run_dir, "train.steps=2"))
+    third = run(pretrain(demo_shards, run_dir, "train.steps=2"), capsys)
     assert third.returncode == 0, third.stderr[-2000:]
 
 
-def test_ranks_stop_when_their_launcher_is_killed(demo_shards, tmp_path):
+def test_ranks_stop_when_their_launcher_is_killed(demo_shards, tmp_path, capsys):
     # The launcher killed with -9 left its ranks training in their own sessions; a re-run then collided with them.
     run_dir = tmp_path / "run"
     launcher = subprocess.Popen([*LAUNCH[:1], *LAUNCH[1:], *pretrain(demo_shards, run_dir, "train.steps=100000")],
@@ -96,17 +100,17 @@ def test_ranks_stop_when_their_launcher_is_killed(demo_shards, tmp_path):
     finally:
         for pid in children(launcher.pid):
             os.kill(pid, signal.SIGKILL)
-    again = run(pretrain(demo_shards, run_dir, "train.steps=2"))  # the run dir is free again
+    again = run(pretrain(demo_shards, run_dir, "train.steps=2"), capsys)  # the run dir is free again
     assert again.returncode == 0, again.stderr[-2000:]
 
 
-def test_an_unreadable_newest_checkpoint_is_set_aside_and_the_previous_one_resumed(demo_shards, tmp_path):
+def test_an_unreadable_newest_checkpoint_is_set_aside_and_the_previous_one_resumed(demo_shards, tmp_path, capsys):
     run_dir = tmp_path / "run"
-    first = run(pretrain(demo_shards, run_dir, "train.steps=6", "train.ckpt_every=3", "train.keep_last=3"))
+    first = run(pretrain(demo_shards, run_dir, "train.steps=6", "train.ckpt_every=3", "train.keep_last=3"), capsys)
     assert first.returncode == 0, first.stderr[-2000:]
     weights = run_dir / "checkpoints" / "step_000006" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])  # truncated, as a full disk or a crash leaves it
-    resumed = run(pretrain(demo_shards, run_dir, "train.steps=9", "train.ckpt_every=3", "train.keep_last=3"))
+    resumed = run(pretrain(demo_shards, run_dir, "train.steps=9", "train.ckpt_every=3", "train.keep_last=3"), capsys)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "checkpoint" in resumed.stderr and "step_000006 cannot be read" in resumed.stderr
     assert f"resuming from {run_dir / 'checkpoints' / 'step_000003'} (step 3)" in resumed.stdout
@@ -115,31 +119,31 @@ def test_an_unreadable_newest_checkpoint_is_set_aside_and_the_previous_one_resum
     assert steps == [2, 4, 6, 8, 9]  # each step once: the log was cut back to step 3 and carried on
 
 
-def test_a_run_dir_whose_only_checkpoint_is_unreadable_is_one_line_not_a_fresh_start(demo_shards, tmp_path):
+def test_a_run_dir_whose_only_checkpoint_is_unreadable_is_one_line_not_a_fresh_start(demo_shards, tmp_path, capsys):
     run_dir = tmp_path / "run"
-    assert run(pretrain(demo_shards, run_dir, "train.steps=3", "train.keep_last=1")).returncode == 0
+    assert run(pretrain(demo_shards, run_dir, "train.steps=3", "train.keep_last=1"), capsys).returncode == 0
     (run_dir / "checkpoints" / "step_000003" / "model.safetensors").write_bytes(b"")
-    again = run(pretrain(demo_shards, run_dir, "train.steps=6"))
+    again = run(pretrain(demo_shards, run_dir, "train.steps=6"), capsys)
     assert again.returncode == 2
     assert again.stderr.strip().splitlines()[-1].startswith(f"error: no checkpoint of {run_dir} can be read")
 
 
-def test_a_resumed_run_may_not_change_its_architecture(demo_shards, tmp_path):
+def test_a_resumed_run_may_not_change_its_architecture(demo_shards, tmp_path, capsys):
     run_dir = tmp_path / "run"
-    assert run(pretrain(demo_shards, run_dir, "train.steps=3")).returncode == 0
+    assert run(pretrain(demo_shards, run_dir, "train.steps=3"), capsys).returncode == 0
     before = (run_dir / "config.yaml").read_text()
-    changed = run(pretrain(demo_shards, run_dir, "train.steps=6", "model.depth=3", "mpp.target=l2"))
+    changed = run(pretrain(demo_shards, run_dir, "train.steps=6", "model.depth=3", "mpp.target=l2"), capsys)
     lines = changed.stderr.strip().splitlines()
     assert changed.returncode == 2 and len(lines) == 1, changed.stderr
     assert "a resumed run cannot change model.depth (2 -> 3), mpp.target ('mean_color' -> 'l2')" in lines[0]
     assert (run_dir / "config.yaml").read_text() == before
-    ok = run(pretrain(demo_shards, run_dir, "train.steps=6", "optim.lr=0.002"))  # other settings may change
+    ok = run(pretrain(demo_shards, run_dir, "train.steps=6", "optim.lr=0.002"), capsys)  # other settings may change
     assert ok.returncode == 0 and "note: config differs from the previous run in: optim.lr, train.steps" in ok.stdout
 
 
-def test_a_run_dir_under_a_file_is_one_line(demo_shards, tmp_path):
+def test_a_run_dir_under_a_file_is_one_line(demo_shards, tmp_path, capsys):
     (tmp_path / "file").write_text("x")
-    result = run(pretrain(demo_shards, tmp_path / "file" / "run", "train.steps=2"))
+    result = run(pretrain(demo_shards, tmp_path / "file" / "run", "train.steps=2"), capsys)
     assert result.returncode == 2
     assert result.stderr.strip() == f"error: train.run_dir {tmp_path / 'file' / 'run'} is (or lies under) a file, " \
                                     "not a folder"
