@@ -21,7 +21,7 @@ import numpy as np
 import webdataset as wds
 
 from data_tools.writer import ShardWriter
-from tests.conftest import serve_directory
+from tests.helpers.servers import serve_directory
 from vit_mpp import urls
 
 

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO
+from tests.helpers.processes import REPO
 
 DEPENDENCIES = {"torch", "torchvision", "timm", "accelerate", "webdataset", "datasets", "rich", "safetensors", "yaml",
                 "PIL", "numpy", "matplotlib", "fsspec", "scipy", "sklearn", "vit_mpp", "data_tools", "pretrain",

@@ -101,6 +101,8 @@ def block_samples(split: Split, set_index: int, piece: Piece, read: ReadSettings
     try:
         for sample in itertools.islice(emissions, piece.lo, piece.hi):
             yield {**sample, "__epoch__": piece.epoch}
+        if piece.hi == stop - start:
+            next(emissions, None)  # past the block's end: a shard holding more than its manifest says is noticed
     finally:
         emissions.close()
 
@@ -123,26 +125,27 @@ class SetReader:
     def _items(self) -> Iterator[tuple[torch.Tensor, int, str, int, list[str]]]:
         waiting: list[str] = []  # bad samples met before any good one: replaced by the next good one
         for piece in self.pieces:
-            for sample in block_samples(self.set.split, self.index, piece, self.read):
+            last = piece.hi - piece.lo - 1
+            for i, sample in enumerate(block_samples(self.set.split, self.index, piece, self.read)):
                 key = sample["__key__"]
+                self.seen += 1
                 try:
                     good = (self.decoder(image_bytes(sample)), sample_label(sample), key, sample["__epoch__"])
                 except Exception:  # a bad sample must neither stop nor desynchronise the run: count and replace it
-                    self.seen += 1
                     self.bad += 1
-                    self._check_rate(force=False)
+                    self._check_rate(force=i == last)
                     if self.last_good is None:
                         waiting.append(key)
                     else:
                         yield (*self.last_good, [key])
                     continue
-                self.seen += 1
-                self._check_rate(force=False)
+                # The rate is checked at a block's last sample whatever its size, before that sample leaves: small
+                # data must not train on mostly broken images in silence.
+                self._check_rate(force=i == last)
                 self.check_label(good[1], key)
-                for i in range(len(waiting) + 1):
-                    yield (*good, waiting[i:i + 1])
+                for j in range(len(waiting) + 1):
+                    yield (*good, waiting[j:j + 1])
                 waiting, self.last_good = [], good
-            self._check_rate(force=True)  # the end of a block: small data must not train on broken images in silence
             if waiting:
                 raise ShardError(f"every sample worker {self.part} read from set '{self.set.name}' (split "
                                  f"'{self.set.split.name}') is undecodable")
@@ -177,11 +180,8 @@ class TrainStream(IterableDataset):
                 raise DataError(f"set '{s.name}' (split '{s.split.name}') has {s.split.num_samples} samples, fewer "
                                 f"than processes x workers = {layout.world} x {layout.workers}: use fewer "
                                 "data.num_workers or processes")
-            if rank == 0 and len(s.split.urls) < layout.parts:
-                # Correct by design (blocks span shards), but each shard is then read, in part, by several workers.
-                print(f"warning: set '{s.name}' (split '{s.split.name}') has {len(s.split.urls)} shard(s) for "
-                      f"{layout.world} process(es) x {layout.workers} worker(s): shards are read by several workers "
-                      "(extra I/O); more, smaller shards avoid it", file=sys.stderr, flush=True)
+            if rank == 0:
+                warn_few_shards(f"set '{s.name}' (split '{s.split.name}')", s.split, layout.world, layout.workers)
 
     @property
     def batches_per_epoch(self) -> int:
@@ -230,6 +230,14 @@ def _batch(items: list[tuple]) -> dict[str, Any]:
             "epoch": list(epochs), "bad": len(replaced), "bad_keys": replaced}
 
 
+def warn_few_shards(what: str, split: Split, world: int, workers: int) -> None:
+    """Fewer shards than processes x workers is correct by design (ranges span shards), but each shard is then read,
+    in part, by several workers: say so (rank 0), once per stream."""
+    if len(split.urls) < world * workers:
+        print(f"warning: {what} has {len(split.urls)} shard(s) for {world} process(es) x {workers} worker(s): shards "
+              "are read by several workers (extra I/O); more, smaller shards avoid it", file=sys.stderr, flush=True)
+
+
 class EvalStream(IterableDataset):
     """One ordered pass over a split, each sample once over all ranks and workers (see the module doc).
 
@@ -247,6 +255,8 @@ class EvalStream(IterableDataset):
         self.num_samples = split.num_samples if limit is None else min(limit, split.num_samples)
         self.per_worker = math.ceil(self.num_samples / (world_size * self.num_workers))
         self.batches_per_worker = math.ceil(self.per_worker / batch_size)
+        if rank == 0 and limit is None:
+            warn_few_shards(f"evaluation split '{split.name}'", split, world_size, self.num_workers)
 
     def __len__(self) -> int:
         return self.batches_per_worker * self.num_workers

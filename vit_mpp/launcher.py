@@ -2,8 +2,11 @@
 line when a peer fails.
 
 * A launcher killed with -9 cannot stop its ranks; they would train on, holding the run directory. So each rank asks
-  the kernel to kill it when its parent dies (Linux `PR_SET_PDEATHSIG`), first thing, before any heavy import, and
-  checks that the parent is still the one it started with; elsewhere a thread watches the parent.
+  the kernel to send it SIGTERM when its parent dies (Linux `PR_SET_PDEATHSIG`), first thing, before any heavy
+  import, and checks that the parent is still the one it started with; elsewhere a thread watches the parent. SIGTERM,
+  not SIGKILL: a launcher that dies because a scheduler signalled the whole job (torch elastic does not handle
+  SIGUSR1, which SLURM's `--signal=USR1@120` sends to every process) leaves its ranks the time to save the step, as
+  for any preemption (vit_mpp/preemption.py); a rank still starting has nothing to save and ends at once.
 * A rank that stops with an error writes its rank into the process group's store before it exits. A peer whose
   collective then breaks (gloo: the connection closes; NCCL: the launcher stops it) finds that note and says
   `error: [rank R] stopped: rank Q failed (its error is above)` instead of a traceback from the collective.
@@ -44,20 +47,20 @@ def die_with_launcher() -> None:
         return
     _watched = True
     parent = os.getppid()
-    if not die_with_parent():
+    if not die_with_parent(signal.SIGTERM):
         _watch_parent(parent)
 
 
-def die_with_parent() -> bool:
-    """Ask the kernel to kill this process when its parent dies (Linux); False where it cannot be asked. A parent
-    already gone by then ends this process at once."""
+def die_with_parent(sig: int = signal.SIGKILL) -> bool:
+    """Ask the kernel to send `sig` to this process when its parent dies (Linux); False where it cannot be asked. A
+    parent already gone by then ends this process at once."""
     if not sys.platform.startswith("linux"):
         return False
     import ctypes
 
     parent = os.getppid()
     pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL))
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(sig))
     if os.getppid() != parent:  # the parent died before the kernel could be asked
         os._exit(1)
     return True

@@ -1,0 +1,45 @@
+"""The data half of experiments/pretrain_vs_scratch.py: the digits class-folder tree and the labelled subsets."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+pytest.importorskip("sklearn")  # the dev extra; its bundled digits are the dataset
+
+SCRIPT = Path(__file__).resolve().parents[2] / "experiments" / "pretrain_vs_scratch.py"
+spec = importlib.util.spec_from_file_location("pretrain_vs_scratch", SCRIPT)
+bench = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = bench  # dataclasses look their module up there
+spec.loader.exec_module(bench)
+
+
+def test_digits_tree_has_every_image_in_ten_folders_per_split(tmp_path: Path) -> None:
+    items = bench.write_digits(tmp_path, size=16, val_fraction=0.2)
+    assert {k: len(v) for k, v in items.items()} == {"train": 1437, "val": 360}
+    pngs = sorted(tmp_path.glob("*/*/*.png"))
+    assert len(pngs) == 1797
+    for split in ("train", "val"):
+        assert sorted(p.name for p in (tmp_path / split).iterdir()) == [str(d) for d in range(10)]
+    # Stratified: every digit is in val in about its share (the classes hold 174 to 183 images).
+    assert all(35 <= n <= 37 for n in Counter(label for _, label in items["val"]).values())
+    img = Image.open(pngs[0])
+    assert img.size == (16, 16) and img.mode == "L"
+    # Nearest upsampling: each original pixel is a 2x2 block.
+    px = img.load()
+    assert all(px[2 * x, 2 * y] == px[2 * x + 1, 2 * y + 1] for x in range(8) for y in range(8))
+    assert not {p for p, _ in items["train"]} & {p for p, _ in items["val"]}
+
+
+def test_labelled_subset_is_per_class_and_seeded(tmp_path: Path) -> None:
+    items = bench.write_digits(tmp_path, size=8, val_fraction=0.2)
+    a, b, c = (bench.labelled_subset(items, 10, seed) for seed in (0, 0, 1))
+    assert a == b and a != c
+    assert Counter(label for _, label in a) == {d: 10 for d in range(10)}
+    assert set(a) <= set(items["train"])
+    assert bench.labelled_subset(items, 0, 0) == items["train"]

@@ -1,0 +1,60 @@
+"""A fine-tuning checkpoint that names its architecture fixes it: a `model.*` architecture key the user set (in the
+YAML file or as key=value, `model.name` included) that differs from it is one line, exit 2, before anything is
+written; one that agrees, or one left to its default, is fine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from finetune.__main__ import main as finetune_main
+from finetune.config import FinetuneConfig
+from finetune.init_model import check_architecture
+from tests.helpers.models import write_encoder_export
+from vit_mpp.cli import run_main
+from vit_mpp.config import ConfigError, ModelConfig, load_config
+from vit_mpp.models import create_vit
+
+TINY = ModelConfig(name="vit_tiny_patch16_224", img_size=16, patch_size=4, embed_dim=32, depth=1, num_heads=2)
+
+
+@pytest.fixture(scope="module")
+def export(tmp_path_factory):
+    torch.manual_seed(0)
+    return write_encoder_export(tmp_path_factory.mktemp("export"), create_vit(TINY), TINY)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.name=vit_base_patch16_224"],
+     "model.name=vit_base_patch16_224 (the checkpoint's is vit_tiny_patch16_224)"),
+    (["model.embed_dim=64", "model.num_heads=2"], "model.embed_dim=64 (the checkpoint's is 32)"),
+], ids=["name", "size"])
+def test_a_user_set_architecture_key_that_differs_is_one_line_before_anything_is_written(
+        export, overrides, message, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        run_main(finetune_main, ["--config", "configs/finetune/tiny.yaml", f"init.checkpoint={export}",
+                                 f"train.run_dir={run_dir}", *overrides])
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert e.value.code == 2 and len(err) == 1, err
+    assert err[0].startswith("error: the checkpoint fixes the architecture") and message in err[0]
+    assert not run_dir.exists()  # no config.yaml naming a model that was never trained
+
+
+def test_a_name_written_in_yaml_counts_and_one_that_agrees_or_is_left_out_is_fine(export, tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(f"init:\n  checkpoint: {export}\nmodel:\n  name: vit_small_patch16_224\n  img_size: 24\n")
+    with pytest.raises(ConfigError, match="model.name=vit_small_patch16_224"):
+        cfg = load_config(FinetuneConfig, path)
+        check_architecture(cfg.init, cfg.model)
+    path.write_text(f"init:\n  checkpoint: {export}\nmodel:\n  name: vit_tiny_patch16_224\n  patch_size: 4\n")
+    cfg = load_config(FinetuneConfig, path)
+    check_architecture(cfg.init, cfg.model)  # the same as the export's: fine
+    cfg = load_config(FinetuneConfig, None, [f"init.checkpoint={export}"])
+    assert cfg.model.name == "vit_tiny_patch16_224"  # the default, not written: the export's name is used
+    check_architecture(cfg.init, load_config(FinetuneConfig, None, [f"init.checkpoint={export}"]).model)
+    # a default that differs from the export's is not the user's choice either
+    small = ModelConfig(name="vit_small_patch16_224", img_size=16, patch_size=4, embed_dim=32, depth=1, num_heads=2)
+    other = write_encoder_export(tmp_path / "small", create_vit(small), small)
+    check_architecture(load_config(FinetuneConfig, None, [f"init.checkpoint={other}"]).init,
+                       load_config(FinetuneConfig).model)

@@ -1,0 +1,83 @@
+"""predict: every image format build-shards reads (one list of extensions, vit_mpp/image_formats.py); with images
+it cannot read, the unreadable are skipped with a warning and the others labelled; none readable is one line
+`error: ...`, exit 2, and no CSV (not a CSV holding only its header, with exit 0)."""
+
+from __future__ import annotations
+
+import csv
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from finetune import predict as predict_module
+from tests.helpers.models import SMALL_MODEL
+from tests.helpers.processes import REPO, subprocess_env
+from vit_mpp.export import write_export
+from vit_mpp.image_formats import IMAGE_SUFFIXES
+from vit_mpp.models import create_vit
+
+
+def test_predict_labels_a_bmp_and_a_tiff_as_build_shards_reads_them(tmp_path):
+    # predict once kept its own list (jpg, jpeg, png, webp) and skipped .bmp/.tif files that build-shards accepts.
+    torch.manual_seed(0)
+    model = create_vit(SMALL_MODEL, num_classes=3)
+    export = write_export(tmp_path / "export", model.state_dict(), SMALL_MODEL, kind="classifier", num_classes=3,
+                          mean=(0.5,) * 3, std=(0.5,) * 3, class_names=["a", "b", "c"])
+    images = tmp_path / "images"
+    images.mkdir()
+    rng = np.random.default_rng(0)
+    for name in ("photo.bmp", "scan.TIF", "shot.png"):
+        Image.fromarray(rng.integers(0, 256, (20, 20, 3), dtype=np.uint8)).save(images / name)
+    (images / "notes.txt").write_text("not an image")
+    assert {".bmp", ".tif", ".png"} <= IMAGE_SUFFIXES
+    out = tmp_path / "preds.csv"
+    predict_module.main(["--checkpoint", str(export), "--images", str(images), "--out", str(out)])
+    rows = list(csv.DictReader(out.open()))
+    assert sorted(r["path"] for r in rows) == sorted(str(images / n) for n in ("photo.bmp", "scan.TIF", "shot.png"))
+    assert all(r["class_name"] in ("a", "b", "c") for r in rows)
+
+
+@pytest.fixture(scope="module")
+def export(tmp_path_factory):
+    torch.manual_seed(0)
+    cfg = SMALL_MODEL
+    return write_export(tmp_path_factory.mktemp("export"), create_vit(cfg, 3).state_dict(), cfg, kind="classifier",
+                        num_classes=3, mean=(0.5,) * 3, std=(0.5,) * 3, class_names=["a", "b", "c"])
+
+
+def predict(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "finetune.predict", *args], capture_output=True, text=True,
+                          timeout=300, env=subprocess_env(), cwd=REPO)
+
+
+def test_one_corrupt_image_is_one_error_line_and_no_csv(export, tmp_path):
+    bad = tmp_path / "photo.jpg"
+    bad.write_bytes(b"\xff\xd8\xff\xe0 not really a jpeg")
+    out = tmp_path / "preds.csv"
+    result = predict("--checkpoint", str(export), "--images", str(bad), "--out", str(out))
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert lines[0].startswith(f"error: none of the 1 image(s) could be read, so nothing was labelled ({bad}: ")
+    assert not out.exists() and result.stdout == ""
+    to_stdout = predict("--checkpoint", str(export), "--images", str(bad))
+    assert to_stdout.returncode == 2 and to_stdout.stdout == ""  # not even the header
+
+
+def test_the_readable_ones_are_written_and_the_others_reported(export, tmp_path):
+    images = tmp_path / "images"
+    images.mkdir()
+    (images / "a_bad.png").write_bytes(b"\x89PNG\r\n\x1a\n truncated")  # first in order: held, then reported
+    Image.fromarray(np.zeros((20, 20, 3), dtype=np.uint8)).save(images / "b_good.png")
+    (images / "c_bad.jpg").write_bytes(b"garbage")
+    out = tmp_path / "preds.csv"
+    result = predict("--checkpoint", str(export), "--images", str(images), "--out", str(out), "--batch-size", "1")
+    assert result.returncode == 0, result.stderr
+    assert [r["path"] for r in csv.DictReader(out.open())] == [str(images / "b_good.png")]
+    warnings = [ln for ln in result.stderr.splitlines() if ln.startswith("warning: skipped")]
+    assert [w.split(":")[1].strip().split(" ")[-1] for w in warnings] == [str(images / "a_bad.png"),
+                                                                          str(images / "c_bad.jpg")]
+    assert result.stderr.strip().splitlines()[-1] == f"labelled 1 of 3 images -> {out}"

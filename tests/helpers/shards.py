@@ -1,0 +1,88 @@
+"""Shard sets made on the fly (nothing is downloaded), and the images in them.
+
+`write_shard_set` is the one factory: sample i of a split is keyed `<split>_<i>` (i counted over the split's shards)
+and labelled i % 3 unless told otherwise, so tests can check exactly which samples arrive. It can also write
+samples without a label, undecodable samples, and a manifest that claims other shard lengths than the shards hold.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from data_tools.writer import ShardWriter
+from vit_mpp.manifest import write_manifest
+
+UNDECODABLE = b"not an image"
+
+
+def image_bytes(rng: np.random.Generator, w: int = 24, h: int = 20, fmt: str = "JPEG", mode: str = "RGB") -> bytes:
+    """An image of random pixels, encoded as `fmt`."""
+    arr = rng.integers(0, 256, (h, w, len(mode) if mode != "L" else 1), dtype=np.uint8).squeeze()
+    out = io.BytesIO()
+    Image.fromarray(arr, mode).save(out, format=fmt)
+    return out.getvalue()
+
+
+def png_bytes(rng: np.random.Generator, size: int = 16) -> bytes:
+    """A square RGB PNG of random pixels."""
+    return image_bytes(rng, size, size, "PNG")
+
+
+def write_shard_set(out_dir: Path, lengths: dict[str, list[int]], size: int = 16, seed: int = 0, *,
+                    labels: dict[str, list[int | None]] | None = None, bad: dict[str, Iterable[int]] | None = None,
+                    claimed: dict[str, list[int]] | None = None, meta: bool = True) -> Path:
+    """Shards with the given per-shard sample counts per split, and their manifest (3 classes: a, b, c).
+
+    labels: per split, the label of each sample (None: no .cls at all); by default sample i is labelled i % 3.
+    bad: per split, the indices of samples whose image is not an image (undecodable).
+    claimed: per split, the shard lengths the manifest states instead of the true ones (a manifest that lies).
+    meta: whether each sample also carries a .json holding its index.
+    """
+    rng = np.random.default_rng(seed)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    splits = {}
+    for split, counts in lengths.items():
+        split_labels = (labels or {}).get(split)
+        split_bad = set((bad or {}).get(split, ()))
+        filenames, index = [], 0
+        for s, n in enumerate(counts):
+            name = f"{split}-{s:06d}.tar"
+            w = ShardWriter(out_dir / name)
+            for _ in range(n):
+                label = index % 3 if split_labels is None else split_labels[index]
+                files = {"png": UNDECODABLE if index in split_bad else png_bytes(rng, size)}
+                if label is not None:
+                    files["cls"] = str(label).encode()
+                if meta:
+                    files["json"] = json.dumps({"i": index}).encode()
+                w.write(f"{split}_{index:06d}", files)
+                index += 1
+            w.close()
+            filenames.append(name)
+        stated = (claimed or {}).get(split, counts)
+        splits[split] = {"name": split, "num_samples": sum(stated), "filenames": filenames, "shard_lengths": stated}
+    write_manifest(out_dir, {"name": "test", "splits": splits, "num_classes": 3, "class_names": ["a", "b", "c"]})
+    return out_dir
+
+
+def shard_set(root: Path, labels: list[int | None], corrupt: Iterable[int] = (), manifest_count: int | None = None,
+              val: int = 0) -> Path:
+    """One train shard (sample i labelled labels[i]; None: no .cls; i in `corrupt`: not an image), a manifest that
+    says it holds `manifest_count` samples, and optionally a val shard of `val` good images labelled 0."""
+    lengths = {"train": [len(labels)], **({"val": [val]} if val else {})}
+    claimed = {"train": [manifest_count]} if manifest_count is not None else None
+    return write_shard_set(root, lengths, labels={"train": labels, "val": [0] * val}, bad={"train": corrupt},
+                           claimed=claimed, meta=False)
+
+
+def bad_shard_set(root: Path, good: int, bad: int, size: int = 8) -> Path:
+    """One train shard of `good` decodable and `bad` undecodable images, interleaved (evenly spread), all labelled 0."""
+    n = good + bad
+    return write_shard_set(root, {"train": [n]}, size, labels={"train": [0] * n},
+                           bad={"train": [i for i in range(n) if i % (n // bad) == 1]}, meta=False)

@@ -1,0 +1,50 @@
+"""User errors end in one line on stderr and exit status 2, not a traceback."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers.processes import run_module
+
+
+# Config errors under `python -m` (an unknown key, a wrong type, ...): tests/vit_mpp/test_config_faults.py.
+@pytest.mark.parametrize("module, args, message", [
+    ("pretrain", ["--config", "configs/pretrain/tiny.yaml", "data.shards=/nonexistent/shards"],
+     "shard directory not found: /nonexistent/shards"),
+    ("finetune", ["--config", "configs/finetune/tiny.yaml", "init.checkpoint=/nonexistent/encoder.safetensors"],
+     "checkpoint not found: /nonexistent/encoder.safetensors"),
+])
+def test_one_line_error(module, args, message, demo_shards, tmp_path):
+    if "data.shards" not in " ".join(args):
+        args = [*args, f"data.shards={demo_shards}"]
+    result = run_module(module, *args, f"train.run_dir={tmp_path / 'run'}", timeout=120)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.stderr
+
+
+def test_help_lists_every_key():
+    result = run_module("pretrain", "--help", timeout=120)
+    assert result.returncode == 0
+    for key in ("mpp.mask_ratio", "mpp.target", "optim.base_lr", "train.batch_size", "data.shards"):
+        assert key in result.stdout
+
+
+@pytest.mark.parametrize("rank, expected", [("0", "error: bad value"), ("1", "error: [rank 1] bad value")])
+def test_under_a_launcher_the_main_rank_prints_and_a_silent_rank_speaks_only_if_still_running(
+        rank, expected, monkeypatch, capsys):
+    # A rank other than the main one waits: the launcher normally ends it once the main one has printed. If it was
+    # not ended (the main one did not meet the error), it prints the line itself, so a line always appears.
+    from vit_mpp import cli
+    from vit_mpp.config import ConfigError
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setattr(cli, "QUIET_WAIT_S", 0.01)
+
+    def main(argv):
+        raise ConfigError("bad value")
+
+    with pytest.raises(SystemExit) as e:
+        cli.run_main(main, [])
+    assert e.value.code == 2 and capsys.readouterr().err.strip() == expected

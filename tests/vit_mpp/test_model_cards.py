@@ -1,0 +1,97 @@
+"""Model cards written with huggingface_hub's ModelCard (vit_mpp/hub.py): they parse with `ModelCard.load` and
+carry their metadata (library, tags, the Hub dataset, the Hub model a fine-tuning started from, metrics as a
+model-index), a real title, a snippet that loads the folder itself (the Hub line only when it is uploaded), and a
+fine-tuned model's pretraining recipe, carried on from the export it started from. All offline: the Hub model is
+in a Hugging Face cache built locally."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from huggingface_hub import ModelCard
+
+from finetune.train import main as finetune_main
+from tests.helpers.models import SMALL_MODEL
+from tests.helpers.shards import write_shard_set
+from vit_mpp.config import ExportConfig, ModelConfig
+from vit_mpp.export import write_export
+from vit_mpp.hub import architecture_label, model_card
+from vit_mpp.manifest import data_record
+from vit_mpp.models import create_vit
+
+PRETRAIN = {"steps": 1000, "batch_size": 4096, "target": "mean_color", "mask_ratio": 0.5, "optimizer": "adamw",
+            "lr": 2e-4}
+
+
+def hub_cache(root: Path, repo: str) -> Path:
+    """A Hugging Face Hub cache holding `repo` at one revision, laid out as huggingface_hub lays it out."""
+    folder = root / f"models--{repo.replace('/', '--')}"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    (folder / "refs").mkdir(parents=True)
+    (folder / "refs" / "main").write_text(commit)
+    return folder / "snapshots" / commit
+
+
+def hub_manifest() -> dict:
+    """A manifest of shards that build-shards made from a dataset on the Hub."""
+    return {"name": "textures", "source": {"kind": "hf", "path": "someone/textures", "loader": "hub"},
+            "splits": {"train": {"num_samples": 100}, "val": {"num_samples": 20}}}
+
+
+def test_a_pretraining_card_parses_with_its_metadata_and_loads_this_folder(tmp_path):
+    torch.manual_seed(0)
+    export = write_export(tmp_path / "export", create_vit(SMALL_MODEL).state_dict(), SMALL_MODEL, kind="encoder",
+                          mean=(0.5,) * 3, std=(0.5,) * 3, record={
+                              "pretrain": PRETRAIN, "metrics": {"val_loss": 3.2, "knn_top1_cls": 0.61},
+                              "data": data_record("/data/textures", hub_manifest())})
+    card = model_card(export, ExportConfig(license="apache-2.0"))
+    card.save(export / "README.md")
+    loaded = ModelCard.load(export / "README.md")
+    assert loaded.data.library_name == "timm" and loaded.data.license == "apache-2.0"
+    assert {"vit-mpp", "masked-patch-prediction"} <= set(loaded.data.tags)
+    assert loaded.data.datasets == ["someone/textures"] and loaded.data.pipeline_tag == "image-feature-extraction"
+    (result,) = loaded.data.eval_results
+    assert (result.metric_value, result.metric_name, result.dataset_type) == (
+        0.61, "k-NN top-1 ([class] token)", "someone/textures")
+    title = "ViT/4 (width 32, 1 block, 2 heads) pretrained by masked patch prediction on someone/textures"
+    assert f"\n# {title}\n" in loaded.text and loaded.data.model_name == title
+    assert f'timm.create_model("local-dir:{export}", pretrained=True)' in loaded.text
+    assert "hf-hub:" not in loaded.text  # not uploaded: no Hub line, and no placeholder
+    pushed = model_card(export, ExportConfig(push_to_hub="me/tiny-mpp")).text
+    assert 'timm.create_model("hf-hub:me/tiny-mpp", pretrained=True)' in pushed and "local-dir:" in pushed
+
+
+def test_a_named_size_is_titled_by_its_name():
+    assert architecture_label(ModelConfig(name="vit_tiny_patch16_224"), 16) == "ViT-Tiny/16"
+    assert architecture_label(ModelConfig(name="vit_base_patch16_224", img_size=384), 16) == "ViT-Base/16"
+    assert architecture_label(ModelConfig(name="vit_small_patch16_224", patch_size=8), 8) == "ViT-Small/8"
+
+
+def test_a_fine_tuning_from_a_hub_model_names_its_base_model_and_carries_the_pretraining(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    torch.manual_seed(0)
+    write_export(hub_cache(tmp_path / "hub", "someone/tiny-mpp"), create_vit(SMALL_MODEL).state_dict(), SMALL_MODEL,
+                 kind="encoder", mean=(0.5,) * 3, std=(0.5,) * 3,
+                 record={"pretrain": PRETRAIN, "data": data_record("/data/textures", hub_manifest())})
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    shards = write_shard_set(tmp_path / "shards", {"train": [16], "val": [6]})
+    run = tmp_path / "ft"
+    finetune_main(["--config", "configs/finetune/tiny.yaml", f"data.shards={shards}", f"train.run_dir={run}",
+                   "init.checkpoint=hf-hub:someone/tiny-mpp", "data.num_workers=0"])
+    record = json.loads((run / "export" / "best" / "config.json").read_text())["vit_mpp"]
+    assert record["pretrain"] == {**PRETRAIN, "data": "textures", "hf_dataset": "someone/textures"}
+    assert record["finetune"]["base_model"] == "someone/tiny-mpp"
+    loaded = ModelCard.load(run / "export" / "best" / "README.md")
+    assert loaded.data.base_model == "someone/tiny-mpp" and loaded.data.pipeline_tag == "image-classification"
+    assert loaded.data.datasets == ["someone/textures"]  # the pretraining's; the fine-tuning shards are local
+    top1 = next(r for r in loaded.data.eval_results if r.metric_name == "top-1 accuracy")
+    assert top1.metric_value == pytest.approx(record["metrics"]["val_top1"], abs=1e-4)
+    assert top1.dataset_name == "test" and top1.dataset_split == "val"
+    assert "\n# ViT/4 (width 32, 1 block, 2 heads) fine-tuned on test (3 classes)\n" in loaded.text
+    assert "Pretraining (masked patch prediction)" in loaded.text and "| target | mean_color |" in loaded.text
+    assert f'"local-dir:{run / "export" / "best"}"' in loaded.text and 'create_model("hf-hub:' not in loaded.text
