@@ -50,3 +50,90 @@ def in_process(main: Callable[[list[str] | None], object], argv: list[str], caps
         code = e.code
     out = capsys.readouterr()
     return code, out.out, out.err
+
+
+class Background:
+    """A command started in the background with a marker in its environment, so that every process it makes (the
+    launcher, its ranks, their data-loader workers) can be found and signalled; its output goes to a file."""
+
+    MARK = "VIT_MPP_TEST_MARK"
+
+    def __init__(self, args: list[str], log: Path, marker: str, env: dict[str, str] | None = None) -> None:
+        self.log, self.marker = log, marker
+        self.file = log.open("w")
+        full_env = {**subprocess_env(), **(env or {}), self.MARK: marker}
+        self.proc = subprocess.Popen(args, stdout=self.file, stderr=subprocess.STDOUT, env=full_env, cwd=REPO)
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait_for(self, text: str, timeout: float = 240) -> None:
+        """Until `text` appears in the output (an AssertionError with the output if the command ends first)."""
+        import time
+
+        deadline = time.monotonic() + timeout
+        while text not in self.output():
+            assert self.proc.poll() is None, f"ended before {text!r}:\n{self.output()[-3000:]}"
+            assert time.monotonic() < deadline, f"no {text!r} after {timeout} s:\n{self.output()[-3000:]}"
+            time.sleep(0.2)
+
+    def pids(self) -> list[int]:
+        """Every live process carrying the marker."""
+        needle = f"{self.MARK}={self.marker}".encode()
+        found = []
+        for environ in Path("/proc").glob("[0-9]*/environ"):
+            try:
+                if needle in environ.read_bytes().split(b"\0") and _alive(int(environ.parent.name)):
+                    found.append(int(environ.parent.name))
+            except OSError:
+                continue
+        return found
+
+    def rank(self, rank: int) -> int:
+        """The pid of the training process of global rank `rank` (not its data-loader workers)."""
+        for pid in self.pids():
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            if f"RANK={rank}".encode() in env and b"-m\0pretrain" in cmdline and _parent_is_launcher(pid):
+                return pid
+        raise AssertionError(f"no rank {rank} among {self.pids()}")
+
+    def signal_all(self, sig: int) -> None:
+        for pid in self.pids():
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def wait_gone(self, timeout: float = 120) -> float:
+        """Seconds until no marked process is left (an AssertionError after `timeout`)."""
+        import time
+
+        start = time.monotonic()
+        while self.pids():
+            assert time.monotonic() - start < timeout, f"still running after {timeout} s: {self.pids()}"
+            time.sleep(0.05)
+        self.proc.wait(timeout=30)
+        self.file.close()
+        return time.monotonic() - start
+
+    def kill(self) -> None:
+        import signal
+
+        self.signal_all(signal.SIGKILL)
+        self.proc.wait(timeout=30)
+        self.file.close()
+
+
+def _alive(pid: int) -> bool:
+    """A process that exists and is no zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _parent_is_launcher(pid: int) -> bool:
+    """Whether the parent of `pid` is an accelerate/torch launcher (a rank), not a rank (a data-loader worker)."""
+    parent = Path(f"/proc/{pid}/stat").read_text().split(") ")[1].split()[1]
+    return b"accelerate" in Path(f"/proc/{parent}/cmdline").read_bytes()

@@ -1,0 +1,219 @@
+"""Runs that survive a cluster, with real processes under `accelerate launch` (two CPU processes with gloo): a
+preemption signal to every process saves the step reached and the run resumes on another layout reading each
+sample once per epoch (the sample audit shows it); time-based checkpoints; a second signal during the save;
+automatic restarts after a rank is killed; one line when a peer fails; no process outlives a killed launcher;
+two "machines" on one host, preempted, then resumed as one."""
+
+from __future__ import annotations
+
+import collections
+import glob
+import json
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.processes import LAUNCH, REPO, Background, run_module
+from tests.helpers.shards import write_shard_set
+
+TRAIN = {"train": [30, 18, 24, 24], "val": [8]}  # 96 training samples in uneven shards; an epoch is 12 steps of 8
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> Path:
+    return write_shard_set(tmp_path_factory.mktemp("shards"), TRAIN, size=16)
+
+
+def pretrain_args(shards: Path, run_dir: Path, *overrides: str) -> list[str]:
+    return ["-m", "pretrain", "--config", "configs/pretrain/tiny.yaml", f"data.shards={shards}",
+            f"train.run_dir={run_dir}", "data.val_split=", "train.record_samples=true", "train.log_every=5",
+            "train.ckpt_every=1000", "train.steps=100000", *overrides]
+
+
+def audit(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for f in sorted(glob.glob(str(run_dir / "samples" / "rank_*.jsonl")))
+            for line in Path(f).read_text().splitlines()]
+
+
+def assert_each_sample_once_per_epoch(run_dir: Path, last_step: int, size: int = 96) -> int:
+    """Every step up to `last_step` was recorded once per rank, no sample twice in an epoch, and every epoch before
+    the last one started is whole; returns the number of whole epochs."""
+    records = audit(run_dir)
+    steps = collections.Counter(r["step"] for r in records)
+    assert set(steps) == set(range(1, last_step + 1)), sorted(set(range(1, last_step + 1)) - set(steps))
+    seen: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
+    for r in records:
+        for key, epoch in zip(r["keys"], r["epochs"]):
+            seen[epoch][key] += 1
+    whole = max(seen)
+    for epoch in range(whole):
+        assert seen[epoch] == collections.Counter(f"train_{i:06d}" for i in range(size)), epoch
+    assert max(seen[whole].values()) == 1
+    return whole
+
+
+def no_traceback_from_us(output: str) -> None:
+    """The launcher prints its own report; no rank may print a traceback (a frame of this repository's code)."""
+    ours = [f'File "{REPO}/{package}/' for package in ("vit_mpp", "pretrain", "finetune", "data_tools")]
+    assert not any(frame in output for frame in ours) and "ProcessGroupGloo" not in output, output[-4000:]
+
+
+def test_sigterm_to_every_process_saves_the_step_and_one_process_reads_on_each_sample_once(shards, tmp_path):
+    run_dir = tmp_path / "run"
+    run = Background([*LAUNCH, *pretrain_args(shards, run_dir, "data.num_workers=2")], tmp_path / "log", "sigterm")
+    run.wait_for("step 20/")
+    run.signal_all(signal.SIGTERM)  # what SLURM does: the launcher, both ranks and their loader workers
+    took = run.wait_gone(60)
+    out = run.output()
+    step = int(re.search(r"preempted at step (\d+): checkpoint saved; run the same command to resume", out)[1])
+    assert out.count("preempted at step") == 1 and step >= 20
+    assert (run_dir / "checkpoints" / f"step_{step:06d}" / "trainer_state.json").is_file()
+    assert took < 30, f"{took:.1f} s from the signal to the last process gone"
+    no_traceback_from_us(out)
+
+    # The same command on ONE process (and micro-batch 8: the same global batch) continues the epoch.
+    resumed = run_module(*pretrain_args(shards, run_dir, "data.num_workers=2", f"train.steps={step + 30}")[1:])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming 2 processes x 2 workers x micro-batch 4 as 1 process x 2 workers x micro-batch 8" in \
+        resumed.stdout
+    assert assert_each_sample_once_per_epoch(run_dir, step + 30) >= 3
+
+
+@pytest.mark.slow
+def test_one_to_two_processes_and_two_to_one_workers(shards, tmp_path):
+    run_dir = tmp_path / "run"
+    first = run_module(*pretrain_args(shards, run_dir, "data.num_workers=2", "train.steps=7")[1:])
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = Background([*LAUNCH, *pretrain_args(shards, run_dir, "data.num_workers=1", "train.steps=40",
+                                                 "train.extend=true")], tmp_path / "log", "grow")
+    second.wait_gone(300)
+    out = second.output()
+    assert second.proc.returncode == 0, out[-3000:]
+    assert "resuming 1 process x 2 workers x micro-batch 8 as 2 processes x 1 worker x micro-batch 4" in out
+    assert assert_each_sample_once_per_epoch(run_dir, 40) >= 3
+
+
+@pytest.mark.slow
+def test_time_based_checkpoints_and_a_second_signal_during_the_save(shards, tmp_path):
+    run_dir = tmp_path / "run"
+    run = Background([*LAUNCH, *pretrain_args(shards, run_dir, "data.num_workers=1", "train.ckpt_every_minutes=0.01",
+                                              "train.keep_last=50")], tmp_path / "log", "timed")
+    run.wait_for("step 25/")
+    run.signal_all(signal.SIGUSR1)  # SLURM's --signal=USR1@120 reaches every process; the launcher dies of it
+    time.sleep(0.2)
+    run.signal_all(signal.SIGTERM)  # and a second signal, while the step is being saved
+    run.wait_gone(60)
+    out = run.output()
+    step = int(re.search(r"preempted at step (\d+): checkpoint saved", out)[1])
+    saved = sorted(int(p.name[5:]) for p in (run_dir / "checkpoints").glob("step_*")
+                   if (p / "trainer_state.json").is_file())
+    assert saved[-1] == step and len(saved) >= 3  # the clock saved earlier steps, on both ranks alike
+    no_traceback_from_us(out)
+    resumed = run_module(*pretrain_args(shards, run_dir, "data.num_workers=1", f"train.steps={step + 5}")[1:])
+    assert resumed.returncode == 0 and f"resuming from {run_dir}/checkpoints/step_{step:06d}" in resumed.stdout
+
+
+@pytest.mark.slow
+def test_a_killed_rank_is_restarted_with_its_group_and_the_run_finishes(shards, tmp_path):
+    run_dir = tmp_path / "run"
+    args = pretrain_args(shards, run_dir, "data.num_workers=1", "train.steps=60", "train.ckpt_every=10")
+    run = Background([*LAUNCH[:3], "--max_restarts", "1", *LAUNCH[3:], *args], tmp_path / "log", "restart")
+    run.wait_for("step 25/")
+    import os
+
+    os.kill(run.rank(1), signal.SIGKILL)
+    run.wait_gone(300)
+    out = run.output()
+    assert run.proc.returncode == 0, out[-4000:]
+    assert "resuming from" in out and (run_dir / "export" / "model.safetensors").is_file()
+    logged = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert logged == sorted(set(logged)) and logged[-1] == 60  # every step logged once
+    assert_each_sample_once_per_epoch(run_dir, 60)
+
+
+def locked(run_dir: Path, shards: Path, tmp_path: Path):
+    """A run holding `run_dir` (started before the launch under test)."""
+    holder = Background([*LAUNCH[:1], *pretrain_args(shards, run_dir, "data.num_workers=0")], tmp_path / "holder",
+                        "holder")
+    holder.wait_for("step 5/")
+    return holder
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["bad shard in rank 1's range", "run dir locked", "hub check on rank 0 only"])
+def test_a_failing_rank_is_one_line_and_its_peer_says_so(shards, tmp_path, case):
+    run_dir, extra, env, holder = tmp_path / "run", [], {}, None
+    if case == "bad shard in rank 1's range":  # rank 1's block ends in a shard shorter than the manifest says
+        bad = write_shard_set(tmp_path / "bad", {"train": [16, 16]}, size=16, claimed={"train": [16, 24]})
+        extra = [f"data.shards={bad}"]
+        failing, peer = 1, 0
+    elif case == "run dir locked":
+        holder = locked(run_dir, shards, tmp_path)
+        failing, peer = 0, 1
+    else:
+        extra, env = ["export.push_to_hub=someone/model"], {"HF_HUB_OFFLINE": "1"}
+        failing, peer = 0, 1
+    try:
+        run = Background([*LAUNCH, *pretrain_args(shards, run_dir, "data.num_workers=1", *extra)], tmp_path / "log",
+                         "failing", env)
+        run.wait_gone(180)
+    finally:
+        if holder is not None:
+            holder.kill()
+    out = run.output()
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert f"error: [rank {peer}] stopped: rank {failing} failed (its error is above)" in errors, out[-3000:]
+    assert len(errors) == 2, errors  # the failing rank's own line, then its peer's
+    no_traceback_from_us(out)
+
+
+@pytest.mark.slow
+def test_a_peer_that_hangs_is_given_up_after_the_collective_timeout(shards, tmp_path):
+    run = Background([*LAUNCH, *pretrain_args(shards, tmp_path / "run", "data.num_workers=0",
+                                              "train.collective_timeout_s=5")], tmp_path / "log", "hang")
+    run.wait_for("step 10/")
+    hung = run.rank(1)
+    import os
+
+    os.kill(hung, signal.SIGSTOP)  # alive, holding its sockets, answering nothing
+    try:
+        deadline = time.monotonic() + 90
+        while "error: [rank 0] stopped" not in run.output():
+            assert time.monotonic() < deadline, run.output()[-3000:]
+            time.sleep(0.5)
+    finally:
+        run.kill()
+    assert "a peer process stopped without an error of its own" in run.output()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("after", [0.5, 2.0, 4.0, 7.0])
+def test_no_rank_outlives_a_launcher_killed_during_start_up(shards, tmp_path, after):
+    run = Background([*LAUNCH, *pretrain_args(shards, tmp_path / "run", "data.num_workers=1")], tmp_path / "log",
+                     f"startup{after}")
+    time.sleep(after)
+    run.proc.kill()  # kill -9 of the launcher alone
+    run.proc.wait()
+    run.wait_gone(30)  # its ranks (and their workers) follow it
+
+
+@pytest.mark.slow
+def test_two_machines_on_one_host_preempted_then_resumed_as_one(shards, tmp_path):
+    run_dir, port = tmp_path / "run", str(29300 + (int(time.time()) % 500))
+    machines = [Background([*LAUNCH[:4], "--num_processes", "2", "--num_machines", "2", "--machine_rank", str(m),
+                            "--main_process_ip", "127.0.0.1", "--main_process_port", port, "--mixed_precision", "no",
+                            "--dynamo_backend", "no", *pretrain_args(shards, run_dir, "data.num_workers=1")],
+                           tmp_path / f"machine{m}", "two-machines") for m in (0, 1)]
+    machines[0].wait_for("step 20/")
+    machines[0].signal_all(signal.SIGTERM)  # every process of both machines (they share the marker)
+    for m in machines:
+        m.wait_gone(60)
+    step = int(re.search(r"preempted at step (\d+)", machines[0].output())[1])
+    resumed = run_module(*pretrain_args(shards, run_dir, "data.num_workers=2", f"train.steps={step + 20}")[1:])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming 2 processes x 1 worker x micro-batch 4 as 1 process x 2 workers x micro-batch 8" in \
+        resumed.stdout
+    assert_each_sample_once_per_epoch(run_dir, step + 20)
