@@ -27,13 +27,16 @@ import sys
 import threading
 from typing import Any
 
-from data_tools import inspect_shards, merge
+from data_tools import index_shards, inspect_shards, merge
 from data_tools.build_shards import Interrupted, build
 from data_tools.executors import BuildStopped
 from data_tools.images import EncodeSettings
+from data_tools.index_shards import IndexOptions
 from data_tools.layout import Layout, Parts
+from data_tools.shard_index import ReadSettings
 from data_tools.sources import KINDS, UNLABELLED_ROWS, SourceSpec
 from data_tools.store import open_store
+from vit_mpp import urls
 from vit_mpp.cli import run_main
 from vit_mpp.errors import UserError
 
@@ -168,6 +171,59 @@ def parse_inspect_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def parse_index_args(argv: list[str]) -> argparse.Namespace:
+    """`build-shards index LOCATION [LOCATION ...] [--split NAME ...] [--out DIR] [--verify] [--skip-bad] ...`."""
+    p = Parser(prog="build-shards index", description=index_shards.__doc__.split("\n\n")[0],
+               epilog="docs/build_shards.md (Indexing shards you already have) has the details.",
+               formatter_class=HelpFormatter)
+    p.add_argument("locations", nargs="+", metavar="LOCATION",
+                   help="a folder of .tar shards (local, or a URL: s3://, gs://, hf://datasets/..., http(s)://), one "
+                        ".tar, or a brace pattern such as 's3://bucket/laion/{00000..01023}.tar' (quote it)")
+    p.add_argument("--split", action="append", default=None, metavar="NAME",
+                   help="the split of the LOCATIONs: once for all (default: train), or once per LOCATION in the "
+                        "same order (e.g. --split train --split val)")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="write _info.json into DIR (a folder or URL; or a .json file) instead of beside the shards, "
+                        "with a 'location' field naming the shards' folder: for read-only or remote shards")
+    p.add_argument("--verify", action="store_true",
+                   help="also decode every image (PIL, in the workers) and report undecodable ones per shard")
+    p.add_argument("--skip-bad", action="store_true",
+                   help="leave out damaged or non-tar files, recorded in the manifest with their reason (default: "
+                        "one error line, nothing written)")
+    p.add_argument("--workers", type=int, default=index_workers(), help="shards read at the same time")
+    p.add_argument("--pool", choices=index_shards.POOLS, default="process",
+                   help="workers as processes (parsing and --verify's decoding use every core) or threads")
+    p.add_argument("--read-timeout", type=float, default=urls.READ_TIMEOUT_S, metavar="S",
+                   help="a remote read that brings no byte for this long is abandoned and retried")
+    p.add_argument("--read-retries", type=int, default=urls.RETRIES, metavar="N",
+                   help="attempts after a remote read failed or stalled, with backoff from 1 s, before the shard is "
+                        "reported")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an _info.json that build-shards index did not write (a build's, timm's own)")
+    args = p.parse_args(argv)
+    checks = [(args.workers < 1, "--workers must be >= 1"),
+              (not args.read_timeout > 0, "--read-timeout must be > 0"),
+              (args.read_retries < 0, "--read-retries must be >= 0")]
+    for bad, message in checks:
+        if bad:
+            p.error(message)
+    return args
+
+
+def index_workers() -> int:
+    """Reading is I/O bound: twice the usable cores (at least 4, at most 32) keep disks and networks busy."""
+    return max(4, min(32, 2 * default_workers()))
+
+
+def index_main(argv: list[str]) -> dict:
+    """`build-shards index`: a manifest for existing webdataset tars; returns it."""
+    args = parse_index_args(argv)
+    read = ReadSettings(timeout=args.read_timeout, retries=args.read_retries)
+    options = IndexOptions(workers=args.workers, pool=args.pool, verify=args.verify, skip_bad=args.skip_bad,
+                           overwrite=args.overwrite, read=read)
+    return index_shards.index(args.locations, args.split, args.out, options)
+
+
 def merge_main(argv: list[str]) -> dict:
     """`build-shards merge OUT`: finish a build made of parts; returns the manifest."""
     args = parse_merge_args(argv)
@@ -191,6 +247,9 @@ def _main(argv: list[str] | None) -> None:
         return
     if argv and argv[0] == "merge":
         merge_main(argv[1:])
+        return
+    if argv and argv[0] == "index":
+        index_main(argv[1:])
         return
     args = parse_args(argv)
     spec = SourceSpec(args.source, args.source_kind, args.existing_splits, args.split, args.image_column,
