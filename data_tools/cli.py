@@ -4,7 +4,8 @@
                  [--max-side 512] [--resize-side longer] [--workers N] [--seed 0] [--overwrite]
                  [--num-parts N --part I] [--executor local|ray] [--dry-run]
     build-shards merge OUT
-    build-shards inspect OUT [--grid samples.png] [--no-verify]
+    build-shards inspect OUT [--grid samples.png] [--no-verify] [--decode]
+    build-shards index LOCATION [LOCATION ...] [--split NAME ...] [--out DIR] [--verify] [--skip-bad]
 
 SOURCE is a class-folder tree, a plain tree of images (`--source-kind unlabelled`), a CSV/JSONL list of paths
 (local or an fsspec URL), or a Hugging Face dataset (`--streaming`: read from its parquet files without a full
@@ -14,8 +15,11 @@ download); see data_tools/sources/. OUT is a folder or an fsspec URL (`s3://buck
 for resuming). Re-running the same command after an interruption finishes the build; docs/build_shards.md has the
 details.
 
-This module is the command line only (parsing, the `merge` and `inspect` sub-commands, signals, exit statuses);
-the build itself is data_tools/build_shards.py `build`. No module of data_tools imports this one.
+`build-shards index` writes a manifest for webdataset tars that already exist (img2dataset output, timm's `*-wds`
+sets), so they train as they are (data_tools/index_shards.py).
+
+This module is the command line only (parsing, the `merge`, `inspect` and `index` sub-commands, signals, exit
+statuses); the build itself is data_tools/build_shards.py `build`. No module of data_tools imports this one.
 """
 
 from __future__ import annotations
@@ -70,8 +74,9 @@ def default_workers() -> int:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = Parser(prog="build-shards", description=__doc__.split("\n\n")[0],
-               epilog="`build-shards merge --help` and `build-shards inspect --help` describe the other commands; "
-                      "docs/build_shards.md has the details.", formatter_class=HelpFormatter)
+               epilog="`build-shards merge --help`, `build-shards inspect --help` and `build-shards index --help` "
+                      "describe the other commands; docs/build_shards.md has the details.",
+               formatter_class=HelpFormatter)
     p.add_argument("source", help="class-folder tree, image tree, .csv/.jsonl/.parquet list of paths (a path or a "
                                   "URL), or Hugging Face dataset (save_to_disk folder, parquet, image folder, hub "
                                   "name)")
@@ -158,16 +163,21 @@ def parse_merge_args(argv: list[str]) -> argparse.Namespace:
 
 
 def parse_inspect_args(argv: list[str]) -> argparse.Namespace:
-    """`build-shards inspect OUT [--grid PNG] [--samples N] [--no-verify]`."""
+    """`build-shards inspect OUT [--grid PNG] [--samples N] [--no-verify] [--decode]`."""
     p = Parser(prog="build-shards inspect", description=inspect_shards.__doc__.split("\n\n")[0],
                formatter_class=HelpFormatter)
     p.add_argument("out_dir", help="a build-shards output folder or URL")
     p.add_argument("--grid", default=None, help="PNG grid of sample images (default: OUT/_samples.png)")
     p.add_argument("--samples", type=int, default=32, help="images in the grid (0: no grid)")
     p.add_argument("--no-verify", action="store_true", help="skip reading every shard (sha256, counts, keys, labels)")
+    p.add_argument("--decode", action="store_true",
+                   help="also decode every sample's image and report undecodable ones per shard (as build-shards "
+                        "index --verify)")
     args = p.parse_args(argv)
     if args.samples < 0:
         p.error("--samples must be >= 0")
+    if args.decode and args.no_verify:
+        p.error("--decode reads every shard: it excludes --no-verify")
     return args
 
 
@@ -235,7 +245,8 @@ def merge_main(argv: list[str]) -> dict:
 def inspect_main(argv: list[str]) -> int:
     """`build-shards inspect OUT`: returns the exit status (1 when a shard does not match the manifest)."""
     args = parse_inspect_args(argv)
-    return inspect_shards.inspect(args.out_dir, args.grid, args.samples, verify_shards=not args.no_verify)
+    return inspect_shards.inspect(args.out_dir, args.grid, args.samples, verify_shards=not args.no_verify,
+                                  decode=args.decode)
 
 
 def _main(argv: list[str] | None) -> None:

@@ -10,13 +10,14 @@ stalled shard costs bounded time and ends as one line naming it. The tar is only
 from __future__ import annotations
 
 import signal
+import threading
 import urllib.error
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
 from data_tools.decode_check import KeyTally
-from data_tools.tar_scan import TarDamaged, TarReader, describe, samples
+from data_tools.tar_scan import ReadAhead, TarDamaged, TarReader, describe, samples
 from vit_mpp import urls
 from vit_mpp.image_formats import IMAGE_EXTENSIONS, image_member
 
@@ -68,21 +69,28 @@ class Abandoned(Exception):
     """The main process asked the workers to stop (another shard failed, or Ctrl-C)."""
 
 
-_shared: dict[str, Any] = {}  # the progress counter and stop flag of this worker (set by `init_worker`)
+_shared = threading.local()  # this worker's progress counter and stop flag (`init_worker`); none outside a pool
 
 
 def init_worker(counter: Any, stop: Any, process: bool) -> None:
-    """Pool initializer: the shared byte counter and stop flag; a worker process leaves Ctrl-C to the main one."""
-    _shared.update(counter=counter, stop=stop)
+    """Pool initializer, run in the thread that will run this worker's tasks: the shared byte counter and stop
+    flag; a worker process leaves Ctrl-C to the main one."""
+    _shared.counter, _shared.stop = counter, stop
     if process:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def _progress(n: int) -> None:
-    counter, stop = _shared.get("counter"), _shared.get("stop")
+def _count(n: int) -> None:
+    counter = getattr(_shared, "counter", None)
     if counter is not None:
         with counter.get_lock():
             counter.value += n
+
+
+def _progress(n: int) -> None:
+    """Count `n` bytes read; stop here when the main process asked the workers to stop."""
+    _count(n)
+    stop = getattr(_shared, "stop", None)
     if stop is not None and stop.value:
         raise Abandoned
 
@@ -97,8 +105,9 @@ def _scan(stream: BinaryIO, url: str, verify: bool) -> ShardIndex:
         read += n
         _progress(n)
 
-    reader = TarReader(stream, progress)
-    wanted = (lambda s: s == "cls" or s in IMAGES) if verify else (lambda s: s == "cls")
+    ahead = ReadAhead(stream)
+    reader = TarReader(ahead, progress)
+    wanted = IMAGES | {"cls"} if verify else frozenset({"cls"})
     try:
         for sample in samples(reader, wanted):
             result.samples += 1
@@ -113,8 +122,10 @@ def _scan(stream: BinaryIO, url: str, verify: bool) -> ShardIndex:
                 result.add_label(sample.data["cls"], sample.key)
         reader.drain()
     except BaseException:
-        _progress(-read)  # this attempt's bytes: a retry reads them again
+        _count(-read)  # this attempt's bytes: a retry reads them again
         raise
+    finally:
+        ahead.close()
     result.bytes = reader.bytes_read
     return result
 

@@ -1,0 +1,167 @@
+"""Throughput of `build-shards index` against a plain read of the same tars (open each one, read every byte), with
+the same number of workers of the same kind, measured in the same run.
+
+    python -m benchmarks.index_bench [--shards 16] [--samples 2000] [--image-kib 20] [--workers 1 2 4]
+                                     [--pools process thread] [--modes cold warm http] [--runs 3]
+                                     (from the repository root)
+
+Writes img2dataset-style shards (`KEY.jpg` of about `--image-kib` KiB, `KEY.txt`, `KEY.json`; no labels), then for
+each mode, pool kind and worker count runs the plain loop and the index's reading of every shard
+(`data_tools.index_shards.read_shards`: read, group into samples as webdataset does, tally extensions and labels)
+`--runs` times, interleaved. Prints MB/s and shards/s (median) of both and their ratio. Modes:
+
+* `cold`: local files dropped from this machine's page cache before every pass (`posix_fadvise(DONTNEED)`), as
+  when indexing a set larger than memory; the disk (here a virtual one) sets the pace;
+* `warm`: local files already in the page cache, where reading is only a memory copy: what is left is the cost of
+  parsing, the worst case for the ratio;
+* `http`: the shards served from 127.0.0.1 by `python -m http.server` in its own process, read through
+  vit_mpp/urls.py (urllib, an idle deadline on every read), as any remote read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from data_tools.index_shards import IndexOptions, read_shards
+from data_tools.shard_list import ShardRef
+from data_tools.writer import ShardWriter
+from vit_mpp import urls
+
+
+def write_shards(root: Path, shards: int, samples: int, image_kib: int) -> list[Path]:
+    """img2dataset-style shards: 32 distinct noise JPEGs of about `image_kib` KiB, a caption and a json each."""
+    rng = np.random.default_rng(0)
+    side = int((image_kib * 1024 / 0.9) ** 0.5 / 1.4)  # noise at quality 90: about 0.9 bytes per pixel per channel
+    jpegs = []
+    for _ in range(32):
+        out = io.BytesIO()
+        Image.fromarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8)).save(out, "JPEG", quality=90)
+        jpegs.append(out.getvalue())
+    paths = []
+    for s in range(shards):
+        path = root / f"{s:05d}.tar"
+        writer = ShardWriter(path)
+        for i in range(samples):
+            key = f"{s:05d}{i:04d}"
+            writer.write(key, {"jpg": jpegs[i % 32], "txt": f"a caption for {key}".encode(),
+                               "json": json.dumps({"key": key, "width": side, "height": side}).encode()})
+        writer.close()
+        paths.append(path)
+    return paths
+
+
+def drop_cache(paths: list[Path]) -> None:
+    """Evict the files from the page cache (their pages are clean once synced)."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def read_all(url: str) -> int:
+    """The plain loop's work for one shard: open it and read every byte."""
+    n = 0
+    with urls.open_url(url) as f:
+        while chunk := f.read(urls.BUFFER):
+            n += len(chunk)
+    return n
+
+
+def _pool(kind: str, workers: int) -> Executor:
+    if kind == "thread":
+        return ThreadPoolExecutor(workers)
+    return ProcessPoolExecutor(workers, mp_context=mp.get_context("fork"))
+
+
+def plain(shard_urls: list[str], kind: str, workers: int) -> int:
+    with _pool(kind, workers) as pool:
+        return sum(pool.map(read_all, shard_urls))
+
+
+def indexed(shard_urls: list[str], kind: str, workers: int) -> int:
+    refs = [ShardRef("train", u, None) for u in shard_urls]
+    results = read_shards(refs, IndexOptions(workers=workers, pool=kind), lambda *_: None)
+    assert all(not r.problem for r in results), [r.reason for r in results if r.problem]
+    return sum(r.bytes for r in results)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def measure(shard_urls: list[str], kind: str, workers: int, runs: int, before: Callable[[], None]) -> dict:
+    """Median seconds of the plain loop and of the index over `runs` interleaved passes."""
+    times: dict[str, list[float]] = {"plain": [], "index": []}
+    size = 0
+    for _ in range(runs):
+        for name, fn in (("plain", plain), ("index", indexed)):
+            before()
+            start = time.perf_counter()
+            size = fn(shard_urls, kind, workers)
+            times[name].append(time.perf_counter() - start)
+    return {"bytes": size, **{k: statistics.median(v) for k, v in times.items()}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shards", type=int, default=16)
+    parser.add_argument("--samples", type=int, default=2000, help="samples per shard")
+    parser.add_argument("--image-kib", type=int, default=20)
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--pools", nargs="+", choices=["process", "thread"], default=["process", "thread"])
+    parser.add_argument("--modes", nargs="+", choices=["cold", "warm", "http"], default=["cold", "warm", "http"])
+    parser.add_argument("--runs", type=int, default=3)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as tmp:
+        root = Path(tmp)
+        paths = write_shards(root, args.shards, args.samples, args.image_kib)
+        total = sum(p.stat().st_size for p in paths)
+        print(f"{args.shards} shards x {args.samples} samples (jpg ~{args.image_kib} KiB, txt, json): "
+              f"{total / 1e6:,.0f} MB; {os.cpu_count()} cores; median of {args.runs} interleaved runs")
+        print(f"{'mode':5s} {'pool':8s} {'workers':>7s} {'plain MB/s':>11s} {'index MB/s':>11s} {'index shards/s':>15s}"
+              f" {'ratio':>6s}")
+        port = free_port()
+        server = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1",
+                                   "--directory", str(root)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            time.sleep(1.0)
+            for mode in args.modes:
+                shard_urls = ([f"http://127.0.0.1:{port}/{p.name}" for p in paths] if mode == "http"
+                              else [str(p) for p in paths])
+                before = (lambda: drop_cache(paths)) if mode == "cold" else (lambda: None)
+                if mode == "warm":
+                    plain(shard_urls, "thread", 1)  # into the page cache
+                for kind in args.pools:
+                    for workers in args.workers:
+                        m = measure(shard_urls, kind, workers, args.runs, before)
+                        mb = m["bytes"] / 1e6
+                        print(f"{mode:5s} {kind:8s} {workers:7d} {mb / m['plain']:11.0f} {mb / m['index']:11.0f} "
+                              f"{len(paths) / m['index']:15.1f} {m['plain'] / m['index']:5.2f}x", flush=True)
+        finally:
+            server.terminate()
+            server.wait()
+
+
+if __name__ == "__main__":
+    main()
