@@ -2,8 +2,8 @@
 the same number of workers of the same kind, measured in the same run.
 
     python -m benchmarks.index_bench [--shards 16] [--samples 2000] [--image-kib 20] [--workers 1 2 4]
-                                     [--pools process thread] [--modes cold warm http] [--runs 3]
-                                     (from the repository root)
+                                     [--pools process thread] [--modes cold warm http capped] [--capped-mbps 100]
+                                     [--runs 3]                      (from the repository root)
 
 Writes img2dataset-style shards (`KEY.jpg` of about `--image-kib` KiB, `KEY.txt`, `KEY.json`; no labels), then for
 each mode, pool kind and worker count runs the plain loop and the index's reading of every shard
@@ -15,12 +15,17 @@ each mode, pool kind and worker count runs the plain loop and the index's readin
 * `warm`: local files already in the page cache, where reading is only a memory copy: what is left is the cost of
   parsing, the worst case for the ratio;
 * `http`: the shards served from 127.0.0.1 by `python -m http.server` in its own process, read through
-  vit_mpp/urls.py (urllib, an idle deadline on every read), as any remote read.
+  vit_mpp/urls.py (urllib, an idle deadline on every read), as any remote read; loopback has no network, so
+  this is the cost of the reading code itself;
+* `capped`: the same server, each connection capped at `--capped-mbps` MB/s, as an object store serves one stream
+  (S3: on the order of 100 MB/s per connection): where indexing at scale usually reads.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import http.server
 import io
 import json
 import multiprocessing as mp
@@ -104,6 +109,41 @@ def indexed(shard_urls: list[str], kind: str, workers: int) -> int:
     return sum(r.bytes for r in results)
 
 
+class CappedHandler(http.server.SimpleHTTPRequestHandler):
+    """Serves files at most `mbps` MB/s per connection (sleeping between 64 KiB pieces)."""
+
+    mbps = 100.0
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def copyfile(self, source, outputfile) -> None:
+        start, sent = time.perf_counter(), 0
+        while piece := source.read(1 << 16):
+            outputfile.write(piece)
+            sent += len(piece)
+            ahead = sent / (self.mbps * 1e6) - (time.perf_counter() - start)
+            if ahead > 0:
+                time.sleep(ahead)
+
+
+def serve(root: str, port: int, mbps: float) -> None:
+    """The benchmark's HTTP server (`--serve`): `root` on 127.0.0.1:`port`, uncapped when `mbps` is 0."""
+    CappedHandler.mbps = mbps
+    handler = CappedHandler if mbps else http.server.SimpleHTTPRequestHandler
+    handler.log_message = lambda *args: None
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), functools.partial(handler, directory=root))
+    server.serve_forever()
+
+
+def start_server(root: Path, mbps: float) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.index_bench", "--serve", str(root), str(port),
+                             str(mbps)], cwd=Path(__file__).resolve().parents[1])
+    time.sleep(1.5)
+    return proc, f"http://127.0.0.1:{port}"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -130,9 +170,15 @@ def main() -> None:
     parser.add_argument("--image-kib", type=int, default=20)
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--pools", nargs="+", choices=["process", "thread"], default=["process", "thread"])
-    parser.add_argument("--modes", nargs="+", choices=["cold", "warm", "http"], default=["cold", "warm", "http"])
+    parser.add_argument("--modes", nargs="+", choices=["cold", "warm", "http", "capped"],
+                        default=["cold", "warm", "http", "capped"])
+    parser.add_argument("--capped-mbps", type=float, default=100.0, help="per connection, in the capped mode")
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--serve", nargs=3, help=argparse.SUPPRESS)  # ROOT PORT MBPS: the server process
     args = parser.parse_args()
+    if args.serve:
+        serve(args.serve[0], int(args.serve[1]), float(args.serve[2]))
+        return
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as tmp:
         root = Path(tmp)
         paths = write_shards(root, args.shards, args.samples, args.image_kib)
@@ -141,13 +187,11 @@ def main() -> None:
               f"{total / 1e6:,.0f} MB; {os.cpu_count()} cores; median of {args.runs} interleaved runs")
         print(f"{'mode':5s} {'pool':8s} {'workers':>7s} {'plain MB/s':>11s} {'index MB/s':>11s} {'index shards/s':>15s}"
               f" {'ratio':>6s}")
-        port = free_port()
-        server = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1",
-                                   "--directory", str(root)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        servers = {mode: start_server(root, args.capped_mbps if mode == "capped" else 0)
+                   for mode in args.modes if mode in ("http", "capped")}
         try:
-            time.sleep(1.0)
             for mode in args.modes:
-                shard_urls = ([f"http://127.0.0.1:{port}/{p.name}" for p in paths] if mode == "http"
+                shard_urls = ([f"{servers[mode][1]}/{p.name}" for p in paths] if mode in servers
                               else [str(p) for p in paths])
                 before = (lambda: drop_cache(paths)) if mode == "cold" else (lambda: None)
                 if mode == "warm":
@@ -159,8 +203,9 @@ def main() -> None:
                         print(f"{mode:5s} {kind:8s} {workers:7d} {mb / m['plain']:11.0f} {mb / m['index']:11.0f} "
                               f"{len(paths) / m['index']:15.1f} {m['plain'] / m['index']:5.2f}x", flush=True)
         finally:
-            server.terminate()
-            server.wait()
+            for proc, _ in servers.values():
+                proc.terminate()
+                proc.wait()
 
 
 if __name__ == "__main__":
