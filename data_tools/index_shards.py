@@ -98,8 +98,8 @@ def check_output(place: Placement, overwrite: bool) -> None:
     if text is not None and not overwrite and not _is_index(text):
         raise IndexInputError(f"{target} exists and was not written by `build-shards index`: --overwrite replaces "
                               "it, or --out DIR writes the new manifest elsewhere")
-    if not local:
-        open_store(place.out).check()  # a probe object, deleted at once: the only way to know a bucket is writable
+    if not local:  # a probe object, deleted at once: the only way to know that a bucket is writable
+        open_store(folder_of(place.out) if place.out.endswith(".json") else place.out).check()
 
 
 def _is_index(text: str) -> bool:
@@ -110,11 +110,16 @@ def _is_index(text: str) -> bool:
     return isinstance(info, dict) and info.get("indexed") is True
 
 
+def _context() -> Any:
+    """fork where there is one (workers start in milliseconds, as data_tools/executors.py's), else spawn."""
+    return mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+
+
 def _pool(options: IndexOptions, workers: int, counter: Any, stop: Any) -> Executor:
+    """Worker processes (parsing and --verify's decoding on every core), or threads (reads release the GIL)."""
     if options.pool == "thread":
         return ThreadPoolExecutor(workers, initializer=init_worker, initargs=(counter, stop, False))
-    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-    return ProcessPoolExecutor(workers, mp_context=ctx, initializer=init_worker, initargs=(counter, stop, True))
+    return ProcessPoolExecutor(workers, mp_context=_context(), initializer=init_worker, initargs=(counter, stop, True))
 
 
 def _refuse(result: ShardIndex) -> ShardProblem:
@@ -129,8 +134,7 @@ def read_shards(shards: list[ShardRef], options: IndexOptions, show: Callable[[i
                 ) -> list[ShardIndex]:
     """Every shard's `ShardIndex`, in `shards` order, read by the workers; the first shard that cannot be used (a
     damaged one only without --skip-bad) stops the others and is raised as one line."""
-    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-    counter, stop = ctx.Value("q", 0), ctx.Value("b", 0)
+    counter, stop = _context().Value("q", 0), _context().Value("b", 0)  # bytes read; set: workers stop
     workers = max(1, min(options.workers, len(shards)))
     results: dict[str, ShardIndex] = {}
     todo = iter(shards)
@@ -144,10 +148,10 @@ def read_shards(shards: list[ShardRef], options: IndexOptions, show: Callable[[i
                 break
             done, _ = wait(pending, timeout=0.25, return_when=FIRST_COMPLETED)
             for future in done:
-                result = pending.pop(future).url, future.result()
-                if result[1].problem and not (options.skip_bad and result[1].problem == DAMAGED):
-                    raise _refuse(result[1])
-                results[result[0]] = result[1]
+                ref, result = pending.pop(future), future.result()
+                if result.problem and not (options.skip_bad and result.problem == DAMAGED):
+                    raise _refuse(result)
+                results[ref.url] = result
             show(len(results), len(shards), counter.value)
     except BrokenProcessPool:
         raise WorkerDied("a worker process died while reading shards (killed for memory, or a crash in an image "
@@ -264,13 +268,13 @@ def index(locations: list[str], splits: list[str] | None, out: str | None, optio
     shards = list_shards(locations, splits, options.read.timeout, options.read.retries)
     place = place_manifest(shards, out)
     check_output(place, options.overwrite)
-    known = [s.size for s in shards if s.size is not None]
+    sized = all(s.size is not None for s in shards)  # a listing gives sizes; a remote pattern does not
     with transfer_bar() as progress:
-        bar = progress.add_task(f"indexing {len(shards):,} shards", total=sum(known) if len(known) == len(shards)
+        bar = progress.add_task(f"indexing {len(shards):,} shards", total=sum(s.size or 0 for s in shards) if sized
                                 else None)
 
         def show(done: int, total: int, read: int) -> None:
-            estimate = None if known or not done else read / done * total  # sizes unknown: extrapolated
+            estimate = read / done * total if done and not sized else None  # the total extrapolated, for the ETA
             progress.update(bar, completed=read, description=f"indexing: {done:,}/{total:,} shards",
                             **({"total": estimate} if estimate else {}))
 

@@ -12,8 +12,9 @@ deadline, so a server that stops sending can never hang a run:
 On top of each, opening and every read run under an idle deadline (`timeout`, default `READ_TIMEOUT_S`): when no
 byte arrives in that time, the stream is aborted (socket closed, command killed) and `StreamStalled` (an OSError)
 is raised (`open_seekable`: every seek too). Callers retry a bounded number of times
-(`vit_mpp.data_stream.read_segment`, `read_url`, `read_seekable`), then fail with one line. Local files have no
-deadline: a read from a hung network mount cannot be interrupted from Python.
+(`vit_mpp.data_stream.read_segment`, `read_url`, `read_seekable`, `read_stream`), then fail with one line. Listing a
+remote folder (`list_folder`, fsspec `ls`) has the same deadline and retries. Local files have no deadline: a read
+from a hung network mount cannot be interrupted from Python.
 """
 
 from __future__ import annotations
