@@ -14,11 +14,14 @@ each mode, pool kind and worker count runs the plain loop and the index's readin
   when indexing a set larger than memory; the disk (here a virtual one) sets the pace;
 * `warm`: local files already in the page cache, where reading is only a memory copy: what is left is the cost of
   parsing, the worst case for the ratio;
-* `http`: the shards served from 127.0.0.1 by `python -m http.server` in its own process, read through
+* `http`: the shards served from 127.0.0.1 by this script's server (http.server) in its own process, read through
   vit_mpp/urls.py (urllib, an idle deadline on every read), as any remote read; loopback has no network, so
   this is the cost of the reading code itself;
 * `capped`: the same server, each connection capped at `--capped-mbps` MB/s, as an object store serves one stream
   (S3: on the order of 100 MB/s per connection): where indexing at scale usually reads.
+
+Last, the parsing alone, in one process on 4 shards in the page cache: this reader against `tarfile` with
+webdataset's grouping (how the training stream reads a shard).
 """
 
 from __future__ import annotations
@@ -144,6 +147,40 @@ def start_server(root: Path, mbps: float) -> tuple[subprocess.Popen, str]:
     return proc, f"http://127.0.0.1:{port}"
 
 
+def parser_rates(paths: list[Path], runs: int) -> str:
+    """One process, files in the page cache: this reader (data_tools/tar_scan.py) against `tarfile` with
+    webdataset's grouping, which is how the training stream reads a shard."""
+    import webdataset as wds
+
+    from data_tools.tar_scan import TarReader, samples
+
+    def ours() -> int:
+        total = 0
+        for path in paths:
+            with open(path, "rb", buffering=0) as f:
+                total += sum(1 for _ in samples(TarReader(f), frozenset({"cls"})))
+        return total
+
+    def webdataset() -> int:
+        total = 0
+        for path in paths:
+            with open(path, "rb", buffering=1 << 20) as f:
+                files = wds.tariterators.tar_file_expander([{"url": str(path), "stream": f}])
+                total += sum(1 for _ in wds.tariterators.group_by_keys(files))
+        return total
+
+    times: dict[str, list[float]] = {"ours": [], "webdataset": []}
+    for _ in range(runs):
+        for name, fn in (("ours", ours), ("webdataset", webdataset)):
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    mb = sum(p.stat().st_size for p in paths) / 1e6
+    a, b = (mb / statistics.median(times[k]) for k in ("ours", "webdataset"))
+    return (f"parsing in one process, {len(paths)} shards in the page cache: data_tools/tar_scan.py {a:.0f} MB/s, "
+            f"tarfile + webdataset's grouping {b:.0f} MB/s ({a / b:.1f}x)")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -206,6 +243,7 @@ def main() -> None:
             for proc, _ in servers.values():
                 proc.terminate()
                 proc.wait()
+        print(parser_rates(paths[:4], args.runs))
 
 
 if __name__ == "__main__":
