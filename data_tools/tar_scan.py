@@ -403,8 +403,7 @@ def count_samples(stream: BinaryIO) -> int:
     return sum(1 for _ in samples(TarReader(stream)))
 
 
-def describe(error: Any) -> str:
-    """One line for any error met while reading a shard."""
-    text = error.args[0] if getattr(error, "args", None) and isinstance(error.args[0], str) else str(error)
-    return " ".join(f"{text}".split()) if isinstance(error, TarDamaged) else " ".join(
-        f"{type(error).__name__}: {text}".split())
+def describe(error: BaseException) -> str:
+    """One line for any error met while reading a shard: a TarDamaged's reason as it is, others with their type."""
+    text = error.args[0] if error.args and isinstance(error.args[0], str) else str(error)
+    return " ".join((text if isinstance(error, TarDamaged) else f"{type(error).__name__}: {text}").split())
