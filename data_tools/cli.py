@@ -4,7 +4,8 @@
                  [--max-side 512] [--resize-side longer] [--workers N] [--seed 0] [--overwrite]
                  [--num-parts N --part I] [--executor local|ray] [--dry-run]
     build-shards merge OUT
-    build-shards inspect OUT [--grid samples.png] [--no-verify]
+    build-shards inspect OUT [--grid samples.png] [--no-verify] [--decode]
+    build-shards index LOCATION [LOCATION ...] [--split NAME ...] [--out DIR] [--verify] [--skip-bad]
 
 SOURCE is a class-folder tree, a plain tree of images (`--source-kind unlabelled`), a CSV/JSONL list of paths
 (local or an fsspec URL), or a Hugging Face dataset (`--streaming`: read from its parquet files without a full
@@ -14,8 +15,11 @@ download); see data_tools/sources/. OUT is a folder or an fsspec URL (`s3://buck
 for resuming). Re-running the same command after an interruption finishes the build; docs/build_shards.md has the
 details.
 
-This module is the command line only (parsing, the `merge` and `inspect` sub-commands, signals, exit statuses);
-the build itself is data_tools/build_shards.py `build`. No module of data_tools imports this one.
+`build-shards index` writes a manifest for webdataset tars that already exist (img2dataset output, timm's `*-wds`
+sets), so they train as they are (data_tools/index_shards.py).
+
+This module is the command line only (parsing, the `merge`, `inspect` and `index` sub-commands, signals, exit
+statuses); the build itself is data_tools/build_shards.py `build`. No module of data_tools imports this one.
 """
 
 from __future__ import annotations
@@ -27,13 +31,16 @@ import sys
 import threading
 from typing import Any
 
-from data_tools import inspect_shards, merge
+from data_tools import index_shards, inspect_shards, merge
 from data_tools.build_shards import Interrupted, build
 from data_tools.executors import BuildStopped
 from data_tools.images import EncodeSettings
+from data_tools.index_shards import IndexOptions
 from data_tools.layout import Layout, Parts
+from data_tools.shard_index import ReadSettings
 from data_tools.sources import KINDS, UNLABELLED_ROWS, SourceSpec
 from data_tools.store import open_store
+from vit_mpp import urls
 from vit_mpp.cli import run_main
 from vit_mpp.errors import UserError
 
@@ -67,8 +74,9 @@ def default_workers() -> int:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = Parser(prog="build-shards", description=__doc__.split("\n\n")[0],
-               epilog="`build-shards merge --help` and `build-shards inspect --help` describe the other commands; "
-                      "docs/build_shards.md has the details.", formatter_class=HelpFormatter)
+               epilog="`build-shards merge --help`, `build-shards inspect --help` and `build-shards index --help` "
+                      "describe the other commands; docs/build_shards.md has the details.",
+               formatter_class=HelpFormatter)
     p.add_argument("source", help="class-folder tree, image tree, .csv/.jsonl/.parquet list of paths (a path or a "
                                   "URL), or Hugging Face dataset (save_to_disk folder, parquet, image folder, hub "
                                   "name)")
@@ -155,17 +163,75 @@ def parse_merge_args(argv: list[str]) -> argparse.Namespace:
 
 
 def parse_inspect_args(argv: list[str]) -> argparse.Namespace:
-    """`build-shards inspect OUT [--grid PNG] [--samples N] [--no-verify]`."""
+    """`build-shards inspect OUT [--grid PNG] [--samples N] [--no-verify] [--decode]`."""
     p = Parser(prog="build-shards inspect", description=inspect_shards.__doc__.split("\n\n")[0],
                formatter_class=HelpFormatter)
     p.add_argument("out_dir", help="a build-shards output folder or URL")
     p.add_argument("--grid", default=None, help="PNG grid of sample images (default: OUT/_samples.png)")
     p.add_argument("--samples", type=int, default=32, help="images in the grid (0: no grid)")
     p.add_argument("--no-verify", action="store_true", help="skip reading every shard (sha256, counts, keys, labels)")
+    p.add_argument("--decode", action="store_true",
+                   help="also decode every sample's image and report undecodable ones per shard (as build-shards "
+                        "index --verify)")
     args = p.parse_args(argv)
     if args.samples < 0:
         p.error("--samples must be >= 0")
+    if args.decode and args.no_verify:
+        p.error("--decode reads every shard: it excludes --no-verify")
     return args
+
+
+def parse_index_args(argv: list[str]) -> argparse.Namespace:
+    """`build-shards index LOCATION [LOCATION ...] [--split NAME ...] [--out DIR] [--verify] [--skip-bad] ...`."""
+    p = Parser(prog="build-shards index", description=index_shards.__doc__.split("\n\n")[0],
+               epilog="docs/build_shards.md (Indexing shards you already have) has the details.",
+               formatter_class=HelpFormatter)
+    p.add_argument("locations", nargs="+", metavar="LOCATION",
+                   help="a folder of .tar shards (local, or a URL: s3://, gs://, hf://datasets/..., http(s)://), one "
+                        ".tar, or a brace pattern such as 's3://bucket/laion/{00000..01023}.tar' (quote it)")
+    p.add_argument("--split", action="append", default=None, metavar="NAME",
+                   help="the split of the LOCATIONs: once for all (default: train), or once per LOCATION in the "
+                        "same order (e.g. --split train --split val)")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="write _info.json into DIR (a folder or URL; or a .json file) instead of beside the shards, "
+                        "with a 'location' field naming the shards' folder: for read-only or remote shards")
+    p.add_argument("--verify", action="store_true",
+                   help="also decode every image (PIL, in the workers) and report undecodable ones per shard")
+    p.add_argument("--skip-bad", action="store_true",
+                   help="leave out damaged or non-tar files, recorded in the manifest with their reason (default: "
+                        "one error line, nothing written)")
+    p.add_argument("--workers", type=int, default=index_workers(), help="shards read at the same time")
+    p.add_argument("--pool", choices=index_shards.POOLS, default="process",
+                   help="workers as processes (parsing and --verify's decoding use every core) or threads")
+    p.add_argument("--read-timeout", type=float, default=urls.READ_TIMEOUT_S, metavar="S",
+                   help="a remote read that brings no byte for this long is abandoned and retried")
+    p.add_argument("--read-retries", type=int, default=urls.RETRIES, metavar="N",
+                   help="attempts after a remote read failed or stalled, with backoff from 1 s, before the shard is "
+                        "reported")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an _info.json that build-shards index did not write (a build's, timm's own)")
+    args = p.parse_args(argv)
+    checks = [(args.workers < 1, "--workers must be >= 1"),
+              (not args.read_timeout > 0, "--read-timeout must be > 0"),
+              (args.read_retries < 0, "--read-retries must be >= 0")]
+    for bad, message in checks:
+        if bad:
+            p.error(message)
+    return args
+
+
+def index_workers() -> int:
+    """Reading is I/O bound: twice the usable cores (at least 4, at most 32) keep disks and networks busy."""
+    return max(4, min(32, 2 * default_workers()))
+
+
+def index_main(argv: list[str]) -> dict:
+    """`build-shards index`: a manifest for existing webdataset tars; returns it."""
+    args = parse_index_args(argv)
+    read = ReadSettings(timeout=args.read_timeout, retries=args.read_retries)
+    options = IndexOptions(workers=args.workers, pool=args.pool, verify=args.verify, skip_bad=args.skip_bad,
+                           overwrite=args.overwrite, read=read)
+    return index_shards.index(args.locations, args.split, args.out, options)
 
 
 def merge_main(argv: list[str]) -> dict:
@@ -179,7 +245,8 @@ def merge_main(argv: list[str]) -> dict:
 def inspect_main(argv: list[str]) -> int:
     """`build-shards inspect OUT`: returns the exit status (1 when a shard does not match the manifest)."""
     args = parse_inspect_args(argv)
-    return inspect_shards.inspect(args.out_dir, args.grid, args.samples, verify_shards=not args.no_verify)
+    return inspect_shards.inspect(args.out_dir, args.grid, args.samples, verify_shards=not args.no_verify,
+                                  decode=args.decode)
 
 
 def _main(argv: list[str] | None) -> None:
@@ -191,6 +258,9 @@ def _main(argv: list[str] | None) -> None:
         return
     if argv and argv[0] == "merge":
         merge_main(argv[1:])
+        return
+    if argv and argv[0] == "index":
+        index_main(argv[1:])
         return
     args = parse_args(argv)
     spec = SourceSpec(args.source, args.source_kind, args.existing_splits, args.split, args.image_column,

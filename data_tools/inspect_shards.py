@@ -1,11 +1,13 @@
 """Check a finished build and look at it: summary table, every shard verified, a grid of sample images.
 
-    build-shards inspect OUT [--grid OUT/_samples.png] [--samples 32] [--no-verify]
+    build-shards inspect OUT [--grid OUT/_samples.png] [--samples 32] [--no-verify] [--decode]
 
-Every shard is read once, as a stream (OUT may be a URL), and checked against the manifest: present, its size and
-sha256, a readable tar (not empty, not truncated), its sample count, keys unique within and across shards, and each
-`.cls` an integer in 0..num_classes-1. Each mismatch is reported as a problem, never a crash: exit status 0 when
-there is none, 1 otherwise. A missing or unusable `_info.json` is a one-line error (exit status 2).
+Every shard is read once, as a stream (OUT may be a URL, or a manifest's `.json` file), and checked against the
+manifest: present, its size and sha256 (when the manifest has them), a readable tar (not empty, not truncated), its
+sample count, keys unique within and across shards, and each `.cls` an integer in 0..num_classes-1; with `--decode`
+also every sample's image, decoded as `build-shards index --verify` does (data_tools/decode_check.py). Each mismatch
+is reported as a problem, never a crash: exit status 0 when there is none, 1 otherwise. A missing or unusable
+`_info.json` is a one-line error (exit status 2).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 import tarfile
 from pathlib import Path
 from typing import Any
@@ -21,10 +24,11 @@ from PIL import Image, ImageDraw
 from rich.console import Console
 from rich.table import Table
 
+from data_tools.decode_check import KeyTally
 from vit_mpp import urls
 from vit_mpp.errors import UserError
-from vit_mpp.image_formats import image_member
-from vit_mpp.manifest import ManifestError, read_manifest
+from vit_mpp.image_formats import IMAGE_EXTENSIONS, image_member
+from vit_mpp.manifest import ManifestError, manifest_file, read_manifest, shard_base, shard_url
 
 THUMB = 96
 READ_ERRORS = (tarfile.TarError, OSError, EOFError, ValueError, UnicodeDecodeError)
@@ -44,8 +48,9 @@ def check_manifest(info: dict, where: str) -> None:
         files, lengths = split.get("filenames"), split.get("shard_lengths")
         if not isinstance(files, list) or not isinstance(lengths, list) or len(files) != len(lengths):
             raise bad(f"split '{name}': 'filenames' and 'shard_lengths' must be lists of the same length")
-        if not all(isinstance(f, str) and f and "/" not in f for f in files):
-            raise bad(f"split '{name}': a file name is not a plain name")
+        if not all(isinstance(f, str) and f and ("/" not in f or os.path.isabs(f) or not urls.is_local(f))
+                   for f in files):
+            raise bad(f"split '{name}': a file name is not a plain name, an absolute path or a URL")
         if not all(isinstance(n, int) and n >= 0 for n in lengths):
             raise bad(f"split '{name}': 'shard_lengths' must be counts")
         for key in ("shard_bytes", "shard_sha256"):
@@ -74,13 +79,23 @@ class _Hashing(io.RawIOBase):
 
 
 def check_shard(location: str, name: str, count: int, size: int | None, digest: str | None, num_classes: int,
-                seen: set[str]) -> list[str]:
-    """Problems of one shard against its manifest entry; `seen` collects keys across shards."""
+                seen: set[str], decode: bool = False) -> list[str]:
+    """Problems of one shard against its manifest entry; `seen` collects keys across shards. With `decode`, every
+    sample's image is decoded too (the image members of one sample at a time are held)."""
     problems: list[str] = []
     keys: list[str] = []
     bad_labels: list[str] = []
+    undecodable = KeyTally()
+    images: dict[str, bytes] = {}  # the image members of the current sample, when decoding
+
+    def decode_sample() -> None:
+        ext = image_member(images)
+        if ext is not None:
+            undecodable.check(keys[-1], images[ext])
+        images.clear()
+
     try:
-        stream = urls.open_url(urls.join(location, name))
+        stream = urls.open_url(shard_url(location, name))
     except FileNotFoundError:
         return [f"{name}: missing"]
     except OSError as e:
@@ -93,7 +108,11 @@ def check_shard(location: str, name: str, count: int, size: int | None, digest: 
                     for member in tar:
                         key, _, ext = member.name.partition(".")
                         if not keys or keys[-1] != key:
+                            if images:
+                                decode_sample()
                             keys.append(key)
+                        if decode and ext.lower() in IMAGE_EXTENSIONS:
+                            images[ext.lower()] = tar.extractfile(member).read()
                         if ext == "cls":
                             raw = tar.extractfile(member).read()
                             try:
@@ -103,6 +122,8 @@ def check_shard(location: str, name: str, count: int, size: int | None, digest: 
                                 continue
                             if not 0 <= label < num_classes:
                                 bad_labels.append(f"{key} ({label} not in 0..{num_classes - 1})")
+                    if images:
+                        decode_sample()
             except READ_ERRORS as e:
                 what = "empty" if hashing.size == 0 else f"not a complete tar after {hashing.size} bytes"
                 problems.append(f"{name}: {what} ({type(e).__name__}: {' '.join(str(e).split())})")
@@ -119,6 +140,8 @@ def check_shard(location: str, name: str, count: int, size: int | None, digest: 
     if bad_labels:
         problems.append(f"{name}: {len(bad_labels)} label(s) out of range for num_classes {num_classes}, e.g. "
                         f"{', '.join(bad_labels[:3])}")
+    if undecodable.count:
+        problems.append(f"{name}: undecodable image(s) in {undecodable.describe()}")
     repeated = seen.intersection(keys)
     if repeated or len(set(keys)) != len(keys):
         problems.append(f"{name}: repeated keys, e.g. {sorted(repeated)[:3] or keys[:1]}")
@@ -126,8 +149,9 @@ def check_shard(location: str, name: str, count: int, size: int | None, digest: 
     return problems
 
 
-def verify(location: str, info: dict) -> list[str]:
-    """Problems found in every shard of every split (see `check_shard`)."""
+def verify(location: str, info: dict, decode: bool = False) -> list[str]:
+    """Problems found in every shard of every split (see `check_shard`); `location` is where the shard names are
+    relative to (`vit_mpp.manifest.shard_base`)."""
     problems: list[str] = []
     num_classes = int(info.get("num_classes", 0) or 0)
     for split in info["splits"].values():
@@ -136,7 +160,7 @@ def verify(location: str, info: dict) -> list[str]:
         hashes = split.get("shard_sha256", [None] * n)
         seen: set[str] = set()
         for name, count, size, digest in zip(split["filenames"], split["shard_lengths"], sizes, hashes):
-            problems += check_shard(location, name, count, size, digest, num_classes, seen)
+            problems += check_shard(location, name, count, size, digest, num_classes, seen, decode)
     return problems
 
 
@@ -148,7 +172,8 @@ def _thumbnails(location: str, info: dict, count: int) -> list[tuple[Image.Image
     for filename in split["filenames"]:
         samples: dict[str, dict[str, bytes]] = {}
         try:
-            with urls.open_url(urls.join(location, filename)) as stream, tarfile.open(fileobj=stream, mode="r|") as tar:
+            with urls.open_url(shard_url(location, filename)) as stream, tarfile.open(fileobj=stream,
+                                                                                      mode="r|") as tar:
                 for member in tar:
                     key, _, ext = member.name.partition(".")
                     samples.setdefault(key, {})[ext] = tar.extractfile(member).read()
@@ -193,11 +218,14 @@ def sample_grid(location: str, info: dict, count: int, path: Path) -> int:
     return len(tiles)
 
 
-def inspect(location: str, grid: str | None = None, samples: int = 32, verify_shards: bool = True) -> int:
-    """Print the summary of the build in `location`, verify every shard (unless not `verify_shards`), write a grid
-    of `samples` images to `grid` (default: OUT/_samples.png; none when `samples` is 0); returns the exit status."""
+def inspect(location: str, grid: str | None = None, samples: int = 32, verify_shards: bool = True,
+            decode: bool = False) -> int:
+    """Print the summary of the shard set at `location` (a folder or URL, or its manifest's `.json` file), verify
+    every shard (unless not `verify_shards`; with `decode`, every image decoded too), write a grid of `samples` images
+    to `grid` (default: OUT/_samples.png; none when `samples` is 0); returns the exit status."""
     info = read_manifest(location)
-    check_manifest(info, urls.join(location, "_info.json"))
+    check_manifest(info, manifest_file(location))
+    base = shard_base(location, info)  # where the shards are: the manifest's `location` field, else its folder
     console = Console()
     table = Table(title=f"{location} ({info.get('tool_version', '?')})")
     for column in ("split", "samples", "shards", "min/max per shard", "MiB"):
@@ -210,19 +238,22 @@ def inspect(location: str, grid: str | None = None, samples: int = 32, verify_sh
     console.print(table)
     source = info.get("source") if isinstance(info.get("source"), dict) else {}
     reasons = info.get("failure_reasons") if isinstance(info.get("failure_reasons"), dict) else {}
-    console.print(f"classes: {info.get('num_classes', 0)}; source: {source.get('kind', '?')} {source.get('path', '')}; "
-                  f"seed {info.get('seed')}; failures: {info.get('num_failures', 0)} "
-                  f"{', '.join(f'{k} {v}' for k, v in reasons.items())}")
+    where = source.get("path") or " ".join(str(x) for x in source.get("location") or [])
+    seed = f"seed {info['seed']}; " if info.get("seed") is not None else ""  # an indexed set has none
+    console.print(f"classes: {info.get('num_classes', 0)}; source: {source.get('kind', '?')} {where}; {seed}"
+                  f"failures: {info.get('num_failures', 0)} {', '.join(f'{k} {v}' for k, v in reasons.items())}",
+                  highlight=False)
     status = 0
     if verify_shards:
-        problems = verify(location, info)
+        problems = verify(base, info, decode)
         for problem in problems:
             console.print(f"[red]problem:[/red] {problem}", highlight=False)
-        console.print("verified: every shard matches the manifest" if not problems else f"{len(problems)} problem(s)")
+        checked = "matches the manifest" + (" and every image decodes" if decode else "")
+        console.print(f"verified: every shard {checked}" if not problems else f"{len(problems)} problem(s)")
         status = 1 if problems else 0
     if samples:
-        default = Path(urls.local_path(location)) / "_samples.png" if urls.is_local(location) else Path("_samples.png")
+        default = Path(urls.local_path(base)) / "_samples.png" if urls.is_local(base) else Path("_samples.png")
         path = Path(grid) if grid else default
-        shown = sample_grid(location, info, samples, path)
+        shown = sample_grid(base, info, samples, path)
         console.print(f"wrote a grid of {shown} samples to {path}")
     return status

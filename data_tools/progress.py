@@ -1,4 +1,5 @@
-"""The progress bar of build-shards (listing, then writing shards): shown in a terminal, never in logs."""
+"""The progress bars of build-shards (listing, then writing shards; reading shards to index them): shown in a
+terminal, never in logs."""
 
 from __future__ import annotations
 
@@ -6,12 +7,14 @@ import sys
 
 from rich.progress import (
     BarColumn,
+    DownloadColumn,
     MofNCompleteColumn,
     Progress,
     ProgressColumn,
     SpinnerColumn,
     TextColumn,
     TimeRemainingColumn,
+    TransferSpeedColumn,
 )
 from rich.text import Text
 
@@ -27,4 +30,11 @@ def progress_bar() -> Progress:
     """Rate and ETA while it runs, in a terminal; nothing in logs (the closing lines give the totals)."""
     return Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                     SpeedColumn(), TimeRemainingColumn(), refresh_per_second=4, transient=True,
+                    disable=not sys.stdout.isatty())
+
+
+def transfer_bar() -> Progress:
+    """Bytes read, MB/s and the ETA while it runs, in a terminal (build-shards index); nothing in logs."""
+    return Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+                    TransferSpeedColumn(), TimeRemainingColumn(), refresh_per_second=4, transient=True,
                     disable=not sys.stdout.isatty())

@@ -88,6 +88,11 @@ def shard_base(location: str | Path, info: dict[str, Any]) -> str:
     return location
 
 
+def shard_url(base: str, name: str) -> str:
+    """Where the manifest's shard `name` is: as it is when absolute (a path or a URL), else inside `base`."""
+    return name if not is_local(name) or os.path.isabs(name) else join(base, name)
+
+
 def load_split(location: str | Path, split: str) -> tuple[Split, dict[str, Any]]:
     """The named split of the shard set at `location`, with shard URLs resolved, plus the whole manifest."""
     if not str(location).strip():
@@ -108,7 +113,7 @@ def load_split(location: str | Path, split: str) -> tuple[Split, dict[str, Any]]
         raise ManifestError(f"manifest split '{split}' of {where} is inconsistent: filenames, shard_lengths "
                             "(counts >= 0) and num_samples must agree")
     base = shard_base(location, info)
-    urls = [f if not is_local(f) or os.path.isabs(f) else join(base, f) for f in names]
+    urls = [shard_url(base, f) for f in names]
     return Split(name=split, urls=urls, lengths=lengths), info
 
 
@@ -140,9 +145,11 @@ def data_record(location: str | Path, info: dict[str, Any]) -> dict[str, Any]:
 
 def write_manifest_url(location: str, info: dict[str, Any]) -> None:
     """Write the manifest into a local folder (as `write_manifest`) or to a URL through fsspec, as one upload that
-    appears whole or not at all (vit_mpp/urls.py `upload_file`); the bytes are the same either way."""
+    appears whole or not at all (vit_mpp/urls.py `upload_file`); the bytes are the same either way. `location` may
+    also name the `.json` file itself (see `manifest_file`)."""
+    target = manifest_file(location)
     if is_local(location):
-        write_manifest(local_path(location), info)
+        write_atomic(local_path(target), manifest_text(info))
         return
     import tempfile
 
@@ -151,4 +158,4 @@ def write_manifest_url(location: str, info: dict[str, Any]) -> None:
     with tempfile.TemporaryDirectory(prefix="manifest-") as tmp:
         path = Path(tmp) / MANIFEST_NAME
         path.write_text(manifest_text(info))
-        upload_file(str(path), join(location, MANIFEST_NAME))
+        upload_file(str(path), target)

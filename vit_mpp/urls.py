@@ -12,8 +12,9 @@ deadline, so a server that stops sending can never hang a run:
 On top of each, opening and every read run under an idle deadline (`timeout`, default `READ_TIMEOUT_S`): when no
 byte arrives in that time, the stream is aborted (socket closed, command killed) and `StreamStalled` (an OSError)
 is raised (`open_seekable`: every seek too). Callers retry a bounded number of times
-(`vit_mpp.data_stream.read_segment`, `read_url`, `read_seekable`), then fail with one line. Local files have no
-deadline: a read from a hung network mount cannot be interrupted from Python.
+(`vit_mpp.data_stream.read_segment`, `read_url`, `read_seekable`, `read_stream`), then fail with one line. Listing a
+remote folder (`list_folder`, fsspec `ls`) has the same deadline and retries. Local files have no deadline: a read
+from a hung network mount cannot be interrupted from Python.
 """
 
 from __future__ import annotations
@@ -315,6 +316,52 @@ def read_seekable(url: str, read: Callable[[BinaryIO], T], timeout: float | None
     def attempt() -> T:
         with open_seekable(url, timeout, retries=0) as f:
             return read(f)
+
+    return _with_retries(attempt, url, RETRIES if retries is None else retries, WAIT_S if wait_s is None else wait_s)
+
+
+def read_stream(url: str, read: Callable[[BinaryIO], T], timeout: float | None = None, retries: int | None = None,
+                wait_s: float | None = None) -> T:
+    """`read(stream)` on `url` opened with `open_url` (every remote read under the idle deadline `timeout`); an
+    attempt that fails with an OSError (a stall, a reset, a body shorter than its headers promised) is started
+    again from the beginning, `retries` times with backoff, as `read_url` does (None: READ_TIMEOUT_S, RETRIES and
+    WAIT_S as they are when called). `read` must not have effects that a second attempt would repeat."""
+    limit = READ_TIMEOUT_S if timeout is None else timeout
+
+    def attempt() -> T:
+        with open_url(url, limit) as stream:
+            try:
+                return read(stream)
+            except http.client.HTTPException as e:  # http.client's own type for a cut body: retried as an OSError
+                raise OSError(f"{url}: {type(e).__name__}: {e}") from None
+
+    return _with_retries(attempt, url, RETRIES if retries is None else retries, WAIT_S if wait_s is None else wait_s)
+
+
+def list_folder(url: str, timeout: float | None = None, retries: int | None = None,
+                wait_s: float | None = None) -> list[tuple[str, int | None]]:
+    """The files directly in the remote folder `url` (fsspec `ls`: `s3://`, `gs://`, `hf://`, and `http(s)://`
+    index pages), as (URL, size or None), sorted by URL. The listing runs under the idle deadline `timeout` and is
+    retried `retries` times with backoff (None: as `read_stream`); a folder that does not exist raises
+    FileNotFoundError."""
+    limit = READ_TIMEOUT_S if timeout is None else timeout
+
+    def attempt() -> list[tuple[str, int | None]]:
+        try:
+            import fsspec.core
+
+            fs, root = fsspec.core.url_to_fs(url)
+        except (ImportError, ValueError) as e:  # no backend for the scheme, or an unknown protocol
+            raise RemoteError(f"cannot list {url}: {e}") from None
+        caller = _DaemonCaller()
+        try:
+            entries = caller.call(lambda: _as_os_error(url, lambda: fs.ls(root, detail=True)), limit)
+        except concurrent.futures.TimeoutError:
+            raise StreamStalled(f"{url}: no answer for {limit:g} s while listing") from None
+        finally:
+            caller.stop()
+        found = [(e["name"], e.get("size")) for e in entries if e.get("type") == "file"]
+        return sorted((name if "://" in name else fs.unstrip_protocol(name), size) for name, size in found)
 
     return _with_retries(attempt, url, RETRIES if retries is None else retries, WAIT_S if wait_s is None else wait_s)
 

@@ -1,0 +1,147 @@
+"""One shard of `build-shards index`, read in a worker: its samples counted (as webdataset groups them), their
+image extensions and labels tallied, and with `verify` every image decoded (data_tools/decode_check.py).
+
+The result is a small `ShardIndex` (sent back to the main process): the counts, or the problem that makes the
+shard unusable (`damaged`: not a complete tar; `missing`; `unreadable`: every read attempt failed or stalled).
+Remote reads go through vit_mpp/urls.py `read_stream`: an idle deadline on every read and bounded retries, so a
+stalled shard costs bounded time and ends as one line naming it. The tar is only ever opened for reading.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import urllib.error
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO
+
+from data_tools.decode_check import KeyTally
+from data_tools.tar_scan import ReadAhead, TarDamaged, TarReader, describe, samples
+from vit_mpp import urls
+from vit_mpp.image_formats import IMAGE_EXTENSIONS, image_member
+
+IMAGES = frozenset(IMAGE_EXTENSIONS)
+DAMAGED, MISSING, UNREADABLE = "damaged", "missing", "unreadable"
+
+
+@dataclass(frozen=True)
+class ReadSettings:
+    """How a worker reads a shard: the idle deadline, the retries after a failed attempt and the first wait."""
+
+    timeout: float = urls.READ_TIMEOUT_S
+    retries: int = urls.RETRIES
+    wait_s: float = urls.WAIT_S
+
+
+@dataclass
+class ShardIndex:
+    """What one shard holds, or why it cannot be used (`problem` and `reason`)."""
+
+    url: str
+    bytes: int = 0
+    samples: int = 0
+    images: Counter = field(default_factory=Counter)  # image extension -> samples read through it
+    labelled: int = 0
+    label_min: int | None = None
+    label_max: int | None = None
+    no_image: KeyTally = field(default_factory=KeyTally)
+    bad_label: KeyTally = field(default_factory=KeyTally)  # a .cls that is not an integer
+    undecodable: KeyTally | None = None  # with verify only
+    problem: str = ""
+    reason: str = ""
+
+    def add_label(self, raw: bytes, key: str) -> None:
+        """Count a `.cls` as training reads it (vit_mpp.image_decoder.sample_label: int(); negative = none)."""
+        try:
+            label = int(raw)
+        except ValueError:
+            self.bad_label.add(key, f"{raw[:20]!r} is not an integer")
+            return
+        if label < 0:
+            return
+        self.labelled += 1
+        self.label_min = label if self.label_min is None else min(self.label_min, label)
+        self.label_max = label if self.label_max is None else max(self.label_max, label)
+
+
+class Abandoned(Exception):
+    """The main process asked the workers to stop (another shard failed, or Ctrl-C)."""
+
+
+_shared = threading.local()  # this worker's progress counter and stop flag (`init_worker`); none outside a pool
+
+
+def init_worker(counter: Any, stop: Any, process: bool) -> None:
+    """Pool initializer, run in the thread that will run this worker's tasks: the shared byte counter and stop
+    flag; a worker process leaves Ctrl-C to the main one."""
+    _shared.counter, _shared.stop = counter, stop
+    if process:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _count(n: int) -> None:
+    counter = getattr(_shared, "counter", None)
+    if counter is not None:
+        with counter.get_lock():
+            counter.value += n
+
+
+def _progress(n: int) -> None:
+    """Count `n` bytes read; stop here when the main process asked the workers to stop."""
+    _count(n)
+    stop = getattr(_shared, "stop", None)
+    if stop is not None and stop.value:
+        raise Abandoned
+
+
+def _scan(stream: BinaryIO, url: str, verify: bool) -> ShardIndex:
+    """Count one shard's samples from its stream (one attempt)."""
+    result = ShardIndex(url, undecodable=KeyTally() if verify else None)
+    read = 0
+
+    def progress(n: int) -> None:
+        nonlocal read
+        read += n
+        _progress(n)
+
+    ahead = ReadAhead(stream)
+    reader = TarReader(ahead, progress)
+    wanted = IMAGES | {"cls"} if verify else frozenset({"cls"})
+    try:
+        for sample in samples(reader, wanted):
+            result.samples += 1
+            ext = image_member(sample)
+            if ext is None:
+                result.no_image.add(sample.key)
+            else:
+                result.images[ext] += 1
+                if result.undecodable is not None:
+                    result.undecodable.check(sample.key, sample.data[ext])
+            if "cls" in sample.data:
+                result.add_label(sample.data["cls"], sample.key)
+        reader.drain()
+    except BaseException:
+        _count(-read)  # this attempt's bytes: a retry reads them again
+        raise
+    finally:
+        ahead.close()
+    result.bytes = reader.bytes_read
+    return result
+
+
+def index_shard(url: str, verify: bool = False, read: ReadSettings = ReadSettings()) -> ShardIndex:
+    """The `ShardIndex` of the shard at `url` (a path or URL); never raises for a bad shard, only when abandoned."""
+    try:
+        return urls.read_stream(url, lambda stream: _scan(stream, url, verify), read.timeout, read.retries,
+                                read.wait_s)
+    except TarDamaged as e:
+        return ShardIndex(url, problem=DAMAGED, reason=describe(e))
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        return ShardIndex(url, problem=MISSING, reason="no such file")
+    except urllib.error.HTTPError as e:
+        kind = MISSING if e.code in (404, 410) else UNREADABLE
+        return ShardIndex(url, problem=kind, reason=f"HTTP {e.code} {e.reason}")
+    except OSError as e:
+        tries = "" if urls.is_local(url) or urls.is_permanent(e) else f" ({read.retries + 1} attempts)"
+        return ShardIndex(url, problem=UNREADABLE, reason=f"{describe(e)}{tries}")
