@@ -21,7 +21,7 @@ from PIL import Image
 from data_tools.cli import main as build_main
 from finetune.train import main as finetune_main
 from pretrain.train import main as pretrain_main
-from tests.conftest import FaultyHandler, serve_directory, serve_faulty
+from tests.helpers.servers import FaultyHandler, serve_directory, serve_faulty
 from vit_mpp.cli import run_main
 from vit_mpp.manifest import load_split
 
