@@ -28,6 +28,7 @@ from vit_mpp.accelerator import make_eval_accelerator
 from vit_mpp.cli import run_main
 from vit_mpp.config import ConfigError, DataConfig
 from vit_mpp.data_stream import build_eval_loader
+from vit_mpp.dry_run import probe
 from vit_mpp.export import is_export
 from vit_mpp.manifest import load_split
 from vit_mpp.pretrained import Pretrained, load_classifier, results_folder
@@ -82,6 +83,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--mixed-precision", choices=("no", "bf16", "fp16"), default="no")
     parser.add_argument("--ignore-class-names", action="store_true",
                         help="evaluate even when the shards' class names differ from the classifier's")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="check the checkpoint, the shards and their classes, say what would be evaluated, write "
+                             "nothing")
     args = parser.parse_args(argv)
     if args.batch_size < 1 or args.workers < 0:
         raise ConfigError("--batch-size must be at least 1 and --workers at least 0")
@@ -101,6 +105,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if warning:
         accelerator.print(warning)
     data = DataConfig(num_workers=args.workers, eval_crop_pct=pre.crop_pct or 0.875)
+    if args.dry_run:
+        probe(split, data, f"split '{args.split}' of {args.shards}")
+        accelerator.print(f"dry run: nothing is written; would evaluate {args.checkpoint} ({pre.model.name} at "
+                          f"{pre.model.img_size}, {pre.num_classes} classes) on split '{args.split}' of {args.shards} "
+                          f"({split.num_samples} images in {len(split.urls)} shards) with "
+                          f"{accelerator.num_processes} process(es), batch {args.batch_size} each, and write "
+                          f"evaluation.json and confusion_matrix.png to {out}")
+        return {}
     _, loader = build_eval_loader(split, data, pre.model.img_size, args.batch_size, rank=accelerator.process_index,
                                   world_size=accelerator.num_processes, num_classes=pre.num_classes)
     model.to(accelerator.device)

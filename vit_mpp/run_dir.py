@@ -133,7 +133,10 @@ def prepare_run_dir(run_dir: str | Path, cfg: Any, is_main: bool, dry_run: bool 
 
 
 def _holder_if_locked(run_dir: Path) -> str | None:
-    """Who holds `run_dir`'s lock, when a live run does; None otherwise. Creates nothing (for dry runs)."""
+    """Who holds `run_dir`'s lock, when a live run does; None otherwise (or when this process holds it). Creates
+    nothing (for dry runs)."""
+    if str(run_dir.resolve()) in _held:
+        return None
     try:
         fd = os.open(run_dir / LOCK_NAME, os.O_RDONLY)
     except OSError:
