@@ -32,6 +32,7 @@ re-split them or make rank 0 decode for everyone.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import math
 import os
@@ -107,6 +108,11 @@ def block_samples(split: Split, set_index: int, piece: Piece, read: ReadSettings
         emissions.close()
 
 
+def sample_seed(seed: int, set_index: int, epoch: int, key: str) -> int:
+    """The seed of one sample's augmentation in one epoch: the same for it wherever, whenever it is read."""
+    return int.from_bytes(hashlib.blake2b(f"{seed}-{set_index}-{epoch}-{key}".encode(), digest_size=8).digest(), "big")
+
+
 class SetReader:
     """The decoded samples one part reads from one set: (image, label, key, epoch, bad keys replaced before it).
 
@@ -130,7 +136,9 @@ class SetReader:
                 key = sample["__key__"]
                 self.seen += 1
                 try:
-                    good = (self.decoder(image_bytes(sample)), sample_label(sample), key, sample["__epoch__"])
+                    image = self.decoder(image_bytes(sample), seed=sample_seed(self.read.seed, self.index,
+                                                                               sample["__epoch__"], key))
+                    good = (image, sample_label(sample), key, sample["__epoch__"])
                 except Exception:  # a bad sample must neither stop nor desynchronise the run: count and replace it
                     self.bad += 1
                     self._check_rate(force=i == last)

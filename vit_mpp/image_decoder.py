@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import math
+import random
 from collections.abc import Callable
 from typing import Any
 
@@ -70,7 +71,27 @@ class ImageDecoder:
         img.draft("RGB", self.draft)  # a no-op except for JPEGs
         return pil_to_tensor(img.convert("RGB"))
 
-    def __call__(self, data: bytes) -> torch.Tensor:
+    def __call__(self, data: bytes, seed: int | None = None) -> torch.Tensor:
+        """The model's input for an image's bytes. With `seed` the random crop, flip and `augment` are drawn from it
+        alone (torch's and Python's generators, restored after): a sample then gets the same augmentation whenever and
+        by whichever worker it is read, so a resumed run sees what the uninterrupted run saw."""
+        if seed is None:
+            return self._prepare(data)
+        # The CPU generator alone (torch.manual_seed would also seed CUDA, 100x slower); Python's `random` only for
+        # `augment` (timm's RandAugment draws from it), since seeding it costs more than the rest.
+        generator, torch_state = torch.default_generator, torch.default_generator.get_state()
+        python_state = random.getstate() if self.augment is not None else None
+        generator.manual_seed(seed)
+        if python_state is not None:
+            random.seed(seed)
+        try:
+            return self._prepare(data)
+        finally:
+            generator.set_state(torch_state)
+            if python_state is not None:
+                random.setstate(python_state)
+
+    def _prepare(self, data: bytes) -> torch.Tensor:
         x = self.decode(data).unsqueeze(0).contiguous(memory_format=torch.channels_last)  # (1, 3, h, w)
         x = self.transform(x)[0]  # (3, H, W) uint8, channels-last in memory
         if self.augment is not None:

@@ -7,69 +7,23 @@ HTTP) are indexed with the manifest elsewhere; a stalled, missing, damaged or no
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import tarfile
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
-from PIL import Image
 
 from data_tools.cli import main as build_main
 from finetune.train import main as finetune_main
 from pretrain.train import main as pretrain_main
 from tests.helpers.servers import FaultyHandler, serve_directory, serve_faulty
+from tests.helpers.shards import img2dataset_folder, timm_style_folder
 from vit_mpp.cli import run_main
 from vit_mpp.manifest import load_split
 
 LENGTHS = [7, 12, 5]  # uneven shards
-
-
-def jpeg(rng: np.random.Generator, size: int = 20) -> bytes:
-    out = io.BytesIO()
-    Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)).save(out, format="JPEG", quality=90)
-    return out.getvalue()
-
-
-def add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
-    info = tarfile.TarInfo(name)
-    info.size, info.mtime = len(data), 1_700_000_000
-    tar.addfile(info, io.BytesIO(data))
-
-
-def img2dataset_folder(root: Path, lengths: list[int] = LENGTHS, seed: int = 0, corrupt: str | None = None) -> Path:
-    """Shards as img2dataset writes them: `NNNNN.tar` of `KEY.jpg`, `KEY.txt`, `KEY.json` (keys of 9 digits: shard
-    and position), no labels, no manifest. `corrupt` names a key whose jpg is cut short (undecodable)."""
-    rng = np.random.default_rng(seed)
-    root.mkdir(parents=True, exist_ok=True)
-    for s, n in enumerate(lengths):
-        with tarfile.open(root / f"{s:05d}.tar", "w", format=tarfile.GNU_FORMAT) as tar:
-            for i in range(n):
-                key = f"{s:05d}{i:04d}"
-                image = jpeg(rng)
-                add(tar, f"{key}.jpg", image[:40] if key == corrupt else image)
-                add(tar, f"{key}.txt", f"a caption for {key}".encode())
-                add(tar, f"{key}.json", json.dumps({"key": key, "status": "success"}).encode())
-    return root
-
-
-def timm_style_folder(root: Path, train: list[int], val: list[int], classes: int = 3) -> Path:
-    """Labelled shards as timm's `*-wds` datasets hold them: `<name>-train-NNNN.tar` and `<name>-validation-NN.tar`
-    of `KEY.jpg` and `KEY.cls`, in one folder."""
-    rng = np.random.default_rng(1)
-    root.mkdir(parents=True, exist_ok=True)
-    index = 0
-    for split, lengths, digits in (("train", train, 4), ("validation", val, 2)):
-        for s, n in enumerate(lengths):
-            with tarfile.open(root / f"toy-{split}-{s:0{digits}d}.tar", "w") as tar:
-                for _ in range(n):
-                    add(tar, f"{index:08d}.jpg", jpeg(rng, 28))
-                    add(tar, f"{index:08d}.cls", str(index % classes).encode())
-                    index += 1
-    return root
 
 
 def digests(folder: Path) -> dict[str, tuple[str, float]]:
@@ -100,7 +54,7 @@ def pretrain(shards: str, run_dir: Path) -> None:
 @pytest.fixture(scope="module")
 def laion(tmp_path_factory) -> Path:
     """An img2dataset-style folder, indexed in place."""
-    return img2dataset_folder(tmp_path_factory.mktemp("laion"))
+    return img2dataset_folder(tmp_path_factory.mktemp("laion"), LENGTHS)
 
 
 def test_an_img2dataset_folder_is_indexed_in_place_untouched_and_pretrains(laion, tmp_path, capsys):
@@ -191,7 +145,7 @@ def test_mistakes_are_one_line_and_write_nothing(laion, tmp_path, capsys, argv, 
 
 
 def test_verify_reports_undecodable_images_per_shard(tmp_path, capsys):
-    folder = img2dataset_folder(tmp_path / "set", corrupt="000010003")
+    folder = img2dataset_folder(tmp_path / "set", LENGTHS, corrupt="000010003")
     index(str(folder))
     plain = json.loads((folder / "_info.json").read_text())["splits"]["train"]
     assert "num_undecodable" not in plain  # not decoded without --verify
@@ -207,7 +161,7 @@ def test_verify_reports_undecodable_images_per_shard(tmp_path, capsys):
 
 
 def test_inspect_decode_finds_what_plain_inspect_calls_verified(tmp_path, capsys):
-    folder = img2dataset_folder(tmp_path / "set", corrupt="000020001")
+    folder = img2dataset_folder(tmp_path / "set", LENGTHS, corrupt="000020001")
     index(str(folder))
     capsys.readouterr()
     assert build_inspect(folder) == 0
@@ -226,7 +180,7 @@ def build_inspect(folder: Path, *flags: str) -> int:
 
 
 def test_skip_bad_records_a_non_tar_file_and_leaves_it_out(tmp_path, capsys):
-    folder = img2dataset_folder(tmp_path / "set")
+    folder = img2dataset_folder(tmp_path / "set", LENGTHS)
     (folder / "00003.tar").write_text("<html>this is not a tar</html>\n" * 30)
     line = refused(capsys, build_main, ["index", str(folder)])
     assert "00003.tar: not a tar" in line and "--skip-bad" in line

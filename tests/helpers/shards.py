@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+import tarfile
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -86,3 +87,49 @@ def bad_shard_set(root: Path, good: int, bad: int, size: int = 8) -> Path:
     n = good + bad
     return write_shard_set(root, {"train": [n]}, size, labels={"train": [0] * n},
                            bad={"train": [i for i in range(n) if i % (n // bad) == 1]}, meta=False)
+
+
+# Shards other tools wrote (no manifest): what `build-shards index` reads.
+
+def jpeg(rng: np.random.Generator, size: int = 20) -> bytes:
+    out = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)).save(out, format="JPEG", quality=90)
+    return out.getvalue()
+
+
+def add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size, info.mtime = len(data), 1_700_000_000
+    tar.addfile(info, io.BytesIO(data))
+
+
+def img2dataset_folder(root: Path, lengths: list[int], seed: int = 0, corrupt: str | None = None) -> Path:
+    """Shards as img2dataset writes them: `NNNNN.tar` of `KEY.jpg`, `KEY.txt`, `KEY.json` (keys of 9 digits: shard
+    and position), no labels, no manifest. `corrupt` names a key whose jpg is cut short (undecodable)."""
+    rng = np.random.default_rng(seed)
+    root.mkdir(parents=True, exist_ok=True)
+    for s, n in enumerate(lengths):
+        with tarfile.open(root / f"{s:05d}.tar", "w", format=tarfile.GNU_FORMAT) as tar:
+            for i in range(n):
+                key = f"{s:05d}{i:04d}"
+                image = jpeg(rng)
+                add(tar, f"{key}.jpg", image[:40] if key == corrupt else image)
+                add(tar, f"{key}.txt", f"a caption for {key}".encode())
+                add(tar, f"{key}.json", json.dumps({"key": key, "status": "success"}).encode())
+    return root
+
+
+def timm_style_folder(root: Path, train: list[int], val: list[int], classes: int = 3) -> Path:
+    """Labelled shards as timm's `*-wds` datasets hold them: `<name>-train-NNNN.tar` and `<name>-validation-NN.tar`
+    of `KEY.jpg` and `KEY.cls`, in one folder."""
+    rng = np.random.default_rng(1)
+    root.mkdir(parents=True, exist_ok=True)
+    index = 0
+    for split, lengths, digits in (("train", train, 4), ("validation", val, 2)):
+        for s, n in enumerate(lengths):
+            with tarfile.open(root / f"toy-{split}-{s:0{digits}d}.tar", "w") as tar:
+                for _ in range(n):
+                    add(tar, f"{index:08d}.jpg", jpeg(rng, 28))
+                    add(tar, f"{index:08d}.cls", str(index % classes).encode())
+                    index += 1
+    return root

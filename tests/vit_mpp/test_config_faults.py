@@ -47,6 +47,20 @@ BAD_VALUES = [
     ("pretrain", ["data.max_bad_fraction=2"], "'data.max_bad_fraction' must be in [0, 1]"),
     ("pretrain", ["data.read_timeout_s=0"], "'data.read_timeout_s' must be > 0"),
     ("pretrain", ["data.read_retries=-1"], "'data.read_retries' must be >= 0"),
+    # a mixture of shard sets
+    ("pretrain", ["data.shards=[a,b]", "data.weights=[-1,1]"], "'data.weights' must be non-negative numbers"),
+    ("pretrain", ["data.shards=[a,b]", "data.weights=[0,0]"], "'data.weights' must be non-negative numbers, at least"),
+    ("pretrain", ["data.shards=[a,b]", "data.weights=[1]"], "'data.weights' gives 1 weight(s) for the 2 set(s)"),
+    ("pretrain", ["data.shards=[a,b,c]", "data.weights=[1,2]"], "'data.weights' gives 2 weight(s) for the 3 set(s)"),
+    ("pretrain", ["data.shards=[a,a]"], "'data.shards' names a set twice"),
+    ("pretrain", ["data.shards=[a,'']"], "'data.shards' holds an empty location"),
+    ("finetune", ["data.weights=[x]"], "'data.weights' expects"),
+    # running on a cluster
+    ("pretrain", ["train.ckpt_every_minutes=-1"], "'train.ckpt_every_minutes' must be >= 0"),
+    ("pretrain", ["train.preempt_signals=[SIGKILL]"], "'train.preempt_signals' must be a list of signal names"),
+    ("pretrain", ["train.collective_timeout_s=0"], "'train.collective_timeout_s' must be > 0"),
+    ("pretrain", ["train.resume=maybe"], "'train.resume' expects one of"),
+    ("finetune", ["train.record_samples=sometimes"], "'train.record_samples' expects bool"),
     # optimizer
     ("pretrain", ["optim.base_lr=-1"], "'optim.base_lr' must be > 0"),
     ("pretrain", ["optim.base_lr=0"], "'optim.base_lr' must be > 0"),
@@ -130,7 +144,8 @@ PYTHON_M_SAMPLE = {
     "optim.layer_decay=0", "model.img_size=30 model.patch_size=8", "model.global_pool=max", "mpp.random_prob=0.5",
     "init.std=[0.2,0,0.2]", "augment.mixup=-1", "optim.lrr=1", "train.steps=many",
     "--config configs/finetune/missing.yaml", "train.trackers=[nosuch]", "knn.k=0", "export.push_to_hub=a/b/c",
-    "augment.auto_augment=rand-m9-x1", "train.ema_decay=high",
+    "augment.auto_augment=rand-m9-x1", "train.ema_decay=high", "data.shards=[a,b] data.weights=[0,0]",
+    "train.preempt_signals=[SIGKILL]",
 }
 assert PYTHON_M_SAMPLE <= set(IDS), sorted(PYTHON_M_SAMPLE - set(IDS))  # the sample names rows of the table
 
