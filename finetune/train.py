@@ -134,6 +134,7 @@ def _train(cfg: FinetuneConfig, signals: StopSignals) -> None:
                                                "steps_per_epoch": steps_per_epoch, "best_top1": best.top1,
                                                "best_ema_top1": best.ema_top1, **meter.checkpoint_state()})
 
+    checkpointer.close()
     meter.draw()
     audit.flush()
     exporter.write(model, Path(tc.run_dir) / "export", total_steps, result)

@@ -127,6 +127,7 @@ def _train(cfg: PretrainConfig, signals: StopSignals) -> None:
                                                **meter.checkpoint_state()},
                                 lambda: {"mpp_generator": gen.get_state()})
 
+    checkpointer.close()
     meter.draw()
     audit.flush()
     export_encoder(accelerator, model, cfg, mean, std, last_eval, data, peak_lr)

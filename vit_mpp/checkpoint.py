@@ -186,5 +186,10 @@ class Checkpointer:
                             self.keep_last, rank_state() if rank_state is not None else None)
             self.boundary.saved()
         if preempt:
+            self.boundary.close()
             self.accelerator.end_training()
             raise Preempted(step)
+
+    def close(self) -> None:
+        """The loop has ended: the last step-boundary collective is finished on every rank."""
+        self.boundary.close()

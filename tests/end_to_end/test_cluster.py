@@ -101,7 +101,10 @@ def test_time_based_checkpoints_and_a_second_signal_during_the_save(shards, tmp_
     run_dir = tmp_path / "run"
     run = Background([*LAUNCH, *pretrain_args(shards, run_dir, "data.num_workers=1", "train.ckpt_every_minutes=0.01",
                                               "train.keep_last=50")], tmp_path / "log", "timed")
-    run.wait_for("step 25/")
+    deadline = time.monotonic() + 240  # the clock (0.6 s) is read at checks at most ~2 s apart: wait for 2 saves
+    while len(list((run_dir / "checkpoints").glob("step_*/trainer_state.json"))) < 2:
+        assert run.proc.poll() is None and time.monotonic() < deadline, run.output()[-3000:]
+        time.sleep(0.2)
     run.signal_all(signal.SIGUSR1)  # SLURM's --signal=USR1@120 reaches every process; the launcher dies of it
     time.sleep(0.2)
     run.signal_all(signal.SIGTERM)  # and a second signal, while the step is being saved
