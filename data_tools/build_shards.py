@@ -24,13 +24,13 @@ from data_tools.journal import Journal, intact, journal_name, last_is_whole, rea
 from data_tools.layout import ONE_MACHINE, Layout, Parts, RangeRef
 from data_tools.merge import FAILURES_NAME, LISTING_FAILURES_NAME, finalize, summary
 from data_tools.out_state import prepare_out
-from data_tools.progress import progress_bar
 from data_tools.shard_ranges import WorkContext
 from data_tools.sources import Source, SourceSpec, open_source
 from data_tools.store import LocalStore, OutputError, RemoteStore, open_store
 from vit_mpp import urls
 from vit_mpp.errors import UserError
 from vit_mpp.manifest import MANIFEST_NAME
+from vit_mpp.progress import progress
 
 
 class Interrupted(BuildStopped):
@@ -50,11 +50,10 @@ def list_source(spec: SourceSpec, workdir: Path, seed: int) -> Source:
     size = 0
     if urls.is_local(spec.path) and os.path.isfile(spec.path):
         size = os.path.getsize(spec.path)
-    with progress_bar() as progress:
-        bar = progress.add_task(f"listing {spec.path}", total=size or None)
+    with progress(f"listing {spec.path}", size or None, "bytes" if size else "inputs") as shown:
 
         def show(rows: int, done: int) -> None:
-            progress.update(bar, completed=done if size else rows, description=f"listing: {rows:,} inputs")
+            shown.update(completed=done if size else rows, description=f"listing: {rows:,} inputs")
 
         source = open_source(spec, workdir, seed, show)
     failed = source.failures.count
@@ -74,12 +73,11 @@ def run_ranges(plan: BuildPlan, store: LocalStore | RemoteStore, todo: list[Rang
     committer = Committer(store, journal, workers, lambda rec: finished.__setitem__(0, finished[0] + 1))
     tasks = (plan.task(r) for r in todo)
     try:
-        with runner, progress_bar() as progress:
-            bar = progress.add_task("building shards", total=total, completed=resumed)
+        with runner, progress("building shards", total, "images", completed=resumed) as shown:
 
             def idle() -> None:
                 committer.poll()
-                progress.update(bar, completed=resumed + runner.processed())
+                shown.update(completed=resumed + runner.processed())
 
             for record in runner.results(tasks, committer.room, idle):
                 committer.add(record)

@@ -29,7 +29,6 @@ from typing import Any
 from data_tools.build_shards import Interrupted
 from data_tools.decode_check import KeyTally
 from data_tools.executors import BuildStopped
-from data_tools.progress import transfer_bar
 from data_tools.shard_index import DAMAGED, ReadSettings, ShardIndex, index_shard, init_worker
 from data_tools.shard_list import (
     IndexInputError,
@@ -45,6 +44,7 @@ from vit_mpp import __version__, urls
 from vit_mpp.errors import UserError
 from vit_mpp.image_formats import IMAGE_EXTENSIONS
 from vit_mpp.manifest import manifest_file, write_manifest_url
+from vit_mpp.progress import progress
 
 POOLS = ("process", "thread")
 SHOWN = 10  # problem lines printed per kind; the manifest has them all
@@ -269,14 +269,12 @@ def index(locations: list[str], splits: list[str] | None, out: str | None, optio
     place = place_manifest(shards, out)
     check_output(place, options.overwrite)
     sized = all(s.size is not None for s in shards)  # a listing gives sizes; a remote pattern does not
-    with transfer_bar() as progress:
-        bar = progress.add_task(f"indexing {len(shards):,} shards", total=sum(s.size or 0 for s in shards) if sized
-                                else None)
+    with progress(f"indexing {len(shards):,} shards", sum(s.size or 0 for s in shards) if sized else None,
+                  "bytes") as shown:
 
         def show(done: int, total: int, read: int) -> None:
             estimate = read / done * total if done and not sized else None  # the total extrapolated, for the ETA
-            progress.update(bar, completed=read, description=f"indexing: {done:,}/{total:,} shards",
-                            **({"total": estimate} if estimate else {}))
+            shown.update(completed=read, description=f"indexing: {done:,}/{total:,} shards", total=estimate)
 
         results = read_shards(shards, options, show)
     info = build_manifest(locations, location_splits, shards, results, place, options)

@@ -1,4 +1,4 @@
-"""finetune.analyze and its helpers: rollout, position similarity, attention distance, parameter table, the CLI."""
+"""python -m analysis and its helpers: rollout, position similarity, attention distance, parameter table, the CLI."""
 
 from __future__ import annotations
 

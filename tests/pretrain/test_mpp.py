@@ -1,4 +1,4 @@
-"""Masked patch prediction: the corruption rule, the three targets, and the loss (SPEC.md)."""
+"""Masked patch prediction: the corruption rule, the three targets, and the loss (docs/method.md)."""
 
 from __future__ import annotations
 
