@@ -3,9 +3,9 @@
 Both kinds offer the same few operations, so the build, the journal and merge never ask which one they have:
 
 * `publish(tmp, name)`: a finished temporary tar becomes shard `name`. Locally the tar was written in OUT itself
-  and is renamed (atomic; the rename is synced, vit_mpp/durable.py); remotely it was written to local scratch
-  space (`staging()`), is uploaded as one object (a multipart upload that is interrupted is never visible) and
-  then deleted. Only then is it journaled, so an interrupted upload is redone on resume.
+  and is synced, then renamed (atomic; the rename is synced, vit_mpp/durable.py); remotely it was written to
+  local scratch space (`staging()`), is uploaded as one object (a multipart upload that is interrupted is never
+  visible) and then deleted. Only then is it journaled, so an interrupted upload is redone on resume.
 * `write_text(name, text)`: small files (journal snapshots, failures.jsonl, the manifest) written whole: locally
   with `vit_mpp.durable.write_atomic` (synced, then renamed into place), remotely as one upload.
 * `list_sizes()`: every file name in OUT with its size, in one listing (no request per shard on resume).
@@ -89,7 +89,8 @@ class LocalStore:
             os.fsync(f.fileno())
 
     def publish(self, tmp: str | Path, name: str) -> None:
-        durable.replace(tmp, self.path / name)  # the rename is on disk before the journal names the shard
+        durable.fsync(tmp)  # workers leave the tar unsynced (ShardWriter.finish(sync=False)): it is synced here,
+        durable.replace(tmp, self.path / name)  # then renamed, the rename on disk before the journal names the shard
 
     def delete(self, names: list[str]) -> None:
         for name in names:

@@ -117,12 +117,18 @@ class FileReader(Reader):
 
     def __init__(self, base: str | Path = "") -> None:
         self.base = str(base)
+        # A local folder's path, worked out once: most refs are plain relative paths, read without parsing them
+        # as URLs (three urlparse calls an image otherwise).
+        self.local_base = urls.local_path(self.base) if urls.is_local(self.base) else None
 
     def location(self, ref: str | int) -> str:
         ref = str(ref)
         return ref if is_url(ref) or os.path.isabs(ref) else urls.join(self.base, ref)
 
     def read(self, ref: str | int) -> bytes:
+        if self.local_base is not None and isinstance(ref, str) and ":" not in ref and not os.path.isabs(ref):
+            with open(os.path.join(self.local_base, ref), "rb") as f:  # no ':', so no URL scheme
+                return f.read()
         where = self.location(ref)
         if urls.is_local(where):
             with open(urls.local_path(where), "rb") as f:
