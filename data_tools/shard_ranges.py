@@ -23,7 +23,7 @@ from typing import Any
 from PIL import Image
 
 from data_tools.images import BadImage, EncodeSettings, clean_detail, prepare_image
-from data_tools.layout import shard_name
+from data_tools.layout import sample_key, shard_name
 from data_tools.sources import Item
 from data_tools.writer import ShardWriter
 
@@ -37,6 +37,7 @@ class RangeTask:
     start: int
     items: list[Item]
     shard_bytes: int  # 0: one tar per range
+    group: int | None = None  # the plan part (--plan-parts), which names its shards and keys
 
     @property
     def end(self) -> int:
@@ -104,15 +105,16 @@ def write_range(task: RangeTask, ctx: WorkContext, staging: Path, tick: Callable
             continue
         if writer is None:
             piece = len(shards) if task.shard_bytes else None
-            writer = ShardWriter(Path(staging) / shard_name(task.split, task.index, piece))
-        writer.write(f"{task.split}_{position:09d}", sample_files(result, item))
+            writer = ShardWriter(Path(staging) / shard_name(task.split, task.index, piece, task.group))
+        writer.write(sample_key(task.split, position, task.group), sample_files(result, item))
         if task.shard_bytes and writer.bytes_written >= task.shard_bytes and position + 1 < task.end:
             shards.append(_finish(writer))
             writer = None
     if writer is not None:
         shards.append(_finish(writer))
-    return {"type": "range", "split": task.split, "range": task.index, "start": task.start, "end": task.end,
-            "shards": shards, "failures": failures}
+    group = {} if task.group is None else {"group": task.group}
+    return {"type": "range", **group, "split": task.split, "range": task.index, "start": task.start,
+            "end": task.end, "shards": shards, "failures": failures}
 
 
 # ---------------------------------------------------------------- local worker processes

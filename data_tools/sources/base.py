@@ -275,10 +275,11 @@ def labelled_listing(reader: Reader, labels: LabelTable, **fields: Any) -> Listi
     return Listing(reader, class_names, label_map, **fields)
 
 
-def apply_unlabelled_rows(source: Source, mode: str) -> None:
-    """A labelled source with unlabelled inputs: refuse (error), leave them out and record them (skip), or keep."""
+def apply_unlabelled_rows(source: Source, mode: str, every_row: bool = False) -> None:
+    """A labelled source with unlabelled inputs: refuse (error), leave them out and record them (skip), or keep.
+    `every_row`: apply it even when nothing is labelled (a plan part cannot see whether the others are)."""
     catalog = source.catalog
-    if not source.class_names:
+    if not source.class_names and not every_row:
         return
     missing = np.flatnonzero((catalog.labels < 0) & (catalog.splits != EXCLUDED))
     if not len(missing):
