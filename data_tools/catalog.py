@@ -37,10 +37,12 @@ class Catalog:
         rows = np.asarray(rows, dtype=np.int64)
         ends = self.ends[rows]
         starts = np.where(rows > 0, self.ends[np.maximum(rows - 1, 0)], 0)
+        order = np.argsort(starts, kind="stable")
         out: list[str] = [""] * len(rows)
-        for i in np.argsort(starts, kind="stable"):
-            data = os.pread(self._fd, int(ends[i] - starts[i]), int(starts[i]))
-            out[i] = data.decode("utf-8", "surrogateescape")
+        fd = self._fd
+        # Python ints, not numpy scalars, in the loop: indexing an array row by row was half the time of reading
+        for i, size, start in zip(order.tolist(), (ends - starts)[order].tolist(), starts[order].tolist()):
+            out[i] = os.pread(fd, size, start).decode("utf-8", "surrogateescape")
         return out
 
     def close(self) -> None:

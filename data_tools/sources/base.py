@@ -207,8 +207,21 @@ class LabelTable:
         self.names = names
         self.codes: dict[str, int] = {}
         self.intlike = True
+        self.seen: dict[int | str, int] = {}  # a plain int or str value met before -> its code: a list repeats a
+        # few labels millions of times, and working one out (a regular expression) was a sixth of listing a row
 
     def code(self, value: Any) -> int:
+        if type(value) in (int, str):  # exactly: True == 1 and np.int64(1) == 1 must not share an entry
+            known = self.seen.get(value)
+            if known is not None:
+                return known
+            code = self._code(value)
+            if len(self.seen) < MAX_LABEL_NAMES:
+                self.seen[value] = code
+            return code
+        return self._code(value)
+
+    def _code(self, value: Any) -> int:
         if value is None or value == "":
             return -1
         if isinstance(value, bool) or not isinstance(value, (int, str, np.integer)):

@@ -57,14 +57,19 @@ class _CountingReader(io.RawIOBase):
         super().close()
 
 
+LEADS_OUT = "leads out of the list's folder"
+
+
 def outside_reason(path: str) -> str | None:
     """Why a list row's path is not inside the list's folder (None when it is)."""
+    if ":" not in path and not path.startswith("/") and ".." not in path:
+        return None  # no scheme, not absolute, no way up: the common row, without urlparse (half of listing it)
     if is_url(path):
         return "is a URL"
     if os.path.isabs(path):
         return "is absolute"
     if os.path.normpath(path).split(os.sep)[0] == "..":
-        return "leads out of the list's folder"
+        return LEADS_OUT
     return None
 
 
@@ -149,20 +154,21 @@ def list_file(file: ListFile, spec: SourceSpec, writer: CatalogWriter, failures:
             for lineno, path, label_value, split_value, why in rows:
                 if lineno % 65536 == 0:
                     progress(len(writer), count.count if count else 0)
-                where = f"{name}:{lineno}"
                 if why:
-                    failures.add(where, "bad_row", why)
+                    failures.add(f"{name}:{lineno}", "bad_row", why)
                     continue
                 if not isinstance(path, str) or not path or "\0" in path:
-                    failures.add(where, "bad_row", "no path" if not path else f"path {path!r} is not a file name")
+                    failures.add(f"{name}:{lineno}", "bad_row",
+                                 "no path" if not path else f"path {path!r} is not a file name")
                     continue
                 if path.startswith("pipe:"):
-                    raise SourceError(f"{where}: path {path!r} is a 'pipe:' command; lists name files, never commands")
+                    raise SourceError(f"{name}:{lineno}: path {path!r} is a 'pipe:' command; lists name files, never "
+                                      "commands")
                 reason = outside_reason(path)
                 if reason and not spec.allow_outside_paths:
-                    raise SourceError(f"{where}: path {path!r} {reason}; list paths are relative to the list's folder "
-                                      "unless you pass --allow-outside-paths")
-                if prefix and not (is_url(path) or os.path.isabs(path)):
+                    raise SourceError(f"{name}:{lineno}: path {path!r} {reason}; list paths are relative to the "
+                                      "list's folder unless you pass --allow-outside-paths")
+                if prefix and reason in (None, LEADS_OUT):
                     path = prefix + path  # relative to its own file's folder: to the root, for the one reader
                 try:
                     label = labels.code(label_value)
@@ -172,10 +178,10 @@ def list_file(file: ListFile, spec: SourceSpec, writer: CatalogWriter, failures:
                 split = default_split
                 if spec.existing_splits:
                     if not isinstance(split_value, str) or not split_value:
-                        raise SourceError(f"--existing-splits: {where} has no 'split' value")
+                        raise SourceError(f"--existing-splits: {name}:{lineno} has no 'split' value")
                     if not SPLIT_NAME.match(split_value):
                         raise SourceError(f"split names in {name} must be letters, digits or '_' "
-                                          f"({where}: {split_value!r})")
+                                          f"({name}:{lineno}: {split_value!r})")
                     split = writer.split_code(split_value)
                 elif split_of is not None:
                     split = split_of(path)
