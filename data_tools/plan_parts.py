@@ -104,7 +104,7 @@ def list_plan_part(spec: SourceSpec, layout: Layout, index: int, files: list[Lis
     info = {"files": [f.name for f in files], "digest": catalog.digest,
             "splits": {name: s.size for name, s in splits.items()}, "num_inputs": int(np.count_nonzero(included)),
             "num_labelled": int(np.count_nonzero(labelled)),
-            "max_label": int(catalog.labels[labelled].max()) if labelled.any() else -1,
+            "max_label": int(catalog.labels.max(where=labelled, initial=-1)),  # no copy of the labels
             "listing_failures": {"count": failures.count, "sha256": failures.hash.hexdigest()}}
     return PlanPart(index, source, splits, info)
 
