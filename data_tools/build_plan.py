@@ -77,4 +77,5 @@ class BuildPlan:
                 f"fingerprint {self.fingerprint[:16]}")
 
     def close(self) -> None:
+        """Close the catalog."""
         self.source.close()

@@ -75,6 +75,7 @@ def _missing_phrases(num_parts: int, ran: set[int], todo: dict[int, list], total
 
 
 def _ran(journals: dict[str, tuple], num_parts: int) -> set[int]:
+    """The parts of `num_parts` that have a journal."""
     return {h["part"] for h, _ in journals.values() if h is not None and h.get("num_parts") == num_parts}
 
 
@@ -92,6 +93,7 @@ def _missing_parts(num_parts: int, journals: dict[str, tuple], plan_sizes: dict[
 
 
 def _num_parts(headers: dict[str, dict]) -> int:
+    """The number of parts the build was run as (the largest, if runs used several)."""
     counts = {h.get("num_parts", 1) for h in headers.values()}
     return counts.pop() if len(counts) == 1 else max(counts)
 

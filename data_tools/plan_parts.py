@@ -148,10 +148,12 @@ class PlannedBuild:
 
     @property
     def num_inputs(self) -> int:
+        """Inputs listed into a split by the plan parts listed here."""
         return sum(p.info["num_inputs"] for p in self.owned.values())
 
     @property
     def listing_failure_count(self) -> int:
+        """Inputs met and not used while listing the plan parts listed here."""
         return sum(p.source.failures.count for p in self.owned.values())
 
     def ranges(self, parts: Parts) -> list[RangeRef]:
@@ -160,6 +162,7 @@ class PlannedBuild:
                 for r in iter_ranges(p.info["splits"], self.layout.shard_size, g)]
 
     def task(self, r: RangeRef) -> RangeTask:
+        """What a worker needs to write range `r` of its plan part: its items, read from that catalog now."""
         part = self.owned[r.group]
         rows = part.splits[r.split].catalog_rows(r.start, r.end)
         return RangeTask(r.split, r.index, r.start, part.source.items(rows), self.layout.shard_bytes, r.group)
@@ -199,5 +202,6 @@ class PlannedBuild:
                 f"{self.fingerprint[:16]}")
 
     def close(self) -> None:
+        """Close the plan parts' catalogs."""
         for p in self.owned.values():
             p.source.close()

@@ -381,6 +381,7 @@ def upload_file(path: str, url: str, timeout: float = READ_TIMEOUT_S, retries: i
 
 
 def _list_once(url: str, timeout: float) -> list[tuple[str, int, bool]]:
+    """One attempt of `list_remote`: the listing runs in a daemon thread, waited for at most `timeout` seconds."""
     try:
         import fsspec.core
 

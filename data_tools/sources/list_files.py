@@ -65,6 +65,7 @@ def has_wildcard(path: str) -> bool:
 
 
 def _skipped(name: str) -> bool:
+    """Hidden files and Spark/Hadoop markers (`_SUCCESS`), passed over in a folder of lists."""
     return name.startswith((".", "_"))
 
 
@@ -85,6 +86,7 @@ def source_name(path: str) -> str:
 
 
 def _check(location: str, name: str) -> None:
+    """A file of a folder or pattern that is not a list is a one-line error."""
     if list_suffix(location) not in (".csv", ".jsonl", ".parquet"):
         raise SourceError(f"{location} is not a list file (.csv, .jsonl or .parquet): the files of a list SOURCE "
                           "folder or pattern must all be lists (names starting with '.' or '_' are passed over)")
