@@ -252,3 +252,12 @@ def test_remote_folders_and_patterns_of_lists(tmp_path):
     pattern = resolve_list_files("memory://lists-test/*/*.jsonl")
     assert [(f.name, f.prefix) for f in pattern.files] == [("sub/c.jsonl", "sub/")]
     fs.rm("/lists-test", recursive=True)
+
+
+def test_a_path_with_glob_characters_that_exists_is_not_a_pattern(tmp_path):
+    folder = tmp_path / "lists[2024]"
+    folder.mkdir()
+    (folder / "a.csv").write_text("path\nx.jpg\n")
+    assert [f.name for f in resolve_list_files(str(folder)).files] == ["a.csv"]
+    assert resolve_list_files(str(folder / "a.csv")).single
+    assert [f.name for f in resolve_list_files(str(tmp_path / "*" / "a.csv")).files] == ["lists[2024]/a.csv"]

@@ -60,8 +60,14 @@ def list_suffix(location: str) -> str:
 
 
 def has_wildcard(path: str) -> bool:
-    """Whether `path` is a glob pattern rather than one file or folder."""
+    """Whether `path` has glob characters (`*`, `?`, `[`)."""
     return any(c in (urlparse(path).path if is_url(path) else path) for c in WILDCARDS)
+
+
+def is_pattern(path: str) -> bool:
+    """Whether `path` is a glob pattern rather than one file or folder: it has glob characters and is not an
+    existing local path (a folder may be named `images[2024]`)."""
+    return has_wildcard(path) and not (urls.is_local(path) and os.path.exists(urls.local_path(path)))
 
 
 def _skipped(name: str) -> bool:
@@ -80,7 +86,7 @@ def _root_of_pattern(pattern: str) -> str:
 def source_name(path: str) -> str:
     """The manifest's `name` of a SOURCE: its base name, or for a pattern that of its folder (`lists/*.parquet` ->
     `lists`)."""
-    if has_wildcard(path):
+    if is_pattern(path):
         path = _root_of_pattern(path) or os.getcwd()
     return PurePosixPath(path.rstrip("/")).name
 
@@ -105,9 +111,9 @@ def _single(path: str) -> ListSource:
     return ListSource(path.rsplit("/", 1)[0], [ListFile(path, path.rsplit("/", 1)[1], 0)], True)
 
 
-def _local_entries(path: str) -> list[tuple[str, int, bool]]:
+def _local_entries(path: str, pattern: bool) -> list[tuple[str, int, bool]]:
     """[(path, size, is a folder)] of a local folder's entries or of what a local pattern matches."""
-    found = glob.glob(path, recursive=True) if has_wildcard(path) else [os.path.join(path, n) for n in os.listdir(path)]
+    found = glob.glob(path, recursive=True) if pattern else [os.path.join(path, n) for n in os.listdir(path)]
     entries = []
     for p in found:
         try:
@@ -134,7 +140,7 @@ def _relative(location: str, root: str) -> str:
 def resolve_list_files(path: str) -> ListSource:
     """The list files of SOURCE `path`: one file, a folder's list files, or what a pattern matches; sorted by name."""
     path = path.rstrip("/") or path
-    pattern, local = has_wildcard(path), urls.is_local(path)
+    pattern, local = is_pattern(path), urls.is_local(path)
     if not pattern and (os.path.isdir(urls.local_path(path)) if local else not list_suffix(path)):
         root = urls.local_path(path) if local else path  # a folder of lists
     elif pattern:
@@ -142,7 +148,7 @@ def resolve_list_files(path: str) -> ListSource:
     else:
         return _single(path)
     try:
-        entries = _local_entries(urls.local_path(path)) if local else urls.list_remote(path)
+        entries = _local_entries(urls.local_path(path), pattern) if local else urls.list_remote(path)
     except OSError as e:
         raise SourceError(f"cannot list {path}: {os_error_detail(e)}") from None
     files = []

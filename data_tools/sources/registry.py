@@ -42,7 +42,7 @@ def detect_kind(path: str) -> str:
     missing path shaped like a hub name ("name", "owner/name") is `hf`; any other folder is a class-folder tree; any
     other missing path an error."""
     lowered = (urlparse(path).path if is_url(path) else path).lower()
-    if lowered.endswith((".csv", ".jsonl", ".ndjson")) or list_files.has_wildcard(path):
+    if lowered.endswith((".csv", ".jsonl", ".ndjson")) or list_files.is_pattern(path):
         return "list"  # a pattern names list files (lists/*.parquet)
     if lowered.endswith(".parquet") and (is_url(path) or os.path.isfile(path)) and list_files.is_path_list(path):
         return "list"
