@@ -16,14 +16,16 @@ import tempfile
 import time
 from pathlib import Path
 
-from data_tools.build_plan import BuildPlan, describe_plan
+from data_tools.build_plan import BuildPlan
 from data_tools.committer import Committer
 from data_tools.executors import BuildStopped, LocalExecutor, RayExecutor, require_ray
 from data_tools.images import EncodeSettings
 from data_tools.journal import Journal, intact, journal_name, last_is_whole, read_journals
 from data_tools.layout import ONE_MACHINE, Layout, Parts, RangeRef
-from data_tools.merge import FAILURES_NAME, LISTING_FAILURES_NAME, finalize, summary
+from data_tools.merge import FAILURES_NAME, finalize, summary
 from data_tools.out_state import prepare_out
+from data_tools.plan_parts import PlannedBuild
+from data_tools.scratch import scratch, sweep_stale
 from data_tools.shard_ranges import WorkContext
 from data_tools.sources import Source, SourceSpec, open_source
 from data_tools.store import LocalStore, OutputError, RemoteStore, open_store
@@ -62,10 +64,46 @@ def list_source(spec: SourceSpec, workdir: Path, seed: int) -> Source:
     return source
 
 
-def run_ranges(plan: BuildPlan, store: LocalStore | RemoteStore, todo: list[RangeRef], journal: Journal,
-               encode: EncodeSettings, workers: int, executor: str, resumed: int, total: int) -> tuple[int, float]:
+def list_plan_parts(spec: SourceSpec, layout: Layout, encode: EncodeSettings, parts: Parts,
+                    workdir: Path) -> PlannedBuild:
+    """List the plan parts this part owns (--plan-parts) and plan them, with a progress bar."""
+    start = time.perf_counter()
+    with progress(f"listing {spec.path}", None, "inputs") as shown:
+
+        def show(rows: int, done: int) -> None:
+            shown.update(completed=rows, description=f"listing: {rows:,} inputs")
+
+        plan = PlannedBuild(spec, layout, encode, parts, workdir, show)
+    failed = plan.listing_failure_count
+    note = f" ({failed:,} not usable, see {FAILURES_NAME} at the end)" if failed else ""
+    files = sum(len(plan.files[g]) for g in plan.owned)
+    print(f"listed {plan.num_inputs:,} inputs{note} from {files:,} of {sum(map(len, plan.files)):,} list files "
+          f"({len(plan.owned)} of {layout.plan_parts} plan parts) in {time.perf_counter() - start:.1f} s")
+    return plan
+
+
+def make_plan(spec: SourceSpec, layout: Layout, encode: EncodeSettings, parts: Parts,
+              workdir: Path) -> BuildPlan | PlannedBuild:
+    """List SOURCE (all of it, or with --plan-parts the plan parts this part owns) and plan the build."""
+    if layout.plan_parts:
+        return list_plan_parts(spec, layout, encode, parts, workdir)
+    listed = list_source(spec, workdir, layout.seed)
+    try:
+        plan = BuildPlan(listed, spec, layout, encode)
+    except BaseException:
+        listed.close()
+        raise
+    if parts.count > 1 and listed.kind == "list" and listed.details.get("files", 1) > 1:
+        print(f"note: every part lists all {listed.details['files']:,} list files; --plan-parts N gives each part "
+              "only its own files (see docs/build_shards.md)")
+    return plan
+
+
+def run_ranges(plan: BuildPlan | PlannedBuild, store: LocalStore | RemoteStore, todo: list[RangeRef],
+               journal: Journal, encode: EncodeSettings, workers: int, executor: str, resumed: int,
+               total: int) -> tuple[int, float]:
     """Write the ranges `todo`, journaling each as it completes; returns (workers used, seconds)."""
-    ctx = WorkContext(plan.source.reader, encode)
+    ctx = WorkContext(plan.reader, encode)
     workers = max(1, min(workers, len(todo)))
     finished = [0]
     start = time.perf_counter()
@@ -110,46 +148,53 @@ def build(source: SourceSpec, out: str, layout: Layout, encode: EncodeSettings, 
         require_ray()  # before anything is written
     if not dry_run:
         store.check()
-    with tempfile.TemporaryDirectory(prefix="build-shards-") as workdir:
+    removed, size = (0, 0) if dry_run else sweep_stale()
+    if removed:
+        print(f"removed {removed} scratch folder(s) of killed builds from {tempfile.gettempdir()} "
+              f"({size / 1e6:,.1f} MB)")
+    with scratch("work") as workdir:
         try:
-            listed = list_source(source, Path(workdir), layout.seed)
-            plan = BuildPlan(listed, source, layout, encode)
+            plan = make_plan(source, layout, encode, parts, workdir)
         except UserError:
             store.undo_check()  # a mistake in SOURCE or the options: OUT is left as it was
             raise
         try:
             if dry_run:
-                print(describe_plan(plan, parts))
+                print(plan.describe(parts))
                 return None
             return _build(plan, store, encode, workers, executor, parts, overwrite)
         finally:
-            listed.close()
+            plan.close()
             store.cleanup()
 
 
-def _build(plan: BuildPlan, store: LocalStore | RemoteStore, encode: EncodeSettings, workers: int, executor: str,
-           parts: Parts, overwrite: bool) -> dict | None:
+def _key(record: dict) -> tuple[int | None, str, int]:
+    """A journaled range's (plan part or None, split, range), as RangeRef.key."""
+    return record.get("group"), record["split"], record["range"]
+
+
+def _build(plan: BuildPlan | PlannedBuild, store: LocalStore | RemoteStore, encode: EncodeSettings, workers: int,
+           executor: str, parts: Parts, overwrite: bool) -> dict | None:
     complete, sizes = prepare_out(store, plan.fingerprint, parts, overwrite)
     if complete is not None:
         print(f"{store} is already complete ({MANIFEST_NAME}); pass --overwrite to build it again")
         return complete
     name = journal_name(parts)
     journals = {} if overwrite else read_journals(store, sizes)
-    own = [r for r in journals.get(name, (None, []))[1] if intact(r, sizes)]
+    header, records = journals.get(name, (None, []))
+    own = [r for r in records if intact(r, sizes) and plan.accepts(header, r)]
     if own and not last_is_whole(store, own[-1]):
         own.pop()
-    done = {(r["split"], r["range"]) for r in own}
-    for journal_file, (_, records) in journals.items():
+    done = {_key(r) for r in own}
+    for journal_file, (header, records) in journals.items():
         if journal_file != name:
-            done |= {(r["split"], r["range"]) for r in records if intact(r, sizes)}
+            done |= {_key(r) for r in records if intact(r, sizes) and plan.accepts(header, r)}
     mine = plan.ranges(parts)
-    todo = [r for r in mine if (r.split, r.index) not in done]
-    failures = plan.source.failures.path.read_text(encoding="utf-8")
-    listing = {"count": plan.source.failures.count, "sha256": plan.source.failures.hash.hexdigest()}
+    todo = [r for r in mine if r.key not in done]
     journal = Journal(store, name)
-    journal.start(plan.header(parts, listing), own)
-    if parts.index == 0:
-        store.write_text(LISTING_FAILURES_NAME, failures)
+    journal.start(plan.header(parts), own)
+    for listing_name, text in plan.listing_failures(parts).items():
+        store.write_text(listing_name, text)
     total = sum(r.end - r.start for r in mine)
     resumed = total - sum(r.end - r.start for r in todo)
     if resumed:

@@ -37,10 +37,12 @@ class Catalog:
         rows = np.asarray(rows, dtype=np.int64)
         ends = self.ends[rows]
         starts = np.where(rows > 0, self.ends[np.maximum(rows - 1, 0)], 0)
+        order = np.argsort(starts, kind="stable")
         out: list[str] = [""] * len(rows)
-        for i in np.argsort(starts, kind="stable"):
-            data = os.pread(self._fd, int(ends[i] - starts[i]), int(starts[i]))
-            out[i] = data.decode("utf-8", "surrogateescape")
+        fd = self._fd
+        # Python ints, not numpy scalars, in the loop: indexing an array row by row was half the time of reading
+        for i, size, start in zip(order.tolist(), (ends - starts)[order].tolist(), starts[order].tolist()):
+            out[i] = os.pread(fd, size, start).decode("utf-8", "surrogateescape")
         return out
 
     def close(self) -> None:
@@ -98,13 +100,19 @@ class CatalogWriter:
         id, label and split."""
         self._flush()
         self.file.close()
-        ends, labels, splits = ([np.concatenate([c[k] for c in self._chunks]) if self._chunks else
-                                 np.zeros(0, dtype=dt) for k, dt in enumerate((np.int64, np.int32, np.int16))])
+        # One field at a time, each field's chunks dropped once joined: the peak is the chunks plus the largest
+        # field (22 bytes an input), not the chunks plus all fields (28).
+        fields = [list(f) for f in zip(*self._chunks)] or [[], [], []]
         self._chunks = []
-        if label_map is not None:
-            labelled = labels >= 0
-            labels[labelled] = label_map[labels[labelled]]
-        for array in (ends, labels, splits):
-            self._hash.update(array.astype(array.dtype.newbyteorder("<")).tobytes())
+        joined = []
+        for dtype in (np.int64, np.int32, np.int16):
+            parts = fields.pop(0)
+            joined.append(np.concatenate(parts) if parts else np.zeros(0, dtype=dtype))
+            del parts
+        ends, labels, splits = joined
+        if label_map is not None:  # codes -> class indices; -1 (unlabelled) indexes the -1 put at the end
+            labels = np.append(label_map, -1).astype(np.int32)[labels]
+        for array in (ends, labels, splits):  # the little-endian bytes, hashed in place (no copy on such machines)
+            self._hash.update(np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).view(np.uint8))
         self._hash.update(json.dumps(self.split_names).encode())
         return Catalog(self.path, ends, labels, splits, self.split_names, self._hash.hexdigest())

@@ -130,6 +130,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="split the build into this many parts, each run separately (any scheduler: a SLURM array, "
                         "a Kubernetes indexed Job); then `build-shards merge OUT`")
     g.add_argument("--part", type=int, default=0, help="which part this run builds: 0 to --num-parts - 1")
+    g.add_argument("--plan-parts", type=int, default=0, help="a list SOURCE of many files: deal them into this many "
+                   "plan parts, each planned (shuffled, split) on its own, so a part lists only its own files")
     g.add_argument("--overwrite", action="store_true",
                    help="replace another or an unfinished build in OUT (with parts: this part's files only)")
     g.add_argument("--dry-run", action="store_true", help="list and plan, print the plan, write nothing")
@@ -141,7 +143,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
          "--val-fraction and --existing-splits exclude each other"),
         (args.val_fraction is not None and not 0 <= args.val_fraction < 1, "--val-fraction must be in [0, 1)"),
         (args.workers < 1, "--workers must be >= 1"),
-        (args.num_parts < 1, "--num-parts must be >= 1"),
+        (args.num_parts < 1 or args.plan_parts < 0, "--num-parts must be >= 1 and --plan-parts >= 0"),
         (not 0 <= args.part < max(args.num_parts, 1),
          f"--part must be in 0..{args.num_parts - 1} (--num-parts {args.num_parts})"),
         (args.max_side < 0, "--max-side must be >= 0"),
@@ -266,7 +268,7 @@ def _main(argv: list[str] | None) -> None:
     spec = SourceSpec(args.source, args.source_kind, args.existing_splits, args.split, args.image_column,
                       args.label_column, args.streaming, args.unlabelled_rows, args.allow_outside_paths)
     val_fraction = None if args.existing_splits else (0.1 if args.val_fraction is None else args.val_fraction)
-    layout = Layout(args.seed, val_fraction, args.shard_size, args.shard_bytes)
+    layout = Layout(args.seed, val_fraction, args.shard_size, args.shard_bytes, args.plan_parts)
     encode = EncodeSettings(max_side=args.max_side, min_side=args.min_side, quality=args.quality, format=args.format,
                             resize_side=args.resize_side, max_pixels=args.max_pixels)
     build(spec, args.out_dir, layout, encode, args.workers, executor=args.executor,

@@ -11,6 +11,7 @@ no coordination:
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -32,15 +33,18 @@ class Layout:
     val_fraction: float | None = 0.1  # None: the source's own splits are kept (--existing-splits)
     shard_size: int = 1000  # inputs per shard at most (0: by --shard-bytes only)
     shard_bytes: int = 0  # also start a new shard once one holds this many bytes (0: no limit)
+    plan_parts: int = 0  # > 0: the list files are dealt into this many plan parts, each planned on its own
 
     @property
     def existing_splits(self) -> bool:
         return self.val_fraction is None
 
     def to_dict(self) -> dict:
-        """The manifest's layout fields."""
+        """The manifest's layout fields (`plan_parts` only when the build has them: older manifests stay as they
+        were)."""
         return {"seed": self.seed, "val_fraction": self.val_fraction, "existing_splits": self.existing_splits,
-                "shard_size": self.shard_size, "shard_bytes": self.shard_bytes}
+                "shard_size": self.shard_size, "shard_bytes": self.shard_bytes,
+                **({"plan_parts": self.plan_parts} if self.plan_parts else {})}
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,36 @@ def split_catalog(catalog: Catalog, layout: Layout, ordered: bool = False) -> li
     return [s for s in splits if s.size > 0]
 
 
+class HashSplit:
+    """--val-fraction in a build with plan parts: an input goes to val (split code 1) when a keyed hash of its id
+    falls below the fraction, else to train (0). Decided row by row, so it depends on neither the file plan nor the
+    machine: the same rows are val whatever --plan-parts, and a path listed twice never lands in both splits. The
+    val share is the fraction up to sampling noise (not exactly round(n * F), as one shuffle of all inputs gives)."""
+
+    NAMES = ("train", "val")
+
+    def __init__(self, seed: int, fraction: float) -> None:
+        self.base = hashlib.blake2b(digest_size=8, key=f"build-shards val/{seed}".encode())
+        self.threshold = int(fraction * 2**64)  # exact: a float times a power of two
+
+    def __call__(self, source_id: str) -> int:
+        digest = self.base.copy()  # a copy of the keyed state: a third cheaper than keying every row
+        digest.update(source_id.encode("utf-8", "surrogateescape"))
+        return 1 if int.from_bytes(digest.digest(), "little") < self.threshold else 0
+
+
+def split_plan_part(catalog: Catalog, layout: Layout, group: int) -> list[SplitOrder]:
+    """The splits of plan part `group` (--plan-parts), in the catalog's split order: each split's rows (its code,
+    set per row while listing: train or val by a hash of the input's id, or the list's own split) shuffled with the
+    seed, the plan part and the split's name. Empty splits are left out."""
+    splits = []
+    for code, name in enumerate(catalog.split_names):
+        rows = np.flatnonzero(catalog.splits == code)
+        if len(rows):
+            splits.append(SplitOrder(name, len(rows), 0, Shuffle(len(rows), f"{layout.seed}/p{group}/{name}"), rows))
+    return splits
+
+
 def num_ranges(total: int, shard_size: int) -> int:
     """How many ranges `total` inputs are cut into."""
     return math.ceil(total / (shard_size or BYTES_ONLY_RANGE)) if total > 0 else 0
@@ -116,25 +150,41 @@ def split_ranges(total: int, shard_size: int) -> list[tuple[int, int]]:
 
 @dataclass(frozen=True)
 class RangeRef:
-    """Range `index` of `split` (positions [start, end)); `number` counts ranges over all splits in order."""
+    """Range `index` of `split` (positions [start, end)); `number` counts ranges over all splits in order. In a
+    build with plan parts (--plan-parts), `group` is the plan part whose split it is a range of."""
 
     split: str
     index: int
     start: int
     end: int
     number: int
+    group: int | None = None
+
+    @property
+    def key(self) -> tuple[int | None, str, int]:
+        """What identifies the range in journals: (plan part or None, split, index)."""
+        return self.group, self.split, self.index
 
 
-def iter_ranges(sizes: dict[str, int], shard_size: int) -> Iterator[RangeRef]:
+def iter_ranges(sizes: dict[str, int], shard_size: int, group: int | None = None) -> Iterator[RangeRef]:
     """Every range of every split (sizes in manifest order), numbered across splits; computed, never stored."""
     number = 0
     for name, size in sizes.items():
         for k in range(num_ranges(size, shard_size)):
-            yield RangeRef(name, k, *range_bounds(size, shard_size, k), number)
+            yield RangeRef(name, k, *range_bounds(size, shard_size, k), number, group)
             number += 1
 
 
-def shard_name(split: str, index: int, piece: int | None = None) -> str:
-    """A shard's file name, from its split and range (and its piece of the range, with --shard-bytes): every
-    machine names its shards without knowing what the others wrote."""
-    return f"{split}-{index:06d}.tar" if piece is None else f"{split}-{index:06d}-{piece:04d}.tar"
+def shard_name(split: str, index: int, piece: int | None = None, group: int | None = None) -> str:
+    """A shard's file name, from its split and range (and its piece of the range, with --shard-bytes; and its plan
+    part, with --plan-parts: `train-p00003-000042.tar`): every machine names its shards without knowing what the
+    others wrote."""
+    stem = f"{split}-{index:06d}" if group is None else f"{split}-p{group:05d}-{index:06d}"
+    return f"{stem}.tar" if piece is None else f"{stem}-{piece:04d}.tar"
+
+
+def sample_key(split: str, position: int, group: int | None = None) -> str:
+    """A sample's key: its split and position in the shuffled split (`train_000000042`), and its plan part when the
+    build has them (`train_p00003_000000042`: positions restart in each plan part). No dots: webdataset splits keys
+    from extensions at the first dot."""
+    return f"{split}_{position:09d}" if group is None else f"{split}_p{group:05d}_{position:09d}"

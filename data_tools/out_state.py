@@ -11,11 +11,13 @@ import re
 
 from data_tools.journal import is_journal, journal_name, read_journals
 from data_tools.layout import Parts
-from data_tools.merge import FAILURES_NAME, LISTING_FAILURES_NAME
+from data_tools.merge import FAILURES_NAME, LISTING_FAILURES_NAME, LISTING_FAILURES_PREFIX
 from data_tools.store import LocalStore, OutputError, RemoteStore
 from vit_mpp.manifest import MANIFEST_NAME
 
-SHARD_NAME = re.compile(r"^[A-Za-z0-9_]+-\d{6,}(-\d{4,})?\.tar(\.tmp)?$")  # ours, or of build-shards 0.3
+SHARD_NAME = re.compile(r"^[A-Za-z0-9_]+(-p\d{5,})?-\d{6,}(-\d{4,})?\.tar(\.tmp)?$")  # ours (-p: a plan part), or
+# of build-shards 0.3
+LISTING_FAILURES_PART = re.compile(rf"^{LISTING_FAILURES_PREFIX}\d{{5,}}\.jsonl(\.tmp)?$")
 
 
 def our_files(sizes: dict[str, int]) -> list[str]:
@@ -23,7 +25,7 @@ def our_files(sizes: dict[str, int]) -> list[str]:
     reports. Other files (a user's own tars in the same folder) are never touched."""
     names = {MANIFEST_NAME, FAILURES_NAME, LISTING_FAILURES_NAME}
     return sorted(n for n in sizes if SHARD_NAME.match(n) or n.removesuffix(".tmp") in names
-                  or is_journal(n.removesuffix(".tmp")))
+                  or is_journal(n.removesuffix(".tmp")) or LISTING_FAILURES_PART.match(n))
 
 
 def prepare_out(store: LocalStore | RemoteStore, build_id: str, parts: Parts, overwrite: bool,

@@ -23,9 +23,17 @@ from typing import Any
 from PIL import Image
 
 from data_tools.images import BadImage, EncodeSettings, clean_detail, prepare_image
-from data_tools.layout import shard_name
+from data_tools.layout import sample_key, shard_name
 from data_tools.sources import Item
 from data_tools.writer import ShardWriter
+from vit_mpp.launcher import die_with_parent
+
+# PIL frees every image's memory by default, and glibc may give it back to the kernel (munmap, or a trim of the heap)
+# only for the next image to fault it in again: 148 page faults an image and 20-25% of a worker's CPU with the
+# benchmark's 320x240 JPEGs, or nothing, depending on the allocator's state the process inherited. Kept in PIL's own
+# cache, a few freed blocks (at most 16 MiB each: 64 MiB a worker at most) serve the next image's decode, conversion
+# and resize without a fault. The pixels are the same.
+PIL_BLOCKS = 4
 
 
 @dataclass(frozen=True)
@@ -37,6 +45,7 @@ class RangeTask:
     start: int
     items: list[Item]
     shard_bytes: int  # 0: one tar per range
+    group: int | None = None  # the plan part (--plan-parts), which names its shards and keys
 
     @property
     def end(self) -> int:
@@ -67,13 +76,16 @@ def sample_files(result: tuple, item: Item) -> dict[str, bytes]:
     files = {ext: data}
     if item.label >= 0:
         files["cls"] = str(item.label).encode()
-    meta = {"source": item.source_id, "label": item.label, "width": w, "height": h}
-    files["json"] = json.dumps(meta, sort_keys=True).encode()
+    # json.dumps({"source", "label", "width", "height"}, sort_keys=True) written out: the same bytes (ints and one
+    # string, encoded by json), without building and sorting a dict for every sample.
+    files["json"] = f'{{"height": {h:d}, "label": {item.label:d}, "source": {json.dumps(item.source_id)}, ' \
+                    f'"width": {w:d}}}'.encode()
     return files
 
 
 def _finish(writer: ShardWriter) -> dict:
-    count, size, digest = writer.finish()
+    count, size, digest = writer.finish(sync=False)  # synced by whoever publishes it (store.publish), off the
+    # worker's time: a worker never waits for the disk
     return {"filename": writer.path.name, "count": count, "bytes": size, "sha256": digest, "tmp": str(writer.tmp)}
 
 
@@ -82,6 +94,8 @@ def write_range(task: RangeTask, ctx: WorkContext, staging: Path, tick: Callable
     """Write the inputs of `task` to temporary tars in `staging`; returns the range's record (its shards, each with
     its temporary file in `tmp`, and its failures), or None when `stopped()` turned true (the tars are removed)."""
     Image.MAX_IMAGE_PIXELS = ctx.settings.max_pixels  # PIL's own bomb check (at twice this) must not be stricter
+    if Image.core.get_blocks_max() < PIL_BLOCKS:
+        Image.core.set_blocks_max(PIL_BLOCKS)
     shards: list[dict] = []
     failures: list[dict] = []
     writer: ShardWriter | None = None
@@ -101,15 +115,16 @@ def write_range(task: RangeTask, ctx: WorkContext, staging: Path, tick: Callable
             continue
         if writer is None:
             piece = len(shards) if task.shard_bytes else None
-            writer = ShardWriter(Path(staging) / shard_name(task.split, task.index, piece))
-        writer.write(f"{task.split}_{position:09d}", sample_files(result, item))
+            writer = ShardWriter(Path(staging) / shard_name(task.split, task.index, piece, task.group))
+        writer.write(sample_key(task.split, position, task.group), sample_files(result, item))
         if task.shard_bytes and writer.bytes_written >= task.shard_bytes and position + 1 < task.end:
             shards.append(_finish(writer))
             writer = None
     if writer is not None:
         shards.append(_finish(writer))
-    return {"type": "range", "split": task.split, "range": task.index, "start": task.start, "end": task.end,
-            "shards": shards, "failures": failures}
+    group = {} if task.group is None else {"group": task.group}
+    return {"type": "range", **group, "split": task.split, "range": task.index, "start": task.start,
+            "end": task.end, "shards": shards, "failures": failures}
 
 
 # ---------------------------------------------------------------- local worker processes
@@ -118,7 +133,7 @@ _state: dict[str, Any] = {}
 
 
 def _exit_with_parent(parent: int) -> None:
-    """Pool workers wait on a pipe forever if the main process is killed (kill -9); leave when it is gone."""
+    """Where the kernel cannot be asked (not Linux): leave within a second of the main process."""
     while os.getppid() == parent:
         time.sleep(1.0)
     os._exit(1)
@@ -130,7 +145,10 @@ def init_worker(ctx: WorkContext, staging: Path, done: Any, stop: Any, parent: i
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _state.update(ctx=ctx, staging=Path(staging), done=done, stop=stop)
-    threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
+    # Pool workers wait on a pipe forever if the main process is killed (kill -9), and keep its scratch folder
+    # locked (data_tools/scratch.py): they die with it.
+    if not die_with_parent():
+        threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
 
 
 def _tick() -> None:

@@ -3,9 +3,9 @@
 Both kinds offer the same few operations, so the build, the journal and merge never ask which one they have:
 
 * `publish(tmp, name)`: a finished temporary tar becomes shard `name`. Locally the tar was written in OUT itself
-  and is renamed (atomic; the rename is synced, vit_mpp/durable.py); remotely it was written to local scratch
-  space (`staging()`), is uploaded as one object (a multipart upload that is interrupted is never visible) and
-  then deleted. Only then is it journaled, so an interrupted upload is redone on resume.
+  and is synced, then renamed (atomic; the rename is synced, vit_mpp/durable.py); remotely it was written to
+  local scratch space (`staging()`), is uploaded as one object (a multipart upload that is interrupted is never
+  visible) and then deleted. Only then is it journaled, so an interrupted upload is redone on resume.
 * `write_text(name, text)`: small files (journal snapshots, failures.jsonl, the manifest) written whole: locally
   with `vit_mpp.durable.write_atomic` (synced, then renamed into place), remotely as one upload.
 * `list_sizes()`: every file name in OUT with its size, in one listing (no request per shard on resume).
@@ -14,11 +14,10 @@ Both kinds offer the same few operations, so the build, the journal and merge ne
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from data_tools.scratch import make_scratch, remove_scratch
 from vit_mpp import durable, urls
 from vit_mpp.errors import UserError
 
@@ -89,7 +88,8 @@ class LocalStore:
             os.fsync(f.fileno())
 
     def publish(self, tmp: str | Path, name: str) -> None:
-        durable.replace(tmp, self.path / name)  # the rename is on disk before the journal names the shard
+        durable.fsync(tmp)  # workers leave the tar unsynced (ShardWriter.finish(sync=False)): it is synced here,
+        durable.replace(tmp, self.path / name)  # then renamed, the rename on disk before the journal names the shard
 
     def delete(self, names: list[str]) -> None:
         for name in names:
@@ -158,7 +158,7 @@ class RemoteStore:
 
     def staging(self) -> Path:
         if self._staging is None:
-            self._staging = Path(tempfile.mkdtemp(prefix="build-shards-staging-"))
+            self._staging = make_scratch("staging")
         return self._staging
 
     def list_sizes(self) -> dict[str, int]:
@@ -199,7 +199,7 @@ class RemoteStore:
 
     def cleanup(self) -> None:
         if self._staging is not None:
-            shutil.rmtree(self._staging, ignore_errors=True)
+            remove_scratch(self._staging)
             self._staging = None
 
 

@@ -5,6 +5,10 @@ The tar is written directly, byte for byte what `tarfile` writes in USTAR format
 metadata (mode 0444, owner 0, mtime 0, no owner names; tests/test_shards.py compares the two): tarfile builds
 each 512-byte header in Python, field by field, which cost build-shards' workers about 8% of their time at three
 files per sample. The sha256 and size are computed while writing, so a finished shard is never read back.
+
+A sample's pieces (headers, file bytes, padding) are hashed as they come and handed to the kernel in one
+`os.writev` per megabyte: no copy of an image's bytes in Python (a staging buffer cost about 20 µs per 22 KB
+sample, a third of the writer's time).
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ from vit_mpp import durable
 
 BLOCK = 512  # tar block
 RECORD = 20 * BLOCK  # tarfile pads the archive to whole records of 20 blocks
-FLUSH = 1 << 20  # bytes gathered before they are hashed and written: fewer, larger calls
+FLUSH = 1 << 20  # bytes gathered before they are written: fewer, larger calls
+MAX_PIECES = 512  # ... or pieces (os.writev takes at most IOV_MAX, 1024 on Linux, at a time)
+ZEROS = bytes(RECORD)
 
 # A USTAR header with our fixed fields, split around what varies per file (name, size, checksum).
 _MODE_OWNER = b"0000444\0" + b"0000000\0" * 2  # mode, uid, gid
@@ -25,6 +31,10 @@ _MTIME = b"%011o\0" % 0
 _AFTER_CHECKSUM = (b"0" + b"\0" * 100  # type: regular file; no link name
                    + b"ustar\x0000" + b"\0" * 64)  # magic and version; no user or group name; then all NUL (the
 # device numbers, empty for a regular file as tarfile writes them, and the name prefix)
+_TAIL = _AFTER_CHECKSUM + bytes(BLOCK - 100 - len(_MODE_OWNER) - 12 - len(_MTIME) - 8 - len(_AFTER_CHECKSUM))
+# The checksum is the sum of the header's bytes with its own field counted as 8 spaces: the fixed fields' share
+# once, so each header adds only its name's and size's bytes.
+_FIXED_SUM = sum(_MODE_OWNER) + sum(_MTIME) + 8 * ord(" ") + sum(_TAIL)
 
 
 def ustar_header(name: str, size: int) -> bytes:
@@ -33,12 +43,10 @@ def ustar_header(name: str, size: int) -> bytes:
     raw = name.encode("utf-8")
     if len(raw) > 100:
         raise ValueError(f"tar member name {name!r} is longer than 100 bytes")
-    header = bytearray(raw.ljust(100, b"\0") + _MODE_OWNER + b"%011o\0" % size + _MTIME + b" " * 8
-                       + _AFTER_CHECKSUM)
-    header += bytes(BLOCK - len(header))
-    # The checksum counts its own field as spaces; written as 6 octal digits, NUL, and the 8th space kept.
-    header[148:155] = b"%06o\0" % sum(header)
-    return bytes(header)
+    size_field = b"%011o\0" % size
+    # The checksum: 6 octal digits, NUL, and the 8th byte kept a space (what tarfile writes).
+    checksum = b"%06o\0 " % (_FIXED_SUM + sum(raw) + sum(size_field))
+    return b"".join((raw.ljust(100, b"\0"), _MODE_OWNER, size_field, _MTIME, checksum, _TAIL))
 
 
 class ShardWriter:
@@ -50,10 +58,11 @@ class ShardWriter:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.tmp = self.path.with_name(self.path.name + ".tmp")
-        self.file = open(self.tmp, "wb")
+        self.file = open(self.tmp, "wb", buffering=0)
         self.sha256 = hashlib.sha256()
         self.size = 0
-        self.pending = bytearray()
+        self.pieces: list[bytes] = []  # hashed, not yet written
+        self.pending = 0  # their bytes
         self.count = 0
 
     @property
@@ -61,35 +70,51 @@ class ShardWriter:
         return self.size
 
     def _put(self, data: bytes) -> None:
-        self.pending += data
+        self.sha256.update(data)
+        self.pieces.append(data)
+        self.pending += len(data)
         self.size += len(data)
-        if len(self.pending) >= FLUSH:
-            self._drain()
 
     def _drain(self) -> None:
-        self.sha256.update(self.pending)
-        self.file.write(self.pending)
-        self.pending.clear()
+        pieces, fd = self.pieces, self.file.fileno()
+        while pieces:
+            written = os.writev(fd, pieces)
+            if written == sum(map(len, pieces)):
+                break
+            while written >= len(pieces[0]):  # a short write (rare for a file): go on where it stopped
+                written -= len(pieces.pop(0))
+            pieces[0] = pieces[0][written:]
+        pieces.clear()
+        self.pending = 0
 
     def write(self, key: str, files: dict[str, bytes]) -> None:
         """Add one sample: `files` maps extension to bytes; they are stored adjacent, as `<key>.<ext>`."""
         if "." in key or "/" in key:
             raise ValueError(f"sample key {key!r} must not contain '.' or '/'")
+        put, added = self.pieces.append, 0
         for ext, data in files.items():
-            self._put(ustar_header(f"{key}.{ext}", len(data)))
-            self._put(data)
-            if len(data) % BLOCK:
-                self._put(bytes(BLOCK - len(data) % BLOCK))
+            header = ustar_header(f"{key}.{ext}", len(data))
+            pad = ZEROS[: -len(data) % BLOCK]
+            for piece in (header, data, pad):
+                if piece:
+                    self.sha256.update(piece)
+                    put(piece)
+            added += len(header) + len(data) + len(pad)
+        self.size += added
+        self.pending += added
         self.count += 1
+        if self.pending >= FLUSH or len(self.pieces) >= MAX_PIECES:
+            self._drain()
 
-    def finish(self) -> tuple[int, int, str]:
-        """Complete and sync the temporary file, without renaming it; returns (samples, bytes, sha256)."""
+    def finish(self, sync: bool = True) -> tuple[int, int, str]:
+        """Complete the temporary file, without renaming it; returns (samples, bytes, sha256). `sync`: flush it to
+        disk first (build-shards' workers leave that to whoever publishes the shard, off the workers' time)."""
         if not self.file.closed:
             end = self.size + 2 * BLOCK  # two zero blocks end the archive, then padding to a whole record
-            self._put(bytes(2 * BLOCK + (-end) % RECORD))
+            self._put(ZEROS[: 2 * BLOCK + (-end) % RECORD])
             self._drain()
-            self.file.flush()
-            os.fsync(self.file.fileno())  # the shard is on disk before the journal says it is
+            if sync:
+                os.fsync(self.file.fileno())  # the shard is on disk before the journal says it is
             self.file.close()
         return self.count, self.size, self.sha256.hexdigest()
 

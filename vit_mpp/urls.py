@@ -425,3 +425,36 @@ def upload_file(path: str, url: str, timeout: float = READ_TIMEOUT_S, retries: i
     bucket or a refused permission is not retried).
     """
     _with_retries(lambda: _upload_once(path, url, timeout), url, retries, wait_s)
+
+
+def _list_once(url: str, timeout: float) -> list[tuple[str, int, bool]]:
+    """One attempt of `list_remote`: the listing runs in a daemon thread, waited for at most `timeout` seconds."""
+    try:
+        import fsspec.core
+
+        fs, path = fsspec.core.url_to_fs(url)
+    except (ImportError, ValueError) as e:  # no backend for the scheme, or an unknown protocol
+        raise RemoteError(f"cannot list {url}: {e}") from None
+    pattern = any(c in path for c in "*?[")
+
+    def entries() -> list[tuple[str, int, bool]]:
+        found = fs.glob(path, detail=True) if pattern else fs.ls(path, detail=True)
+        found = found.values() if isinstance(found, dict) else found
+        return [(fs.unstrip_protocol(e["name"]), int(e.get("size") or 0), e.get("type") == "directory")
+                for e in found]
+
+    caller = _DaemonCaller()
+    try:
+        return caller.call(lambda: _as_os_error(url, entries), timeout)
+    except concurrent.futures.TimeoutError:
+        raise StreamStalled(f"{url}: no answer for {timeout:g} s while listing") from None
+    finally:
+        caller.stop()
+
+
+def list_remote(url: str, timeout: float = READ_TIMEOUT_S, retries: int = RETRIES,
+                wait_s: float = WAIT_S) -> list[tuple[str, int, bool]]:
+    """The entries of a remote folder, or what a glob pattern (`*`, `?`, `[`) matches, through fsspec: (URL, size,
+    is a folder) each. The listing runs under the deadline `timeout` and is retried `retries` times with backoff,
+    as `read_url`; a missing folder is an empty list for a pattern and FileNotFoundError otherwise."""
+    return _with_retries(lambda: _list_once(url, timeout), url, retries, wait_s)

@@ -117,12 +117,18 @@ class FileReader(Reader):
 
     def __init__(self, base: str | Path = "") -> None:
         self.base = str(base)
+        # A local folder's path, worked out once: most refs are plain relative paths, read without parsing them
+        # as URLs (three urlparse calls an image otherwise).
+        self.local_base = urls.local_path(self.base) if urls.is_local(self.base) else None
 
     def location(self, ref: str | int) -> str:
         ref = str(ref)
         return ref if is_url(ref) or os.path.isabs(ref) else urls.join(self.base, ref)
 
     def read(self, ref: str | int) -> bytes:
+        if self.local_base is not None and isinstance(ref, str) and ":" not in ref and not os.path.isabs(ref):
+            with open(os.path.join(self.local_base, ref), "rb") as f:  # no ':', so no URL scheme
+                return f.read()
         where = self.location(ref)
         if urls.is_local(where):
             with open(urls.local_path(where), "rb") as f:
@@ -201,8 +207,21 @@ class LabelTable:
         self.names = names
         self.codes: dict[str, int] = {}
         self.intlike = True
+        self.seen: dict[int | str, int] = {}  # a plain int or str value met before -> its code: a list repeats a
+        # few labels millions of times, and working one out (a regular expression) was a sixth of listing a row
 
     def code(self, value: Any) -> int:
+        if type(value) in (int, str):  # exactly: True == 1 and np.int64(1) == 1 must not share an entry
+            known = self.seen.get(value)
+            if known is not None:
+                return known
+            code = self._code(value)
+            if len(self.seen) < MAX_LABEL_NAMES:
+                self.seen[value] = code
+            return code
+        return self._code(value)
+
+    def _code(self, value: Any) -> int:
         if value is None or value == "":
             return -1
         if isinstance(value, bool) or not isinstance(value, (int, str, np.integer)):
@@ -269,10 +288,11 @@ def labelled_listing(reader: Reader, labels: LabelTable, **fields: Any) -> Listi
     return Listing(reader, class_names, label_map, **fields)
 
 
-def apply_unlabelled_rows(source: Source, mode: str) -> None:
-    """A labelled source with unlabelled inputs: refuse (error), leave them out and record them (skip), or keep."""
+def apply_unlabelled_rows(source: Source, mode: str, every_row: bool = False) -> None:
+    """A labelled source with unlabelled inputs: refuse (error), leave them out and record them (skip), or keep.
+    `every_row`: apply it even when nothing is labelled (a plan part cannot see whether the others are)."""
     catalog = source.catalog
-    if not source.class_names:
+    if not source.class_names and not every_row:
         return
     missing = np.flatnonzero((catalog.labels < 0) & (catalog.splits != EXCLUDED))
     if not len(missing):

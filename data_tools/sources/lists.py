@@ -1,4 +1,5 @@
-"""Source kind `list`: a CSV, JSONL or Parquet list of image paths, local or at a URL, listed as a stream.
+"""Source kind `list`: CSV, JSONL or Parquet lists of image paths (one file, or a folder or pattern of them:
+list_files.py), local or at a URL, listed as a stream.
 
 Columns (CSV header, JSONL keys, Parquet columns): `path`, optional `label` and `split`. Paths are relative to the
 list's folder (or URL); a path that is absolute, a URL or leads above that folder is refused unless
@@ -13,9 +14,8 @@ import csv
 import io
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
-from urllib.parse import urlparse
 
 from data_tools.catalog import CatalogWriter
 from data_tools.sources.base import (
@@ -32,6 +32,7 @@ from data_tools.sources.base import (
     labelled_listing,
     os_error_detail,
 )
+from data_tools.sources.list_files import ListFile, list_suffix, resolve_list_files
 from vit_mpp import urls
 
 
@@ -56,14 +57,19 @@ class _CountingReader(io.RawIOBase):
         super().close()
 
 
+LEADS_OUT = "leads out of the list's folder"
+
+
 def outside_reason(path: str) -> str | None:
     """Why a list row's path is not inside the list's folder (None when it is)."""
+    if ":" not in path and not path.startswith("/") and ".." not in path:
+        return None  # no scheme, not absolute, no way up: the common row, without urlparse (half of listing it)
     if is_url(path):
         return "is a URL"
     if os.path.isabs(path):
         return "is absolute"
     if os.path.normpath(path).split(os.sep)[0] == "..":
-        return "leads out of the list's folder"
+        return LEADS_OUT
     return None
 
 
@@ -118,52 +124,52 @@ def _parquet_rows(handle: Any, name: str) -> Iterator[Row]:
             yield number, path, label, split, ""
 
 
-def list_kind_suffix(location: str) -> str:
-    """.csv, .jsonl or .parquet: the format of a list file (or URL), from its name."""
-    suffix = os.path.splitext(urlparse(location).path if is_url(location) else location)[1].lower()
-    return ".jsonl" if suffix == ".ndjson" else suffix
+def _open_rows(file: ListFile) -> tuple[Any, _CountingReader | None, Iterator[Row]]:
+    """(handle to close, byte counter or None, rows) of one list file, by its suffix."""
+    suffix = list_suffix(file.location)
+    if suffix == ".parquet":
+        handle = urls.open_seekable(file.location)
+        return handle, None, _parquet_rows(handle, file.name)
+    count = _CountingReader(urls.open_url(file.location, urls.READ_TIMEOUT_S))  # the deadline as set when called
+    handle = io.TextIOWrapper(io.BufferedReader(count, 1 << 20), encoding="utf-8",
+                              newline="" if suffix == ".csv" else None)
+    return handle, count, (_csv_rows(handle, file.name) if suffix == ".csv" else _jsonl_rows(handle))
 
 
-def list_paths(spec: SourceSpec, writer: CatalogWriter, failures: FailureLog, labels: LabelTable,
-               progress: Progress) -> str:
-    """List a CSV, JSONL or Parquet file of image paths with optional `label` and `split` into `writer`; returns the
-    folder (or URL) that relative paths start from. `progress(rows, bytes read)` is called every 65,536 rows."""
-    location = spec.path
-    suffix = list_kind_suffix(location)
-    if suffix not in (".csv", ".jsonl", ".parquet"):
-        raise SourceError(f"list file must end in .csv, .jsonl or .parquet: {location}")
-    if urls.is_local(location) and not os.path.isfile(urls.local_path(location)):
-        raise SourceError(f"list file not found: {location}")
-    name = os.path.basename(location.rstrip("/"))
+SplitOf = Callable[[str], int]  # an input's id -> its split code (planned builds: val by a hash of the id)
+
+
+def list_file(file: ListFile, spec: SourceSpec, writer: CatalogWriter, failures: FailureLog, labels: LabelTable,
+              progress: Progress, split_of: SplitOf | None = None) -> int:
+    """Add the rows of one CSV, JSONL or Parquet list file (image paths with optional `label` and `split`) to
+    `writer`, ids relative to the SOURCE's root; returns the bytes read. `progress(rows, bytes read)` is called every
+    65,536 rows. Without `split_of` and --existing-splits, every row goes to split '' (split later, by the plan)."""
+    name, prefix = file.name, file.prefix
     lineno = 0
-    default_split = 0 if spec.existing_splits else writer.split_code("")
+    default_split = 0 if spec.existing_splits else writer.split_code("") if split_of is None else -1
+    count = None
     try:
-        if suffix == ".parquet":
-            handle: Any = urls.open_seekable(location)
-            count = None
-            rows: Iterator[Row] = _parquet_rows(handle, name)
-        else:
-            count = _CountingReader(urls.open_url(location, urls.READ_TIMEOUT_S))  # the deadline as set when called
-            handle = io.TextIOWrapper(io.BufferedReader(count, 1 << 20), encoding="utf-8",
-                                      newline="" if suffix == ".csv" else None)
-            rows = _csv_rows(handle, name) if suffix == ".csv" else _jsonl_rows(handle)
+        handle, count, rows = _open_rows(file)
         with handle:
             for lineno, path, label_value, split_value, why in rows:
                 if lineno % 65536 == 0:
                     progress(len(writer), count.count if count else 0)
-                where = f"{name}:{lineno}"
                 if why:
-                    failures.add(where, "bad_row", why)
+                    failures.add(f"{name}:{lineno}", "bad_row", why)
                     continue
                 if not isinstance(path, str) or not path or "\0" in path:
-                    failures.add(where, "bad_row", "no path" if not path else f"path {path!r} is not a file name")
+                    failures.add(f"{name}:{lineno}", "bad_row",
+                                 "no path" if not path else f"path {path!r} is not a file name")
                     continue
                 if path.startswith("pipe:"):
-                    raise SourceError(f"{where}: path {path!r} is a 'pipe:' command; lists name files, never commands")
+                    raise SourceError(f"{name}:{lineno}: path {path!r} is a 'pipe:' command; lists name files, never "
+                                      "commands")
                 reason = outside_reason(path)
                 if reason and not spec.allow_outside_paths:
-                    raise SourceError(f"{where}: path {path!r} {reason}; list paths are relative to the list's folder "
-                                      "unless you pass --allow-outside-paths")
+                    raise SourceError(f"{name}:{lineno}: path {path!r} {reason}; list paths are relative to the "
+                                      "list's folder unless you pass --allow-outside-paths")
+                if prefix and reason in (None, LEADS_OUT):
+                    path = prefix + path  # relative to its own file's folder: to the root, for the one reader
                 try:
                     label = labels.code(label_value)
                 except BadLabel as e:
@@ -172,44 +178,46 @@ def list_paths(spec: SourceSpec, writer: CatalogWriter, failures: FailureLog, la
                 split = default_split
                 if spec.existing_splits:
                     if not isinstance(split_value, str) or not split_value:
-                        raise SourceError(f"--existing-splits: {where} has no 'split' value")
+                        raise SourceError(f"--existing-splits: {name}:{lineno} has no 'split' value")
                     if not SPLIT_NAME.match(split_value):
                         raise SourceError(f"split names in {name} must be letters, digits or '_' "
-                                          f"({where}: {split_value!r})")
+                                          f"({name}:{lineno}: {split_value!r})")
                     split = writer.split_code(split_value)
+                elif split_of is not None:
+                    split = split_of(path)
                 writer.add(path, label, split)
     except UnicodeDecodeError:
         raise SourceError(f"{name} is not UTF-8 text (near line {lineno + 1})") from None
     except csv.Error as e:
         raise SourceError(f"{name} is not a CSV file ({name}:{lineno + 1}: {e})") from None
     except OSError as e:
-        raise SourceError(f"cannot read list {location}: {os_error_detail(e)}") from None
+        raise SourceError(f"cannot read list {file.location}: {os_error_detail(e)}") from None
     except Exception as e:  # pyarrow's errors for a file that is not parquet
         if type(e).__module__.startswith("pyarrow"):
             raise SourceError(f"{name} is not a parquet list: {type(e).__name__}: {e}") from None
         raise
-    progress(len(writer), count.count if count else 0)
-    if is_url(location):
-        return location.rsplit("/", 1)[0]
-    return os.path.dirname(urls.local_path(location)) or "."
+    done = count.count if count else file.size
+    progress(len(writer), done)
+    return done
+
+
+def list_rows(files: list[ListFile], spec: SourceSpec, writer: CatalogWriter, failures: FailureLog,
+              labels: LabelTable, progress: Progress, split_of: SplitOf | None = None) -> None:
+    """`list_file` for each of `files` in turn; `progress` sees the bytes read over all of them."""
+    done = 0
+    for file in files:
+        def show(rows: int, read: int, before: int = done) -> None:
+            progress(rows, before + read)
+
+        done += list_file(file, spec, writer, failures, labels, show, split_of)
 
 
 def list_path_list(spec: SourceSpec, writer: CatalogWriter, failures: FailureLog, seed: int,
                    progress: Progress) -> Listing:
-    """Kind `list`: items are read by their path, relative to the list's folder (or URL)."""
+    """Kind `list`: one list file, or a folder or pattern of them (list_files.py), listed in the order of their
+    names; items are read by their path, relative to their list's folder (or URL)."""
+    source = resolve_list_files(spec.path)
     labels = LabelTable()
-    base = list_paths(spec, writer, failures, labels, progress)
-    return labelled_listing(FileReader(base), labels)
-
-
-def is_path_list(location: str) -> bool:
-    """A parquet file with a string 'path' column and no image column is a list of paths, not a dataset."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    try:
-        schema = urls.read_seekable(location, pq.read_schema)
-    except (OSError, pa.ArrowException):
-        return False
-    images = [f for f in schema if pa.types.is_struct(f.type) or pa.types.is_binary(f.type)]
-    return "path" in schema.names and pa.types.is_string(schema.field("path").type) and not images
+    list_rows(source.files, spec, writer, failures, labels, progress)
+    details = {} if source.single else {"files": len(source.files)}
+    return labelled_listing(FileReader(source.root), labels, details=details)

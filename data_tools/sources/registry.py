@@ -11,7 +11,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from data_tools.catalog import CatalogWriter
-from data_tools.sources import folders, hf_datasets, hf_stream, lists
+from data_tools.sources import folders, hf_datasets, hf_stream, list_files, lists
 from data_tools.sources.base import (
     UNLABELLED_ROWS,
     FailureLog,
@@ -37,15 +37,18 @@ HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
 def detect_kind(path: str) -> str:
-    """`auto`: .csv/.jsonl is a list; a datasets folder (parquet files in it or in its data/ folder, or a
-    save_to_disk folder), a parquet file, or a missing path shaped like a hub name
-    ("name", "owner/name") is `hf`; any other folder is a class-folder tree; any other missing path an error."""
+    """`auto`: .csv/.jsonl, a glob pattern, or a folder of list files (list_files.is_list_folder) is a list; a
+    datasets folder (parquet files in it or in its data/ folder, or a save_to_disk folder), a parquet file, or a
+    missing path shaped like a hub name ("name", "owner/name") is `hf`; any other folder is a class-folder tree; any
+    other missing path an error."""
     lowered = (urlparse(path).path if is_url(path) else path).lower()
-    if lowered.endswith((".csv", ".jsonl", ".ndjson")):
-        return "list"
-    if lowered.endswith(".parquet") and (is_url(path) or os.path.isfile(path)) and lists.is_path_list(path):
+    if lowered.endswith((".csv", ".jsonl", ".ndjson")) or list_files.is_pattern(path):
+        return "list"  # a pattern names list files (lists/*.parquet)
+    if lowered.endswith(".parquet") and (is_url(path) or os.path.isfile(path)) and list_files.is_path_list(path):
         return "list"
     p = Path(path)
+    if p.is_dir() and list_files.is_list_folder(path):
+        return "list"
     if p.is_dir():
         if ((p / "dataset_dict.json").exists() or (p / "state.json").exists() or any(p.glob("*.parquet"))
                 or any(p.glob("data/*.parquet"))):  # data/: the Hub's layout

@@ -10,6 +10,7 @@ import signal
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 import zlib
 from pathlib import Path
@@ -18,7 +19,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from data_tools import shard_ranges
+from data_tools import scratch, shard_ranges
 from data_tools.cli import main as build_main
 from data_tools.layout import split_ranges
 from tests.helpers.build import make_tree, samples
@@ -298,10 +299,12 @@ def test_kill_9_at_a_random_moment_then_rerun_finishes_the_build(tmp_path, limit
     (tmp_path / "src" / "a" / "broken.jpg").write_bytes(b"not an image")
     args = [str(tmp_path / "src"), str(tmp_path / "out"), *limits, "--max-side", "40", "--workers", "2"]
     journal = tmp_path / "out" / "_journal.jsonl"
+    env = {**subprocess_env(), "TMPDIR": str(tmp_path / "tmp")}  # to see the scratch folders killed builds leave
+    (tmp_path / "tmp").mkdir()
     target = 1  # journal lines (header + one per range); the build writes 50 ranges
     for _ in range(2):  # two interruptions, each at a random shard and a random moment within it
         target += int(rng.integers(2, 16))
-        proc = subprocess.Popen([sys.executable, "-m", "data_tools.build_shards", *args], env=subprocess_env(),
+        proc = subprocess.Popen([sys.executable, "-m", "data_tools.build_shards", *args], env=env,
                                 cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.time() + 60
         while proc.poll() is None and time.time() < deadline and (
@@ -311,8 +314,13 @@ def test_kill_9_at_a_random_moment_then_rerun_finishes_the_build(tmp_path, limit
         proc.kill()  # SIGKILL (nothing, if the build already ended: the assertion below says so)
         proc.wait()
     assert not (tmp_path / "out" / "_info.json").exists(), f"the build finished before it was interrupted (seed {seed})"
-    result = run_module("data_tools.build_shards", *args)
+    assert len(list((tmp_path / "tmp").iterdir())) == 1  # a killed build's catalog is left behind (the second build
+    # removed the first's) ...
+    result = subprocess.run([sys.executable, "-m", "data_tools.build_shards", *args], env=env, cwd=REPO,
+                            capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and "resuming" in result.stdout, f"seed {seed}: {result.stderr}"
+    assert "removed 1 scratch folder(s) of killed builds" in result.stdout  # ... and removed by the next build
+    assert list((tmp_path / "tmp").iterdir()) == []
     info = json.loads((tmp_path / "out" / "_info.json").read_text())
     assert failures(tmp_path / "out") == {"a/broken.jpg": "undecodable"}
     got = all_samples(tmp_path / "out")
@@ -387,3 +395,26 @@ def test_inspect_verifies_and_draws_a_grid(tmp_path):
     shard.write_bytes(bytes(data))
     result = run_module("data_tools.build_shards", "inspect", str(tmp_path / "out"), "--grid", str(tmp_path / "g.png"))
     assert result.returncode == 1 and "sha256" in result.stdout
+
+
+def test_only_the_scratch_folders_of_builds_no_longer_running_are_swept(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    code = "from data_tools.scratch import make_scratch; import sys, time; print(make_scratch('work'), flush=True); "
+    env = {**subprocess_env(), "TMPDIR": str(tmp_path)}
+    dead = subprocess.run([sys.executable, "-c", code + "sys.exit(0)"], env=env, cwd=REPO, capture_output=True,
+                          text=True, check=True).stdout.strip()  # exits without removing its folder, as if killed
+    running = subprocess.Popen([sys.executable, "-c", code + "time.sleep(60)"], env=env, cwd=REPO, text=True,
+                               stdout=subprocess.PIPE)
+    try:
+        alive = running.stdout.readline().strip()
+        (Path(dead) / "catalog_ids.bin").write_bytes(b"x" * 1000)
+        older = tmp_path / "build-shards-abc123"  # an older version's folder, without a lock file: left alone
+        older.mkdir()
+        with scratch.scratch("work") as mine:
+            assert scratch.sweep_stale() == (1, 1000)
+            assert not Path(dead).exists() and Path(alive).is_dir() and older.is_dir() and mine.is_dir()
+        assert not mine.exists()
+    finally:
+        running.kill()
+        running.wait()
+    assert scratch.sweep_stale() == (1, 0) and not Path(alive).exists()  # its process is gone now

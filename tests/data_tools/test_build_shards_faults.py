@@ -24,7 +24,7 @@ from PIL import Image
 
 from data_tools.cli import main as build_main
 from data_tools.writer import ShardWriter
-from tests.helpers.build import make_tree, one_line_error, result_files, samples
+from tests.helpers.build import make_tree, one_line_error, result_files, samples, write_list
 from tests.helpers.processes import REPO, subprocess_env
 from tests.helpers.shards import image_bytes
 
@@ -108,20 +108,12 @@ def test_out_inside_source_is_refused(tmp_path, capsys, where):
 
 # ---------------------------------------------------------------- 5: unlabelled rows
 
-def write_list(path: Path, rows: list[dict], fmt: str) -> Path:
-    if fmt == "csv":
-        path.write_text("path,label\n" + "".join(f"{r['path']},{r.get('label') or ''}\n" for r in rows))
-    else:
-        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
 @pytest.mark.parametrize("fmt", ["csv", "jsonl"])
 def test_a_list_mixing_labelled_and_unlabelled_rows(tmp_path, capsys, fmt):
     files = make_tree(tmp_path / "imgs", {"x": 6})
     names = sorted(files)
     rows = [{"path": f"imgs/{p}", "label": ["cat", "dog", None][i % 3]} for i, p in enumerate(names)]
-    lst = write_list(tmp_path / f"list.{fmt}", rows, fmt)
+    lst = write_list(tmp_path / f"list.{fmt}", rows)
     message = one_line_error(capsys, str(lst), str(tmp_path / "out"))
     assert "2 of 6 inputs" in message and "no label" in message and "--unlabelled-rows" in message
     assert not (tmp_path / "out").exists()

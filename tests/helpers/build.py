@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +25,23 @@ def make_tree(root: Path, layout: dict[str, int], seed: int = 0, size: int = 24)
             files[rel] = image_bytes(rng, size, size - 4)
             (root / rel).write_bytes(files[rel])
     return files
+
+
+def write_list(path: Path, rows: list[dict]) -> Path:
+    """A list file in the format its suffix names (.csv, .jsonl, .parquet); a missing or None value is empty."""
+    columns = list(dict.fromkeys(k for r in rows for k in r))
+    if path.suffix == ".parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.table({k: [r.get(k) for r in rows] for k in columns}), path)
+    elif path.suffix == ".jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    else:
+        cell = lambda v: "" if v is None else str(v)  # noqa: E731
+        path.write_text(",".join(columns) + "\n" + "".join(",".join(cell(r.get(k)) for k in columns) + "\n"
+                                                            for r in rows))
+    return path
 
 
 def samples(out: Path, split: str) -> list[dict]:
