@@ -12,7 +12,7 @@ counted):
   a shuffle buffer, `decode("pil")`, batched in the workers, `wds.WebLoader`);
 * `timm_wds`: timm's `wds/` reader on the shards (`timm.data.create_dataset("wds/...")`, which reads our
   `_info.json`) + DataLoader;
-* `ours`: `vit_mpp.data_stream` (ShardStream) on the shards.
+* `ours`: `vit_mpp.data_stream` (TrainStream) on the shards.
 
 All apply the same transforms: RandomResizedCrop(size, scale=crop_scale) + horizontal flip + uint8 tensor (the three
 others with torchvision's transforms on the PIL image, ours with its own decoder). With --repeats N the four are

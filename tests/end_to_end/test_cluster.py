@@ -67,6 +67,7 @@ def test_sigterm_to_every_process_saves_the_step_and_one_process_reads_on_each_s
     run.wait_for("step 20/")
     run.signal_all(signal.SIGTERM)  # what SLURM does: the launcher, both ranks and their loader workers
     took = run.wait_gone(60)
+    print(f"SIGTERM to every process -> all gone in {took:.1f} s")  # docs/benchmarks.md quotes it (pytest -s)
     out = run.output()
     step = int(re.search(r"preempted at step (\d+): checkpoint saved; run the same command to resume", out)[1])
     assert out.count("preempted at step") == 1 and step >= 20

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -81,8 +82,11 @@ def test_a_second_run_on_a_locked_run_dir_gets_one_line_naming_the_holder(demo_s
     finally:
         first.kill()  # kill -9: the lock goes with the process
         first.wait()
-    third = run([*pretrain(demo_shards, run_dir, "train.steps=100000"), "--dry-run"], capsys)  # the lock is free
-    assert third.returncode == 0 and "would resume" in third.stdout, third.stderr[-2000:]
+    # The lock is free. Whether the killed run got to its first checkpoint depends on the machine's speed (CI's
+    # did not), so either start is right; what matters is that the dry run, which checks the lock, passed it.
+    third = run([*pretrain(demo_shards, run_dir, "train.steps=100000"), "--dry-run"], capsys)
+    assert third.returncode == 0 and re.search(r"^would (resume|start a new run) ", third.stdout, re.M), \
+        third.stderr[-2000:]
 
 
 def test_ranks_stop_when_their_launcher_is_killed(demo_shards, tmp_path, capsys):
