@@ -10,7 +10,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import signal
 import struct
 import subprocess
 import sys
@@ -25,7 +24,7 @@ from PIL import Image
 from data_tools.cli import main as build_main
 from data_tools.writer import ShardWriter
 from tests.helpers.build import make_tree, one_line_error, result_files, samples, write_list
-from tests.helpers.processes import REPO, subprocess_env
+from tests.helpers.processes import REPO, interrupt_paused, subprocess_env
 from tests.helpers.shards import image_bytes
 
 
@@ -280,7 +279,7 @@ def test_ctrl_c_is_one_line_and_the_same_command_resumes(tmp_path):
     while proc.poll() is None and time.time() < deadline and (
             not journal.exists() or len(journal.read_text().splitlines()) < 8):
         time.sleep(0.005)
-    proc.send_signal(signal.SIGINT)
+    interrupt_paused(proc)
     _, err = proc.communicate(timeout=60)
     assert not (tmp_path / "out" / "_info.json").exists(), "the build finished before Ctrl-C"
     lines = err.strip().splitlines()

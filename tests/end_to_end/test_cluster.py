@@ -1,8 +1,8 @@
 """Runs that survive a cluster, with real processes under `accelerate launch` (two CPU processes with gloo): a
 preemption signal to every process saves the step reached and the run resumes on another layout reading each
-sample once per epoch (the sample audit shows it); time-based checkpoints; a second signal during the save;
-automatic restarts after a rank is killed; one line when a peer fails; no process outlives a killed launcher;
-two "machines" on one host, preempted, then resumed as one."""
+sample once per epoch (the sample audit shows it); fine-tuning preempted and resumed the same way; time-based
+checkpoints; a second signal during the save; automatic restarts after a rank is killed; one line when a peer
+fails; no process outlives a killed launcher; two "machines" on one host, preempted, then resumed as one."""
 
 from __future__ import annotations
 
@@ -81,6 +81,27 @@ def test_sigterm_to_every_process_saves_the_step_and_one_process_reads_on_each_s
     assert "resuming 2 processes x 2 workers x micro-batch 4 as 1 process x 2 workers x micro-batch 8" in \
         resumed.stdout
     assert assert_each_sample_once_per_epoch(run_dir, step + 30) >= 3
+
+
+@pytest.mark.slow
+def test_fine_tuning_is_preempted_and_resumed_on_one_process_like_pretraining(shards, tmp_path):
+    run_dir = tmp_path / "run"
+    args = ["-m", "finetune", "--config", "configs/finetune/tiny.yaml", "init.checkpoint=", "model.img_size=16",
+            f"data.shards={shards}", f"train.run_dir={run_dir}", "train.record_samples=true", "train.log_every=5",
+            "train.ckpt_every=1000", "train.eval_every_epochs=1000"]
+    run = Background([*LAUNCH, *args, "train.epochs=1000"], tmp_path / "log", "finetune")
+    run.wait_for("step 15/")
+    run.signal_all(signal.SIGTERM)
+    run.wait_gone(60)
+    out = run.output()
+    step = int(re.search(r"preempted at step (\d+): checkpoint saved; run the same command to resume", out)[1])
+    assert out.count("preempted at step") == 1 and (run_dir / "checkpoints" / f"step_{step:06d}").is_dir()
+    no_traceback_from_us(out)
+    epochs = step // 12 + 2
+    resumed = run_module(*args[1:], f"train.epochs={epochs}")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "as 1 process x 1 worker x micro-batch 8" in resumed.stdout
+    assert assert_each_sample_once_per_epoch(run_dir, epochs * 12) == epochs - 1
 
 
 @pytest.mark.slow

@@ -4,6 +4,7 @@ run in, and a stage run in-process the way `python -m` runs it (its exit status 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Callable
@@ -137,3 +138,30 @@ def _parent_is_launcher(pid: int) -> bool:
     """Whether the parent of `pid` is an accelerate/torch launcher (a rank), not a rank (a data-loader worker)."""
     parent = Path(f"/proc/{pid}/stat").read_text().split(") ")[1].split()[1]
     return b"accelerate" in Path(f"/proc/{parent}/cmdline").read_bytes()
+
+
+def children(pid: int) -> list[int]:
+    """The pids whose parent is `pid` (read from /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().split(") ")[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def interrupt_paused(proc: subprocess.Popen, sig: int = signal.SIGINT) -> None:
+    """Send `sig` to `proc` while it and its children are stopped, then let them go on: the signal is pending when
+    the process continues, so a fast job cannot finish between the test's decision and the signal's delivery (a
+    build of a few hundred small images takes 0.3 s; on a loaded machine it used to finish first)."""
+    if proc.poll() is not None:
+        return  # it ended first; the caller's assertions say so
+    family = [proc.pid, *children(proc.pid)]
+    for pid in family:
+        os.kill(pid, signal.SIGSTOP)
+    os.kill(proc.pid, sig)
+    for pid in family:  # the main process first: its handler runs before its workers deliver more
+        os.kill(pid, signal.SIGCONT)

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from pretrain.__main__ import main as pretrain_main
-from tests.helpers.processes import LAUNCH, REPO, in_process, subprocess_env
+from tests.helpers.processes import LAUNCH, REPO, children, in_process, subprocess_env
 from tests.helpers.runs import read_metrics
 
 
@@ -52,18 +52,6 @@ def alive(pid: int) -> bool:
         return False
     stat = Path(f"/proc/{pid}/stat")
     return not stat.exists() or stat.read_text().split(") ")[1][0] != "Z"  # a zombie is gone for our purposes
-
-
-def children(pid: int) -> list[int]:
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().split(") ")[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[1]) == pid:
-            found.append(int(stat.parent.name))
-    return found
 
 
 def test_a_second_run_on_a_locked_run_dir_gets_one_line_naming_the_holder(demo_shards, tmp_path, capsys):
