@@ -3,7 +3,8 @@
 
 Config errors are found before torch is imported (the stage's __main__ checks the config first), so a `python -m`
 row takes a fraction of a second; the launcher starts torch elastic per row. Both run a fixed sample of rows by
-default and every other row in the slow suite (`-m slow`); the in-process table runs every row."""
+default and every other row with `-m exhaustive` (not in CI: about 4 minutes); the in-process table runs every
+row."""
 
 from __future__ import annotations
 
@@ -133,12 +134,12 @@ BAD_VALUES = [
 ]
 MAINS = {"pretrain": pretrain_main, "finetune": finetune_main}
 IDS = [" ".join(o) for _, o, _ in BAD_VALUES]
-# A few rows under the launcher in the default suite; all of them in the slow one.
+# A few rows under the launcher in the default suite; all of them with -m exhaustive.
 LAUNCH_SAMPLE = {0, 10, 19, 29, 44, 56, 63, 71}
 # Under `python -m`, what is checked does not depend on the row (the ConfigError becomes one `error:` line and exit
 # status 2 before anything is written; test_in_process checks every row's message): the default suite starts an
 # interpreter for one row per config section and stage, and for each kind of rule (a field's range, a rule joining
-# fields, a choice, a list, an unknown key, a wrong type, a missing config file); the slow suite for every other row.
+# fields, a choice, a list, an unknown key, a wrong type, a missing config file); -m exhaustive for every other row.
 PYTHON_M_SAMPLE = {
     "train.log_every=0", "train.epochs=0", "data.crop_scale=[0.9,0.5]", "optim.name=adam optim.weight_decay=0.05",
     "optim.layer_decay=0", "model.img_size=30 model.patch_size=8", "model.global_pool=max", "mpp.random_prob=0.5",
@@ -181,7 +182,7 @@ def test_python_m(stage, overrides, message, tmp_path):
     python_m(stage, overrides, message, tmp_path)
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("stage, overrides, message",
                          [row for row, i in zip(BAD_VALUES, IDS) if i not in PYTHON_M_SAMPLE],
                          ids=[i for i in IDS if i not in PYTHON_M_SAMPLE])
@@ -208,7 +209,7 @@ def test_under_accelerate_launch(stage, overrides, message, tmp_path):
     launched(stage, overrides, message, tmp_path)
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("stage, overrides, message",
                          [row for i, row in enumerate(BAD_VALUES) if i not in LAUNCH_SAMPLE],
                          ids=[x for i, x in enumerate(IDS) if i not in LAUNCH_SAMPLE])
