@@ -1,4 +1,4 @@
-"""No import cycle among the project's modules, and no function of data_tools over 100 lines.
+"""No import cycle among the project's modules, and no function of the product over 100 lines.
 
 Every `import` and `from ... import` counts, at any depth (inside a function too), when it names a module of the
 packages checked; `from package import name` counts as an import of `package.name` when that is a module. A package
@@ -109,9 +109,9 @@ def test_no_import_cycle():
         for c in cycles)
 
 
-def test_no_function_of_data_tools_is_over_100_lines():
+def test_no_function_of_the_product_is_over_100_lines():
     long = []
-    for path in module_files(("data_tools",)).values():
+    for path in module_files(PACKAGES).values():
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 lines = node.end_lineno - node.lineno + 1
