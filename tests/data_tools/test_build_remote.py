@@ -23,7 +23,7 @@ from fsspec.implementations.memory import MemoryFileSystem
 
 from data_tools.cli import main as build_main
 from tests.helpers.build import make_tree, result_files
-from tests.helpers.processes import REPO, interrupt_paused, subprocess_env
+from tests.helpers.processes import REPO, ctrl_c_enabled, interrupt_paused, subprocess_env
 from vit_mpp import urls
 
 
@@ -165,7 +165,7 @@ def test_s3_list_and_out_on_a_loopback_server_interrupted_then_resumed(tmp_path,
     command = [sys.executable, "-m", "data_tools.build_shards", "s3://bucket/data/list.csv", "s3://bucket/out", *args]
     child_env = {**subprocess_env(), **env}
     proc = subprocess.Popen(command, env=child_env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                            text=True, preexec_fn=ctrl_c_enabled)
     deadline = time.time() + 60
     while proc.poll() is None and time.time() < deadline:
         fs.invalidate_cache()

@@ -24,7 +24,7 @@ from PIL import Image
 from data_tools.cli import main as build_main
 from data_tools.writer import ShardWriter
 from tests.helpers.build import make_tree, one_line_error, result_files, samples, write_list
-from tests.helpers.processes import REPO, interrupt_paused, subprocess_env
+from tests.helpers.processes import REPO, ctrl_c_enabled, interrupt_paused, subprocess_env
 from tests.helpers.shards import image_bytes
 
 
@@ -273,7 +273,7 @@ def test_ctrl_c_is_one_line_and_the_same_command_resumes(tmp_path):
     make_tree(tmp_path / "src", {"a": 150, "b": 150}, size=64)
     args = [str(tmp_path / "src"), str(tmp_path / "out"), "--shard-size", "5", "--max-side", "40", "--workers", "2"]
     proc = subprocess.Popen([sys.executable, "-m", "data_tools.build_shards", *args], env=subprocess_env(), cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=ctrl_c_enabled)
     journal = tmp_path / "out" / "_journal.jsonl"
     deadline = time.time() + 60
     while proc.poll() is None and time.time() < deadline and (

@@ -153,15 +153,22 @@ def children(pid: int) -> list[int]:
     return found
 
 
+def ctrl_c_enabled() -> None:
+    """`preexec_fn` for a child that a test will Ctrl-C: a shell starts background jobs (`pytest ... &`, CI
+    runners' scripts) with SIGINT ignored, the child inherits that, and its Ctrl-C would then do nothing."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def interrupt_paused(proc: subprocess.Popen, sig: int = signal.SIGINT) -> None:
     """Send `sig` to `proc` while it and its children are stopped, then let them go on: the signal is pending when
     the process continues, so a fast job cannot finish between the test's decision and the signal's delivery (a
-    build of a few hundred small images takes 0.3 s; on a loaded machine it used to finish first)."""
+    build of a few hundred small images takes 0.3 s)."""
     if proc.poll() is not None:
         return  # it ended first; the caller's assertions say so
     family = [proc.pid, *children(proc.pid)]
-    for pid in family:
-        os.kill(pid, signal.SIGSTOP)
-    os.kill(proc.pid, sig)
-    for pid in family:  # the main process first: its handler runs before its workers deliver more
-        os.kill(pid, signal.SIGCONT)
+    for s, pids in ((signal.SIGSTOP, family), (sig, family[:1]), (signal.SIGCONT, family)):
+        for pid in pids:  # SIGCONT to the main process first: its handler runs before its workers deliver more
+            try:
+                os.kill(pid, s)
+            except ProcessLookupError:  # a worker that had just finished its work
+                pass
