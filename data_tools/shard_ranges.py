@@ -147,7 +147,7 @@ def init_worker(ctx: WorkContext, staging: Path, done: Any, stop: Any, parent: i
     _state.update(ctx=ctx, staging=Path(staging), done=done, stop=stop)
     # Pool workers wait on a pipe forever if the main process is killed (kill -9), and keep its scratch folder
     # locked (data_tools/scratch.py): they die with it.
-    if not die_with_parent():
+    if not die_with_parent(parent):
         threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
 
 

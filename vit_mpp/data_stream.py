@@ -32,6 +32,7 @@ re-split them or make rank 0 decode for everyone.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import math
@@ -312,16 +313,17 @@ def _eval_batch(items: list[tuple[torch.Tensor, int, bool, str]]) -> dict[str, A
             "valid": torch.tensor(valid, dtype=torch.bool), "key": list(keys)}
 
 
-def _init_worker(worker_id: int) -> None:
+def _init_worker(worker_id: int, parent: int) -> None:
     """A data-loader worker lives and dies with its rank. A scheduler signals every process of a job, and a worker
     that died of it would fail the run (torch reports a killed worker as an error) before the rank could save: the
     rank decides, its workers ignore those signals, except a SIGTERM from the rank itself (how multiprocessing
-    stops its children at exit). A rank killed outright takes its workers with it."""
-    die_with_parent()
+    stops its children at exit). A rank killed outright takes its workers with it. `parent`: the rank's pid, bound
+    when the loader was made (see `die_with_parent`)."""
+    die_with_parent(parent)
     for sig in (signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # held for the thread below, which sees the sender
-    threading.Thread(target=_sigterm_from_parent_only, args=(os.getppid(),), daemon=True).start()
+    threading.Thread(target=_sigterm_from_parent_only, args=(parent,), daemon=True).start()
 
 
 def _sigterm_from_parent_only(parent: int) -> None:
@@ -336,7 +338,7 @@ def make_loader(stream: IterableDataset, num_workers: int, prefetch_factor: int 
     kwargs: dict[str, Any] = {}
     if num_workers > 0:
         kwargs.update(prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
-                      worker_init_fn=_init_worker)
+                      worker_init_fn=functools.partial(_init_worker, parent=os.getpid()))
     return DataLoader(stream, batch_size=None, num_workers=num_workers,
                       pin_memory=pin_memory and torch.cuda.is_available(), **kwargs)
 

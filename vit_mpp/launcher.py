@@ -47,18 +47,21 @@ def die_with_launcher() -> None:
         return
     _watched = True
     parent = os.getppid()
-    if not die_with_parent(signal.SIGTERM):
+    if not die_with_parent(parent, signal.SIGTERM):
         _watch_parent(parent)
 
 
-def die_with_parent(sig: int = signal.SIGKILL) -> bool:
-    """Ask the kernel to send `sig` to this process when its parent dies (Linux); False where it cannot be asked. A
-    parent already gone by then ends this process at once."""
+def die_with_parent(parent: int, sig: int = signal.SIGKILL) -> bool:
+    """Ask the kernel to send `sig` to this process when its parent dies (Linux); False where it cannot be asked.
+
+    `parent` is the pid the parent had, read by the parent itself before it started this process (or, for a rank,
+    first thing at start-up): read here, after the fact, it would already be the reaper's when the parent died
+    between the fork and this call, and the process would outlive it (a loader worker did, its rank killed while it
+    started the evaluation's workers). A parent already gone ends this process at once."""
     if not sys.platform.startswith("linux"):
         return False
     import ctypes
 
-    parent = os.getppid()
     pr_set_pdeathsig = 1
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(sig))
     if os.getppid() != parent:  # the parent died before the kernel could be asked

@@ -84,7 +84,7 @@ class Background:
         found = []
         for environ in Path("/proc").glob("[0-9]*/environ"):
             try:
-                if needle in environ.read_bytes().split(b"\0") and _alive(int(environ.parent.name)):
+                if needle in environ.read_bytes().split(b"\0") and alive(int(environ.parent.name)):
                     found.append(int(environ.parent.name))
             except OSError:
                 continue
@@ -126,7 +126,7 @@ class Background:
         self.file.close()
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
     """A process that exists and is no zombie."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().split(") ")[1].split()[0] != "Z"
