@@ -9,7 +9,6 @@ bounded number of times and then reported. Parquet over http works, seeking by b
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import http.server
 import io
@@ -19,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +30,7 @@ from data_tools.cli import main as build_main
 from data_tools.demo_images import generate
 from data_tools.sources.hf_stream import ParquetStreamReader
 from tests.helpers.processes import REPO, subprocess_env
-from tests.helpers.servers import FaultyHandler, serve_faulty
+from tests.helpers.servers import FaultyHandler, serve, serve_faulty
 from vit_mpp import urls
 
 DEADLINE_S = 2.0
@@ -88,20 +87,10 @@ class RangeHandler(http.server.SimpleHTTPRequestHandler):
         self.wfile.write(data[start:end])
 
 
-@contextlib.contextmanager
-def serve_ranges(directory: Path, stall: set[str] = frozenset()) -> Iterator[str]:
+def serve_ranges(directory: Path, stall: set[str] = frozenset()) -> contextlib.AbstractContextManager[str]:
     """Serve `directory` with RangeHandler on 127.0.0.1 while the block runs; yields the base URL."""
     RangeHandler.stall, RangeHandler.gets, RangeHandler.release = set(stall), [], threading.Event()
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0),
-                                             functools.partial(RangeHandler, directory=str(directory)))
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        RangeHandler.release.set()
-        server.shutdown()
-        server.server_close()
+    return serve(RangeHandler, directory, RangeHandler.release)
 
 
 def build_with_deadline(*args: str, limit_s: float = 90.0) -> tuple[subprocess.CompletedProcess, float]:

@@ -42,30 +42,29 @@ class FaultyHandler(http.server.SimpleHTTPRequestHandler):
         self.close_connection = True
 
 
-@contextlib.contextmanager
-def serve_faulty(directory: Path) -> Iterator[str]:
+def serve_faulty(directory: Path) -> contextlib.AbstractContextManager[str]:
     """Serve `directory` with FaultyHandler on 127.0.0.1 while the block runs (faults reset); yields the base URL."""
     FaultyHandler.faults, FaultyHandler.requests, FaultyHandler.release = {}, [], threading.Event()
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(FaultyHandler,
-                                                                                 directory=str(directory)))
+    return serve(FaultyHandler, directory, FaultyHandler.release)
+
+
+@contextlib.contextmanager
+def serve(handler: type[http.server.SimpleHTTPRequestHandler], directory: Path,
+          release: threading.Event | None = None) -> Iterator[str]:
+    """Serve `directory` with `handler` on 127.0.0.1 (a free port) while the block runs; yields the base URL.
+    `release` is set on the way out, so that handler threads waiting on it (a stalled response) end."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(handler, directory=str(directory)))
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         yield f"http://127.0.0.1:{server.server_address[1]}"
     finally:
-        FaultyHandler.release.set()
+        if release is not None:
+            release.set()
         server.shutdown()
         server.server_close()
 
 
-@contextlib.contextmanager
-def serve_directory(directory: Path) -> Iterator[str]:
+def serve_directory(directory: Path) -> contextlib.AbstractContextManager[str]:
     """Serve `directory` over http on 127.0.0.1 (a free port) while the block runs; yields the base URL."""
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_QuietHandler,
-                                                                                 directory=str(directory)))
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
+    return serve(_QuietHandler, directory)

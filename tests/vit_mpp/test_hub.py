@@ -15,7 +15,7 @@ import torch
 
 from finetune.config import InitConfig
 from finetune.init_model import build_classifier
-from tests.helpers.models import SMALL_MODEL, write_encoder_export
+from tests.helpers.models import SMALL_MODEL, hub_cache, write_encoder_export
 from tests.helpers.processes import REPO, subprocess_env
 from tests.helpers.runs import run_tiny_pretrain
 from vit_mpp.checkpoint import CheckpointError
@@ -85,15 +85,6 @@ def test_push_to_hub_without_access_is_one_line_before_training(demo_shards, tmp
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1 and message in lines[0], result.stderr
     assert not (tmp_path / "run").exists()
-
-
-def hub_cache(root: Path, repo: str) -> Path:
-    """A Hugging Face Hub cache holding `repo` at one revision, laid out as huggingface_hub lays it out."""
-    folder = root / f"models--{repo.replace('/', '--')}"
-    commit = "0123456789abcdef0123456789abcdef01234567"
-    (folder / "refs").mkdir(parents=True)
-    (folder / "refs" / "main").write_text(commit)
-    return folder / "snapshots" / commit
 
 
 def test_init_from_a_cached_hub_model_works_offline_and_an_uncached_one_is_one_line(tmp_path, monkeypatch):

@@ -7,14 +7,13 @@ in a Hugging Face cache built locally."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 from huggingface_hub import ModelCard
 
 from finetune.train import main as finetune_main
-from tests.helpers.models import SMALL_MODEL
+from tests.helpers.models import SMALL_MODEL, hub_cache
 from tests.helpers.shards import write_shard_set
 from vit_mpp.config import ExportConfig, ModelConfig
 from vit_mpp.export import write_export
@@ -24,15 +23,6 @@ from vit_mpp.models import create_vit
 
 PRETRAIN = {"steps": 1000, "batch_size": 4096, "target": "mean_color", "mask_ratio": 0.5, "optimizer": "adamw",
             "lr": 2e-4}
-
-
-def hub_cache(root: Path, repo: str) -> Path:
-    """A Hugging Face Hub cache holding `repo` at one revision, laid out as huggingface_hub lays it out."""
-    folder = root / f"models--{repo.replace('/', '--')}"
-    commit = "0123456789abcdef0123456789abcdef01234567"
-    (folder / "refs").mkdir(parents=True)
-    (folder / "refs" / "main").write_text(commit)
-    return folder / "snapshots" / commit
 
 
 def hub_manifest() -> dict:
