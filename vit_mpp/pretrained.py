@@ -133,9 +133,7 @@ def describe_checkpoint(checkpoint: str, kind: str = "auto") -> tuple[ModelConfi
     except (CheckpointError, ExportError):
         raise
     except Exception as e:  # offline and not cached, no such repo, a network error: many types
-        reason = " ".join(str(e).split())[:300] or type(e).__name__
-        raise CheckpointError(f"cannot get {checkpoint} (not in the local cache and the Hugging Face Hub not "
-                              f"reachable, or no such model): {type(e).__name__}: {reason}") from None
+        raise _unreachable(checkpoint, e) from None
     if kind == "hub":  # a timm pretrained name: architecture.tag
         return ModelConfig(name=checkpoint.split(".")[0]), {"source": checkpoint}
     return None, {}
@@ -195,9 +193,7 @@ def _read_hub(name: str) -> Pretrained:
     except (CheckpointError, ExportError):
         raise
     except Exception as e:  # offline and not cached, no such repo, a network error: many types
-        reason = " ".join(str(e).split())[:300] or type(e).__name__
-        raise CheckpointError(f"cannot get {name} (not in the local cache and the Hugging Face Hub not reachable, "
-                              f"or no such model): {type(e).__name__}: {reason}") from None
+        raise _unreachable(name, e) from None
     if not isinstance(model, VisionTransformer):
         raise CheckpointError(f"{name} is a {type(model).__name__}, not a timm VisionTransformer")
     state = {k: v.detach() for k, v in model.state_dict().items()}
@@ -381,3 +377,10 @@ def load_classifier(checkpoint: str | Path) -> tuple[torch.nn.Module, Pretrained
         raise CheckpointError(f"{checkpoint} is not a fine-tuned classifier export (it has no classifier head or "
                               "names no architecture): use a finetune export")
     return build_model(pre.model, pre, pre.num_classes, keep_head=True).eval(), pre
+
+
+def _unreachable(what: str, e: Exception) -> CheckpointError:
+    """The one line for a Hub checkpoint that could not be fetched, with the library's reason, whitespace folded."""
+    reason = " ".join(str(e).split())[:300] or type(e).__name__
+    return CheckpointError(f"cannot get {what} (not in the local cache and the Hugging Face Hub not reachable, "
+                           f"or no such model): {type(e).__name__}: {reason}")
