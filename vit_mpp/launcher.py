@@ -155,10 +155,25 @@ def is_peer_error(error: BaseException) -> bool:
         s in text for s in ("Connection closed by peer", "Connection reset by peer", "gloo", "NCCL", "Broken pipe"))
 
 
+_stopping = threading.Lock()  # the signal watcher and the main thread may both find the failed peer: one line
+
+
+def stop_if_peer_failed() -> None:
+    """If a peer noted a failure, print the one line naming it and end this process with status 2; else return.
+
+    Its failure outranks everything else this rank sees then: the launcher's SIGTERM that follows it, and the
+    collective it breaks, arrive in either order."""
+    peer = failed_peer()
+    if peer is None:
+        return
+    _stopping.acquire()  # never released: the holder ends the process
+    print(f"error: [rank {process_rank()}] stopped: rank {peer} failed (its error is above)", file=sys.stderr,
+          flush=True)
+    os._exit(2)
+
+
 def peer_failure_line(error: BaseException) -> str:
-    """The one line a rank prints when a collective broke under it."""
-    rank, peer = process_rank(), failed_peer()
-    if peer is not None:
-        return f"error: [rank {rank}] stopped: rank {peer} failed (its error is above)"
+    """The one line a rank prints when a collective broke under it and no peer noted a failure."""
     reason = " ".join(str(error).split())[:160]
-    return f"error: [rank {rank}] stopped: a peer process stopped without an error of its own (killed?): {reason}"
+    return (f"error: [rank {process_rank()}] stopped: a peer process stopped without an error of its own (killed?): "
+            f"{reason}")

@@ -25,7 +25,7 @@ import time
 from types import FrameType
 from typing import Any
 
-from vit_mpp.launcher import failed_peer, process_rank
+from vit_mpp.launcher import process_rank, stop_if_peer_failed
 
 EXIT_PREEMPTED = 75  # sysexits.h EX_TEMPFAIL: a temporary failure, the same command resumes
 signalled = False  # a preemption signal reached this process (read by vit_mpp/cli.py when a collective breaks)
@@ -114,11 +114,7 @@ class StopSignals:
                 self._on_signal(next(b for b in data if b in self.signals))
 
     def _on_signal(self, signum: int) -> None:
-        peer = failed_peer()
-        if peer is not None:  # the launcher stops this rank because a peer failed: say so, once, and go
-            print(f"error: [rank {process_rank()}] stopped: rank {peer} failed (its error is above)",
-                  file=sys.stderr, flush=True)
-            os._exit(2)
+        stop_if_peer_failed()  # the launcher stops this rank because a peer failed: say so, once, and go
         global signalled
         signalled = True
         if not self.in_loop:
