@@ -1,12 +1,13 @@
-"""What the deadline on remote reads costs: shard samples read over loopback HTTP through vit_mpp/urls.py
-(urllib, every read under an idle deadline in a helper thread), against webdataset's `gopen` (a curl pipe without a
-deadline, what the stream used before) and a local file, all on the same tar and measured in the same run.
+"""What the deadline on reads costs: shard samples read over loopback HTTP through vit_mpp/urls.py (urllib, every
+read under an idle deadline in a helper thread), against webdataset's `gopen` (a curl pipe without a deadline, what
+the stream used before); and a local file read through vit_mpp/urls.py (the same deadline) against a plain `open`,
+all on the same tar and measured in the same run.
 
     python -m benchmarks.remote_read_bench [--mib 256] [--sample-kib 100] [--runs 5]     (from the repository root)
 
 Writes one tar of `--mib` MiB (samples of `--sample-kib` KiB of random bytes, so nothing compresses), serves it from
 127.0.0.1, then reads every sample `--runs` times per reader, interleaved. Prints MiB/s (best and median) and the
-ratio of each reader to webdataset's gopen.
+ratio of each reader to webdataset's gopen, and of the deadlined local read to the plain one.
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ def main() -> None:
         size = writer.close()[1] / 2**20
         with serve_directory(root) as base:
             readers = {
-                "local file": lambda: urls.open_url(str(root / "shard.tar")),
+                "local file, plain open (no deadline)": lambda: open(root / "shard.tar", "rb", buffering=urls.BUFFER),
+                "local file, urls.open_url (deadline)": lambda: urls.open_url(str(root / "shard.tar")),
                 "webdataset gopen (curl, no deadline)": lambda: wds.gopen(f"{base}/shard.tar", "rb"),
                 "urls.open_url (urllib, deadline)": lambda: urls.open_url(f"{base}/shard.tar"),
             }
@@ -64,6 +66,9 @@ def main() -> None:
     for name, ts in times.items():
         best, median = size / min(ts), size / statistics.median(ts)
         print(f"{name:40s} best {best:7.0f} MiB/s  median {median:7.0f} MiB/s  ratio (best) {best / base_best:.2f}x")
+    plain, deadlined = (times[f"local file, {r}"] for r in ("plain open (no deadline)", "urls.open_url (deadline)"))
+    print(f"local file, deadline / plain open: best {min(plain) / min(deadlined):.2f}x, "
+          f"median {statistics.median(plain) / statistics.median(deadlined):.2f}x")
 
 
 if __name__ == "__main__":

@@ -431,10 +431,10 @@ class DataConfig:
                                between(0, 1, lo_open=True))
     max_bad_fraction: float = opt(0.01, "stop when more than this fraction of samples cannot be decoded",
                                   between(0, 1))
-    read_timeout_s: float = opt(urls.READ_TIMEOUT_S, "remote shards: a read that brings no byte for this long is a "
-                                "stall; the stream is aborted and reopened", above(0))
-    read_retries: int = opt(urls.RETRIES, "remote shards: reopen a broken or stalled stream this many times "
-                            "(backoff 1, 2, 4 s ...), then stop with an error", at_least(0))
+    read_timeout_s: float = opt(urls.READ_TIMEOUT_S, "shards (local or remote): a read that brings no byte for this "
+                                "long is a stall; the stream is aborted and reopened", above(0))
+    read_retries: int = opt(urls.RETRIES, "shards: reopen a stalled stream (local or remote) or a broken remote "
+                            "one this many times (backoff 1, 2, 4 s ...), then stop with an error", at_least(0))
 
     def problems(self) -> Iterator[tuple[str, str]]:
         if self.crop_scale[0] > self.crop_scale[1]:

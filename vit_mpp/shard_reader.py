@@ -59,8 +59,8 @@ def range_segments(split: Split, order: list[int], start: int, stop: int) -> lis
 
 
 # A remote stream that breaks mid-shard (connection reset, truncated body, a stall past its deadline, a failed
-# command) is reopened `urls.RETRIES` times, after `urls.WAIT_S`, then twice that, and so on; the samples already
-# yielded are skipped, not repeated.
+# command), or a local file that stalls (a hung network mount), is reopened `urls.RETRIES` times, after
+# `urls.WAIT_S`, then twice that, and so on; the samples already yielded are skipped, not repeated.
 STREAM_ERRORS = (OSError, tarfile.TarError, http.client.HTTPException)
 
 
@@ -68,11 +68,11 @@ def read_segment(seg: Segment, retries: int = urls.RETRIES, wait_s: float = urls
                  timeout: float = urls.READ_TIMEOUT_S) -> Iterator[dict[str, Any]]:
     """Raw samples (dicts of extension -> bytes, plus `__key__`) of one shard segment; nothing is decoded.
 
-    A remote shard whose stream breaks or stalls (no byte for `timeout` seconds) is reopened (`retries` times) and
-    read on from the next sample. A shard that still ends before the segment does (truncated, manifest out of date)
-    is a ShardError: yielding fewer samples would leave this rank with fewer steps than the others, and the run would
-    hang in a collective. A shard with more samples than the manifest says is read up to the manifest's count, with
-    a warning.
+    A remote shard whose stream breaks or stalls (no byte for `timeout` seconds), or a local one that stalls, is
+    reopened (`retries` times) and read on from the next sample. A shard that still ends before the segment does
+    (truncated, manifest out of date) is a ShardError: yielding fewer samples would leave this rank with fewer steps
+    than the others, and the run would hang in a collective. A shard with more samples than the manifest says is
+    read up to the manifest's count, with a warning.
     """
     position, attempt = seg.start, 0  # position: the next sample to yield
     while True:
@@ -98,7 +98,8 @@ def read_segment(seg: Segment, retries: int = urls.RETRIES, wait_s: float = urls
             samples.close()
         if position >= seg.stop:
             return
-        if attempt >= retries or urls.is_local(seg.url) or (error is not None and urls.is_permanent(error)):
+        if attempt >= retries or (error is not None and not urls.retried(seg.url, error)) or (
+                error is None and urls.is_local(seg.url)):  # a local shard that ends early stays short
             tries = f" ({attempt + 1} attempts)" if attempt else ""
             if error is not None:
                 what = "cannot be read" if urls.is_local(seg.url) else "the stream broke"

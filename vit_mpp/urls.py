@@ -1,7 +1,7 @@
 """Reading bytes by path or URL, with deadlines: shards, manifests and list files are all opened here.
 
-Local paths (and `file://` URLs) are opened directly. Everything else is remote, and every remote read has a
-deadline, so a server that stops sending can never hang a run:
+Local paths (and `file://` URLs) are files; everything else is remote. Every stream read has a deadline, so neither
+a server that stops sending nor a hung network mount can hang a run:
 
 * `http(s)://`: the standard library (urllib); the socket timeout bounds connecting and each wait for data;
 * `pipe:CMD`: the standard output of a shell command (webdataset's convention, e.g. `pipe:aws s3 cp s3://b/x.tar -`);
@@ -13,8 +13,13 @@ On top of each, opening and every read run under an idle deadline (`timeout`, de
 byte arrives in that time, the stream is aborted (socket closed, command killed) and `StreamStalled` (an OSError)
 is raised (`open_seekable`: every seek too). Callers retry a bounded number of times
 (`vit_mpp.data_stream.read_segment`, `read_url`, `read_seekable`, `read_stream`), then fail with one line. Listing a
-remote folder (`list_folder`, fsspec `ls`) has the same deadline and retries. Local files have no deadline: a read
-from a hung network mount cannot be interrupted from Python.
+remote folder (`list_folder`, fsspec `ls`) has the same deadline and retries.
+
+A local file read with `open_url` or `read_url` (shards, manifests, list files) has the same deadline: a read stuck
+on a hung network mount (NFS, Lustre, a FUSE bucket) cannot be interrupted from Python, but the caller stops waiting
+for it, leaves it to its daemon thread, and retries or reports. Local stalls are retried; other local errors (a
+missing file, a refused permission, an I/O error) are raised at once, since reading again does not change them.
+Seekable local files (`open_seekable`: Parquet lists, read once while planning) are opened directly.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ WAIT_S = 1.0
 
 
 class StreamStalled(OSError):
-    """A remote stream brought no data within its deadline; it has been aborted."""
+    """A stream (remote, or a local file on a hung mount) brought no data within its deadline; it has been aborted."""
 
 
 class RemoteError(UserError):
@@ -113,6 +118,11 @@ def _open_raw(url: str, timeout: float) -> Any:
         raise RemoteError(f"cannot read {url}: {e}") from None
 
 
+def _open_local(url: str, timeout: float) -> Any:
+    """The undeadlined, unbuffered file of a local `url` (called under the deadline; buffering is the caller's)."""
+    return open(local_path(url), "rb", buffering=0)
+
+
 def _read_some(stream: Any, n: int) -> bytes:
     """Up to `n` bytes, as soon as some have arrived. An HTTP body that ends before its Content-Length is an error
     (http.client's read1 would return b"" there, which looks like a normal end)."""
@@ -163,7 +173,7 @@ class _DaemonCaller:
 
 
 class _DeadlineReader(io.RawIOBase):
-    """A remote stream whose opening and every read must finish within `timeout` seconds.
+    """A stream whose opening and every read must finish within `timeout` seconds.
 
     The calls run in a daemon thread (`_DaemonCaller`); the caller waits on each with a timeout. On a timeout the
     stream is aborted from another thread (which unblocks the stuck call) and `StreamStalled` is raised; a call
@@ -175,7 +185,7 @@ class _DeadlineReader(io.RawIOBase):
         self.url, self.timeout = url, timeout
         self._stream: Any = None
         self._caller = _DaemonCaller()
-        self._stream = self._call(lambda: opener(url, timeout), "connecting")
+        self._stream = self._call(lambda: opener(url, timeout), "opening")
 
     def _call(self, fn: Callable[[], Any], doing: str) -> Any:
         try:
@@ -262,21 +272,29 @@ class _DeadlineSeekable(_DeadlineReader):
 
 
 def open_url(url: str, timeout: float = READ_TIMEOUT_S) -> BinaryIO:
-    """A binary stream of `url`: a local file, or a buffered remote stream whose every read has a deadline."""
+    """A buffered binary stream of `url` (a local file or a remote stream) whose opening and every read have the
+    idle deadline `timeout`: `StreamStalled` when it passes."""
+    opener = _open_local if is_local(url) else _open_raw
+    return io.BufferedReader(_DeadlineReader(url, timeout, opener), buffer_size=BUFFER)
+
+
+def retried(url: str, error: BaseException) -> bool:
+    """Whether reading `url` again may help after `error`: a remote error that is not permanent, or a local stall."""
     if is_local(url):
-        return open(local_path(url), "rb", buffering=BUFFER)
-    return io.BufferedReader(_DeadlineReader(url, timeout), buffer_size=BUFFER)
+        return isinstance(error, StreamStalled)
+    return not is_permanent(error)
 
 
 def _with_retries(action: Callable[[], T], url: str, retries: int, wait_s: float) -> T:
-    """`action()`, repeated after an OSError `retries` times, after `wait_s`, then twice that, ...; a local path or
-    an error that retrying cannot help (a missing file, HTTP 4xx, a refused permission) is raised at once."""
+    """`action()`, repeated after an OSError `retries` times, after `wait_s`, then twice that, ...; an error that
+    retrying cannot help (see `retried`: a missing file, HTTP 4xx, a local error other than a stall) is raised at
+    once."""
     attempt = 0
     while True:
         try:
             return action()
         except OSError as e:
-            if is_local(url) or is_permanent(e) or attempt >= retries:
+            if not retried(url, e) or attempt >= retries:
                 raise
         time.sleep(wait_s * 2**attempt)
         attempt += 1

@@ -3,8 +3,12 @@ in small data, evaluation that could not count every image. Each ends in recover
 
 from __future__ import annotations
 
+import contextlib
+import os
+import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -57,6 +61,61 @@ def test_two_ranks_reading_from_a_stalling_server_stop_with_an_error_instead_of_
     errors = [ln for ln in result.stderr.splitlines() if ln.startswith("error: ")]
     assert errors and all(ln.startswith("error: [rank ") and "no data for 1 s" in ln for ln in errors), \
         result.stderr[-3000:]
+
+
+@contextlib.contextmanager
+def on_a_hung_mount(shard: Path, sent: int = 8192):
+    """`shard` as a file on a network mount that hangs: a reader gets its first `sent` bytes, then nothing (a FIFO
+    whose writer stops writing but stays open)."""
+    data = shard.read_bytes()
+    shard.unlink()
+    os.mkfifo(shard)
+    release = threading.Event()
+
+    def serve() -> None:
+        with open(shard, "wb") as f:  # opens when the first reader does
+            f.write(data[:sent])
+            f.flush()
+            release.wait(120)
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        yield
+    finally:
+        release.set()
+
+
+def test_a_local_shard_that_hangs_is_retried_then_one_error_within_a_bounded_time(tmp_path):
+    # Before: local files had no deadline, and a read stuck on a hung NFS mount held the run for ever.
+    shards = write_shard_set(tmp_path / "s", {"train": [16]}, size=16)
+    seg = shard_reader.Segment(str(shards / "train-000000.tar"), 0, 16, 16)
+    outcome: list[BaseException | list] = []
+
+    def read() -> None:
+        try:
+            outcome.append([s["__key__"] for s in shard_reader.read_segment(seg, retries=1, wait_s=0, timeout=1)])
+        except BaseException as e:
+            outcome.append(e)
+
+    with on_a_hung_mount(shards / "train-000000.tar"):
+        start = time.monotonic()
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        reader.join(30)
+    assert outcome, "the read of a hung local file did not end"
+    assert isinstance(outcome[0], ShardError) and time.monotonic() - start < 20, outcome
+    assert re.fullmatch(rf"shard {seg.url}: cannot be read after sample \d+ of 16 \(2 attempts\): StreamStalled: "
+                        rf"{seg.url}: no data for 1 s while reading", str(outcome[0])), outcome[0]
+
+
+def test_pretraining_on_a_local_shard_that_hangs_is_one_error_line(tmp_path, capsys):
+    shards = write_shard_set(tmp_path / "s", {"train": [16]}, size=16)
+    with on_a_hung_mount(shards / "train-000000.tar"):
+        code, _, err = run_stage("pretrain", shards, tmp_path / "run", "data.read_timeout_s=1", "data.read_retries=1",
+                                 "data.shuffle_buffer=1", capsys=capsys)
+    errors = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert code == 2 and len(errors) == 1 and "train-000000.tar: cannot be read" in errors[0], err[-2000:]
+    assert "no data for 1 s" in errors[0] and "(2 attempts)" in errors[0]
 
 
 # ---------------------------------------------------------------- shards that are broken or lie
