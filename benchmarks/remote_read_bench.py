@@ -25,6 +25,8 @@ from data_tools.writer import ShardWriter
 from tests.helpers.servers import serve_directory
 from vit_mpp import urls
 
+PLAIN, DEADLINED = "local file, plain open (no deadline)", "local file, urls.open_url (deadline)"
+
 
 def count_samples(stream) -> int:
     files = wds.tariterators.tar_file_expander([{"url": "bench", "stream": stream}])
@@ -47,8 +49,8 @@ def main() -> None:
         size = writer.close()[1] / 2**20
         with serve_directory(root) as base:
             readers = {
-                "local file, plain open (no deadline)": lambda: open(root / "shard.tar", "rb", buffering=urls.BUFFER),
-                "local file, urls.open_url (deadline)": lambda: urls.open_url(str(root / "shard.tar")),
+                PLAIN: lambda: open(root / "shard.tar", "rb", buffering=urls.BUFFER),
+                DEADLINED: lambda: urls.open_url(str(root / "shard.tar")),
                 "webdataset gopen (curl, no deadline)": lambda: wds.gopen(f"{base}/shard.tar", "rb"),
                 "urls.open_url (urllib, deadline)": lambda: urls.open_url(f"{base}/shard.tar"),
             }
@@ -66,7 +68,7 @@ def main() -> None:
     for name, ts in times.items():
         best, median = size / min(ts), size / statistics.median(ts)
         print(f"{name:40s} best {best:7.0f} MiB/s  median {median:7.0f} MiB/s  ratio (best) {best / base_best:.2f}x")
-    plain, deadlined = (times[f"local file, {r}"] for r in ("plain open (no deadline)", "urls.open_url (deadline)"))
+    plain, deadlined = times[PLAIN], times[DEADLINED]
     print(f"local file, deadline / plain open: best {min(plain) / min(deadlined):.2f}x, "
           f"median {statistics.median(plain) / statistics.median(deadlined):.2f}x")
 

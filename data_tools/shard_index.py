@@ -143,5 +143,5 @@ def index_shard(url: str, verify: bool = False, read: ReadSettings = ReadSetting
         kind = MISSING if e.code in (404, 410) else UNREADABLE
         return ShardIndex(url, problem=kind, reason=f"HTTP {e.code} {e.reason}")
     except OSError as e:
-        tries = "" if urls.is_local(url) or urls.is_permanent(e) else f" ({read.retries + 1} attempts)"
+        tries = f" ({read.retries + 1} attempts)" if urls.worth_retrying(url, e) else ""  # as read_stream retried
         return ShardIndex(url, problem=UNREADABLE, reason=f"{describe(e)}{tries}")

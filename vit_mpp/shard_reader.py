@@ -98,8 +98,10 @@ def read_segment(seg: Segment, retries: int = urls.RETRIES, wait_s: float = urls
             samples.close()
         if position >= seg.stop:
             return
-        if attempt >= retries or (error is not None and not urls.retried(seg.url, error)) or (
-                error is None and urls.is_local(seg.url)):  # a local shard that ends early stays short
+        # A shard that ended early without an error is read again only from a remote server (a body cut short
+        # without notice); a local one stays short.
+        again = not urls.is_local(seg.url) if error is None else urls.worth_retrying(seg.url, error)
+        if attempt >= retries or not again:
             tries = f" ({attempt + 1} attempts)" if attempt else ""
             if error is not None:
                 what = "cannot be read" if urls.is_local(seg.url) else "the stream broke"

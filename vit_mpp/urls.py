@@ -278,7 +278,7 @@ def open_url(url: str, timeout: float = READ_TIMEOUT_S) -> BinaryIO:
     return io.BufferedReader(_DeadlineReader(url, timeout, opener), buffer_size=BUFFER)
 
 
-def retried(url: str, error: BaseException) -> bool:
+def worth_retrying(url: str, error: BaseException) -> bool:
     """Whether reading `url` again may help after `error`: a remote error that is not permanent, or a local stall."""
     if is_local(url):
         return isinstance(error, StreamStalled)
@@ -287,14 +287,14 @@ def retried(url: str, error: BaseException) -> bool:
 
 def _with_retries(action: Callable[[], T], url: str, retries: int, wait_s: float) -> T:
     """`action()`, repeated after an OSError `retries` times, after `wait_s`, then twice that, ...; an error that
-    retrying cannot help (see `retried`: a missing file, HTTP 4xx, a local error other than a stall) is raised at
+    retrying cannot help (see `worth_retrying`: a missing file, HTTP 4xx, a local error other than a stall) is raised at
     once."""
     attempt = 0
     while True:
         try:
             return action()
         except OSError as e:
-            if not retried(url, e) or attempt >= retries:
+            if not worth_retrying(url, e) or attempt >= retries:
                 raise
         time.sleep(wait_s * 2**attempt)
         attempt += 1
