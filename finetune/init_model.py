@@ -7,14 +7,12 @@ embeddings to the new resolution (vit_mpp/pretrained.py).
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 from timm.models.vision_transformer import VisionTransformer
 
 from finetune.config import InitConfig
 from finetune.modes import freeze_encoder
-from vit_mpp.config import ARCH_KEYS, ConfigError, ModelConfig, given_keys
+from vit_mpp.config import ARCH_KEYS, ConfigError, ModelConfig, given_keys, replaced
 from vit_mpp.models import architecture, create_vit, norm_stats
 from vit_mpp.pretrained import build_model, describe_checkpoint, read_pretrained
 
@@ -39,8 +37,7 @@ def build_classifier(init: InitConfig, model_cfg: ModelConfig, num_classes: int,
     if init.checkpoint:
         pre = read_pretrained(init.checkpoint, model_cfg, init.kind, init.grid)
         if pre.model is not None:
-            _check_same_architecture(model_cfg, pre.model)
-            model_cfg = dataclasses.replace(model_cfg, **{k: getattr(pre.model, k) for k in ARCH_KEYS})
+            model_cfg = _with_architecture(model_cfg, pre.model)
         model = build_model(model_cfg, pre, interp=init.posemb_interp)  # headless: attach_zero_head adds it
         mean, std = pre.mean, pre.std
     else:  # from scratch
@@ -53,14 +50,25 @@ def build_classifier(init: InitConfig, model_cfg: ModelConfig, num_classes: int,
     return model, mean, std, model_cfg
 
 
-def check_architecture(init: InitConfig, model_cfg: ModelConfig) -> None:
-    """Before a run writes anything: when `init.checkpoint` names its architecture (an export, a Hub model), the
-    `model.*` architecture keys the user set must agree with it (read from the checkpoint's config, not its weights).
-    `build_classifier` checks the same on the weights it loads."""
+def resolve_architecture(init: InitConfig, model_cfg: ModelConfig) -> ModelConfig:
+    """`model_cfg` with the architecture `init.checkpoint` names (an export, a Hub model: read from its config, not
+    its weights), so that the run's config.yaml records the model it trains; `model_cfg` itself when the checkpoint
+    names none (timm and npz weights) or there is none. Called before a run writes anything: an architecture key
+    the user set that differs from the checkpoint's is a ConfigError. `build_classifier` checks the same on the
+    weights it loads."""
     if init.checkpoint:
         named, _ = describe_checkpoint(init.checkpoint, init.kind)
         if named is not None:
-            _check_same_architecture(model_cfg, named)
+            return _with_architecture(model_cfg, named)
+    return model_cfg
+
+
+def _with_architecture(asked: ModelConfig, checkpoint: ModelConfig) -> ModelConfig:
+    """`asked` with the checkpoint's architecture keys (those it sets), after checking that none the user set
+    differs."""
+    _check_same_architecture(asked, checkpoint)
+    fixed = {k: getattr(checkpoint, k) for k in ARCH_KEYS if getattr(checkpoint, k) is not None}
+    return replaced(asked, **fixed)
 
 
 def _check_same_architecture(asked: ModelConfig, checkpoint: ModelConfig) -> None:

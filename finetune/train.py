@@ -20,14 +20,14 @@ from finetune.augment import RandAugmentU8
 from finetune.config import DESCRIPTION, FinetuneConfig
 from finetune.ema import build_ema
 from finetune.exports import ClassifierExporter, publish_exports
-from finetune.init_model import build_classifier, check_architecture
+from finetune.init_model import build_classifier, resolve_architecture
 from finetune.keep_best import Best, evaluate_and_keep_best
 from finetune.modes import set_train_mode
 from finetune.objective import ClassificationObjective
 from vit_mpp import dry_run
 from vit_mpp.accelerator import prepare_model
 from vit_mpp.checkpoint import Checkpointer, resume_run
-from vit_mpp.config import ConfigError, ModelConfig, parse_args, to_dict
+from vit_mpp.config import ConfigError, ModelConfig, parse_args, replaced, to_dict
 from vit_mpp.data_stream import build_eval_loader, build_train_loader, to_device
 from vit_mpp.models import count_params
 from vit_mpp.optimizer import build_optimizer
@@ -53,7 +53,9 @@ def train(cfg: FinetuneConfig) -> None:
 def _train(cfg: FinetuneConfig, signals: StopSignals) -> None:
     """The spine of a run, top to bottom."""
     tc = cfg.train
-    check_architecture(cfg.init, cfg.model)  # a model.* key that the checkpoint fixes: refused before any write
+    # The checkpoint's architecture (a model.* key set otherwise is refused before any write), so that config.yaml
+    # names the model this run trains, not model.name's default.
+    cfg = replaced(cfg, model=resolve_architecture(cfg.init, cfg.model))
     run = start_run(cfg)  # accelerator, checks, seed, data manifests, run directory, logs
     accelerator, gbatch, data, log, audit = run.accelerator, run.gbatch, run.data, run.log, run.audit
     num_classes, class_names = classes_of(cfg, data)

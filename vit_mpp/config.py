@@ -370,6 +370,16 @@ def is_dry_run(cfg: Any) -> bool:
     return getattr(cfg, DRY_RUN, False)
 
 
+def replaced(cfg: Any, **changes: Any) -> Any:
+    """`dataclasses.replace` for a loaded config or section: also keeps what the loader records beside the fields
+    (`--dry-run`, the keys the user set), which `dataclasses.replace` alone would drop."""
+    new = dataclasses.replace(cfg, **changes)
+    for attr in (GIVEN, DRY_RUN):
+        if hasattr(cfg, attr):
+            object.__setattr__(new, attr, getattr(cfg, attr))
+    return new
+
+
 # --- Sections shared by both stages -----------------------------------------------------------------------------
 
 ARCH_KEYS = ("name", "patch_size", "embed_dim", "depth", "num_heads", "mlp_ratio")  # what a checkpoint fixes

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+import yaml
 
 from finetune.__main__ import main as finetune_main
 from finetune.config import FinetuneConfig
-from finetune.init_model import check_architecture
+from finetune.init_model import resolve_architecture
 from tests.helpers.models import write_encoder_export
+from tests.helpers.runs import run_tiny_finetune
+from tests.helpers.shards import write_shard_set
 from vit_mpp.cli import run_main
 from vit_mpp.config import ConfigError, ModelConfig, load_config
 from vit_mpp.models import create_vit
@@ -46,15 +49,27 @@ def test_a_name_written_in_yaml_counts_and_one_that_agrees_or_is_left_out_is_fin
     path.write_text(f"init:\n  checkpoint: {export}\nmodel:\n  name: vit_small_patch16_224\n  img_size: 24\n")
     with pytest.raises(ConfigError, match="model.name=vit_small_patch16_224"):
         cfg = load_config(FinetuneConfig, path)
-        check_architecture(cfg.init, cfg.model)
+        resolve_architecture(cfg.init, cfg.model)
     path.write_text(f"init:\n  checkpoint: {export}\nmodel:\n  name: vit_tiny_patch16_224\n  patch_size: 4\n")
     cfg = load_config(FinetuneConfig, path)
-    check_architecture(cfg.init, cfg.model)  # the same as the export's: fine
+    resolve_architecture(cfg.init, cfg.model)  # the same as the export's: fine
     cfg = load_config(FinetuneConfig, None, [f"init.checkpoint={export}"])
     assert cfg.model.name == "vit_tiny_patch16_224"  # the default, not written: the export's name is used
-    check_architecture(cfg.init, load_config(FinetuneConfig, None, [f"init.checkpoint={export}"]).model)
+    resolve_architecture(cfg.init, load_config(FinetuneConfig, None, [f"init.checkpoint={export}"]).model)
     # a default that differs from the export's is not the user's choice either
     small = ModelConfig(name="vit_small_patch16_224", img_size=16, patch_size=4, embed_dim=32, depth=1, num_heads=2)
     other = write_encoder_export(tmp_path / "small", create_vit(small), small)
-    check_architecture(load_config(FinetuneConfig, None, [f"init.checkpoint={other}"]).init,
+    resolve_architecture(load_config(FinetuneConfig, None, [f"init.checkpoint={other}"]).init,
                        load_config(FinetuneConfig).model)
+
+
+def test_the_run_config_records_the_checkpoints_architecture_not_model_names_default(export, tmp_path):
+    # An export of another architecture than model.name's default, which the config does not set: config.yaml (what
+    # evaluate, a resume and a reader of the run go by) names the model that was trained, with its sizes.
+    shards = write_shard_set(tmp_path / "s", {"train": [16], "val": [8]})
+    run_tiny_finetune(shards, tmp_path / "run", export, "train.epochs=1")
+    model = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["model"]
+    assert {k: model[k] for k in ("name", "patch_size", "embed_dim", "depth", "num_heads", "img_size")} == {
+        "name": "vit_tiny_patch16_224", "patch_size": 4, "embed_dim": 32, "depth": 1, "num_heads": 2, "img_size": 24}
+    run_tiny_finetune(shards, tmp_path / "run", export, "train.epochs=2", "train.extend=true")  # resumes: same keys
+    assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["model"]["name"] == "vit_tiny_patch16_224"

@@ -9,7 +9,7 @@ import pytest
 
 from finetune.config import FinetuneConfig
 from pretrain.config import PretrainConfig
-from vit_mpp.config import ConfigError, load_config, parse_args, to_dict
+from vit_mpp.config import ConfigError, given_keys, is_dry_run, load_config, parse_args, replaced, to_dict
 
 
 def test_defaults_follow_the_paper_recipe():
@@ -101,3 +101,13 @@ def test_values_are_checked_on_load(overrides, message):
     with pytest.raises(ConfigError) as e:
         load_config(PretrainConfig, None, overrides)
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_replaced_config_keeps_dry_run_and_the_keys_the_user_set():
+    # dataclasses.replace alone drops both (they live beside the fields): a fine-tuning dry run once wrote its run
+    # directory after its model section was replaced by the checkpoint's architecture.
+    cfg = parse_args(FinetuneConfig, ["--config", "configs/finetune/tiny.yaml", "model.name=vit_small_patch16_224",
+                                      "--dry-run"], prog="finetune", description="")
+    new = replaced(cfg, model=replaced(cfg.model, embed_dim=64))
+    assert is_dry_run(new) and new.model.embed_dim == 64 and new.train == cfg.train
+    assert "name" in given_keys(new.model) and given_keys(new.model) == given_keys(cfg.model)
