@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import re
 import types
 import typing
@@ -424,7 +425,8 @@ class DataConfig:
                                       "or the manifest file itself; a list of them trains on their mixture")
     weights: list[float] | None = opt(None, "mixture weights, one per data.shards entry, in any unit (default: "
                                             "proportional to each set's size)", Check(
-        lambda v: all(w >= 0 for w in v) and any(w > 0 for w in v), "non-negative numbers, at least one above 0"))
+        lambda v: all(0 <= w < math.inf for w in v) and any(w > 0 for w in v) and math.isfinite(sum(v)),
+        "non-negative numbers, at least one above 0, all finite (and their sum)"))
     train_split: str = opt("train", "split used for training (in every set)")
     val_split: str = opt("val", "split used for evaluation ('' for none)")
     val_shards: str = opt("", "the shard set evaluation reads ('' = the first of data.shards)")
@@ -450,7 +452,9 @@ class DataConfig:
         if self.crop_scale[0] > self.crop_scale[1]:
             yield "crop_scale", f"must be [min, max] with min <= max, got {self.crop_scale}"
         locations = self.shard_sets()
-        if isinstance(self.shards, list) and not all(x.strip() for x in locations):
+        if isinstance(self.shards, list) and not self.shards:
+            yield "shards", "is an empty list: name at least one shard set"
+        elif isinstance(self.shards, list) and not all(x.strip() for x in locations):
             yield "shards", f"holds an empty location: {self.shards!r}"
         elif len(set(locations)) != len(locations):
             yield "shards", f"names a set twice: {self.shards!r}"

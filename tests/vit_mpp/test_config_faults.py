@@ -55,6 +55,10 @@ BAD_VALUES = [
     ("pretrain", ["data.shards=[a,b,c]", "data.weights=[1,2]"], "'data.weights' gives 2 weight(s) for the 3 set(s)"),
     ("pretrain", ["data.shards=[a,a]"], "'data.shards' names a set twice"),
     ("pretrain", ["data.shards=[a,'']"], "'data.shards' holds an empty location"),
+    ("pretrain", ["data.shards=[]"], "'data.shards' is an empty list"),
+    ("pretrain", ["data.shards=[a,b]", "data.weights=[inf,1]"], "must be non-negative numbers, at least one above 0, all"),
+    ("pretrain", ["data.shards=[a,b]", "data.weights=[1e308,1e308]"], "all finite (and their sum)"),
+    ("finetune", ["data.shards=[a,b]", "data.weights=[nan,1]"], "'data.weights' must be non-negative numbers"),
     ("finetune", ["data.weights=[x]"], "'data.weights' expects"),
     # running on a cluster
     ("pretrain", ["train.ckpt_every_minutes=-1"], "'train.ckpt_every_minutes' must be >= 0"),
