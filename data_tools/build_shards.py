@@ -22,7 +22,7 @@ from data_tools.executors import BuildStopped, LocalExecutor, RayExecutor, requi
 from data_tools.images import EncodeSettings
 from data_tools.journal import Journal, intact, journal_name, last_is_whole, read_journals
 from data_tools.layout import ONE_MACHINE, Layout, Parts, RangeRef
-from data_tools.merge import FAILURES_NAME, finalize, summary
+from data_tools.merge import FAILURES_NAME, check_written, finalize, summary
 from data_tools.out_state import prepare_out
 from data_tools.plan_parts import PlannedBuild
 from data_tools.scratch import scratch, sweep_stale
@@ -178,6 +178,7 @@ def _build(plan: BuildPlan | PlannedBuild, store: LocalStore | RemoteStore, enco
     complete, sizes = prepare_out(store, plan.fingerprint, parts, overwrite)
     if complete is not None:
         print(f"{store} is already complete ({MANIFEST_NAME}); pass --overwrite to build it again")
+        check_written(complete, store.url)
         return complete
     name = journal_name(parts)
     journals = {} if overwrite else read_journals(store, sizes)
@@ -215,6 +216,7 @@ def _build(plan: BuildPlan | PlannedBuild, store: LocalStore | RemoteStore, enco
         return None
     info = finalize(store, plan.fingerprint)
     print(summary(info, store.url))
+    check_written(info, store.url)
     return info
 
 

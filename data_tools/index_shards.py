@@ -28,7 +28,7 @@ from typing import Any
 
 from data_tools.build_shards import Interrupted
 from data_tools.decode_check import KeyTally
-from data_tools.executors import BuildStopped
+from data_tools.executors import WorkerDied
 from data_tools.shard_index import DAMAGED, ReadSettings, ShardIndex, index_shard, init_worker
 from data_tools.shard_list import (
     IndexInputError,
@@ -52,10 +52,6 @@ SHOWN = 10  # problem lines printed per kind; the manifest has them all
 
 class ShardProblem(UserError):
     """A shard that cannot be indexed (damaged, missing, unreadable); one line naming it."""
-
-
-class WorkerDied(BuildStopped):
-    """A worker process ended abruptly (killed for memory, a crash in an image decoder)."""
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,11 @@ class MergeError(UserError):
     """OUT cannot be merged (no journal, parts of different builds, a part missing or unfinished); one line."""
 
 
+class NothingWritten(UserError):
+    """Every input of a build failed, so its shards hold no sample: most often a mistaken option (`--min-side`) or a
+    SOURCE of no images. The output and its failures.jsonl are kept, for the reasons."""
+
+
 def split_entry(name: str, records: list[dict]) -> dict:
     """The manifest's entry for one split (timm's schema plus shard_bytes and shard_sha256)."""
     shards = [s for r in records for s in r["shards"]]
@@ -233,6 +238,15 @@ def _planned(store: LocalStore | RemoteStore, journals: dict[str, tuple], header
     for (_, split, _), rec in sorted(done.items(), key=lambda kv: (order.index(kv[0][1]), kv[0][0], kv[0][2])):
         records[split].append(rec)
     return records, listing, base
+
+
+def check_written(info: dict, out: str) -> None:
+    """Raise NothingWritten when the finished build holds no sample although inputs were seen."""
+    written = sum(e["num_samples"] for e in info["splits"].values())
+    if info["num_failures"] and not written:
+        reasons = ", ".join(f"{k} {v:,}" for k, v in info["failure_reasons"].items())
+        raise NothingWritten(f"none of the {info['num_failures']:,} inputs could be written ({reasons}): the reason "
+                             f"of each is in {out.rstrip('/')}/{FAILURES_NAME}")
 
 
 def summary(info: dict, out: str) -> str:

@@ -369,6 +369,18 @@ def test_failures_are_reproducible(tmp_path):
                        "a/text.webp": "undecodable", "a/tiny.png": "too_small", "b/wide.png": "unencodable"}
 
 
+def test_a_build_of_which_every_input_failed_is_an_error_and_keeps_the_reasons(tmp_path):
+    # An exit status of 0 over an empty dataset would let a script go on to pretrain on nothing.
+    make_tree(tmp_path / "src", {"a": 3, "b": 2}, size=24)
+    for _ in range(2):  # the second run finds the build complete, and says the same
+        result = run(str(tmp_path / "src"), str(tmp_path / "out"), "--min-side", "100", "--workers", "1")
+        line = assert_one_line(result)
+        assert line == f"error: none of the 5 inputs could be written (too_small 5): the reason of each is in " \
+                       f"{tmp_path / 'out'}/failures.jsonl", line
+    assert len(failures(tmp_path / "out")) == 5 and "0 written" in run(str(tmp_path / "src"), str(tmp_path / "o2"),
+                                                                         "--min-side", "100").stdout
+
+
 def _wide_rgba_png() -> bytes:
     """Too wide for WebP (16383 pixels at most): decodes, but cannot be re-encoded as asked."""
     out = io.BytesIO()
