@@ -241,6 +241,8 @@ class TarReader:
         """The stream ended where a header would start: the end of the archive, unless nothing or half a header
         came."""
         if len(self.buf) > self.off:
+            if first:
+                raise TarDamaged(f"not a tar ({self.bytes_read} bytes, less than one 512-byte tar header)")
             raise TarDamaged(f"truncated: the file ends inside a header at byte {self.bytes_read}")
         if first:
             raise TarDamaged("empty file")

@@ -111,6 +111,7 @@ def test_a_field_twice_in_a_sample_is_damage_as_webdataset_refuses_it():
     (b"PK\x03\x04" + bytes(2000), "not a tar"),
     (bytes(1024), "not a tar (starts with a zero block)"),
     (b"x" * 700, "not a tar"),
+    (b"myhost\n", "not a tar (7 bytes, less than one 512-byte tar header)"),
 ])
 def test_what_is_not_a_tar(data, reason):
     with pytest.raises(TarDamaged, match=reason.replace("(", r"\(").replace(")", r"\)")):
