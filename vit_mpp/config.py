@@ -294,8 +294,11 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
         key, raw = item.split("=", 1)
         try:
             value = read_yaml(raw) if raw != "" else ""
-        except yaml.YAMLError:
-            value = raw
+        except yaml.YAMLError as e:
+            if raw.strip().startswith("[") and raw.strip().endswith("]"):  # meant as a list: never a path
+                raise ConfigError(f"override '{item}': {raw} is not a valid YAML list ({str(e).splitlines()[0]}); "
+                                  "lists are written [a, b]") from None
+            value = raw  # a plain string YAML cannot read, such as a brace pattern '{00000..00099}.tar'
         _set_dotted(data, key.strip(), value)
     return _fill(cls, data)
 

@@ -111,3 +111,11 @@ def test_a_replaced_config_keeps_dry_run_and_the_keys_the_user_set():
     new = replaced(cfg, model=replaced(cfg.model, embed_dim=64))
     assert is_dry_run(new) and new.model.embed_dim == 64 and new.train == cfg.train
     assert "name" in given_keys(new.model) and given_keys(new.model) == given_keys(cfg.model)
+
+
+def test_a_brace_pattern_override_is_a_string_and_a_broken_list_is_an_error():
+    # YAML cannot read '{00000..00009}.tar' (a flow mapping, then text): it stays the string the user wrote.
+    cfg = load_config(PretrainConfig, None, ["data.shards=s3://b/{00000..00009}.tar"])
+    assert cfg.data.shards == "s3://b/{00000..00009}.tar"
+    with pytest.raises(ConfigError, match=r"\[a,,b\] is not a valid YAML list"):
+        load_config(PretrainConfig, None, ["data.shards=[a,,b]"])

@@ -56,6 +56,7 @@ BAD_VALUES = [
     ("pretrain", ["data.shards=[a,a]"], "'data.shards' names a set twice"),
     ("pretrain", ["data.shards=[a,'']"], "'data.shards' holds an empty location"),
     ("pretrain", ["data.shards=[]"], "'data.shards' is an empty list"),
+    ("pretrain", ["data.shards=[a,,b]"], "override 'data.shards=[a,,b]': [a,,b] is not a valid YAML list"),
     ("pretrain", ["data.shards=[a,b]", "data.weights=[inf,1]"], "at least one above 0, all finite"),
     ("pretrain", ["data.shards=[a,b]", "data.weights=[1e308,1e308]"], "all finite (and their sum)"),
     ("finetune", ["data.shards=[a,b]", "data.weights=[nan,1]"], "'data.weights' must be non-negative numbers"),
