@@ -25,6 +25,7 @@ statuses); the build itself is data_tools/build_shards.py `build`. No module of 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import signal
 import sys
@@ -214,7 +215,7 @@ def parse_index_args(argv: list[str]) -> argparse.Namespace:
                    help="replace an _info.json that build-shards index did not write (a build's, timm's own)")
     args = p.parse_args(argv)
     checks = [(args.workers < 1, "--workers must be >= 1"),
-              (not args.read_timeout > 0, "--read-timeout must be > 0"),
+              (not 0 < args.read_timeout < math.inf, "--read-timeout must be > 0 and finite"),
               (args.read_retries < 0, "--read-retries must be >= 0")]
     for bad, message in checks:
         if bad:

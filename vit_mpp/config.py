@@ -18,6 +18,7 @@ refuse only what the user asked for.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import math
 import re
@@ -150,6 +151,10 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
+class NotFinite(ConfigError):
+    """A float setting given as inf or nan."""
+
+
 def _coerce(value: Any, tp: Any, key: str) -> Any:
     """Return `value` checked (and minimally converted) against type `tp`, or raise ConfigError naming `key`."""
     origin = get_origin(tp)
@@ -164,7 +169,9 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                 return _coerce(value, arg, key)
             except ConfigError as e:
                 errors.append(e)
-        raise ConfigError(f"config key '{key}' expects {_type_name(tp)}, got {_shown(value)}")
+        specific = [e for e in errors if isinstance(e, NotFinite)]  # a number after all: say what is wrong with it
+        raise specific[0] if specific else ConfigError(f"config key '{key}' expects {_type_name(tp)}, got "
+                                                       f"{_shown(value)}")
     if tp is type(None):
         if _is_null(value) or (isinstance(value, str) and value.lower() in ("none", "null")):
             return None
@@ -194,14 +201,17 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         raise ConfigError(f"config key '{key}' expects int, got {_shown(value)}")
     if tp is float:
         # PyYAML reads `2e-4` (no dot) as a string; accept any number-looking value for float fields.
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise ConfigError(f"config key '{key}' expects float, got {_shown(value)}")
+            number = float(value)
+        elif isinstance(value, str):
+            with contextlib.suppress(ValueError):
+                number = float(value)
+        if number is None:
+            raise ConfigError(f"config key '{key}' expects float, got {_shown(value)}")
+        if not math.isfinite(number):  # no setting means anything at inf or nan; deadlines at inf overflow
+            raise NotFinite(f"config key '{key}' expects a finite number, got {_shown(value)}")
+        return number
     if tp is str:
         if _is_null(value):  # no str field here allows null: the user meant "none", which is '' in every one
             return ""
@@ -428,8 +438,8 @@ class DataConfig:
                                       "or the manifest file itself; a list of them trains on their mixture")
     weights: list[float] | None = opt(None, "mixture weights, one per data.shards entry, in any unit (default: "
                                             "proportional to each set's size)", Check(
-        lambda v: all(0 <= w < math.inf for w in v) and any(w > 0 for w in v) and math.isfinite(sum(v)),
-        "non-negative numbers, at least one above 0, all finite (and their sum)"))
+        lambda v: all(w >= 0 for w in v) and any(w > 0 for w in v) and math.isfinite(sum(v)),
+        "non-negative numbers, at least one above 0, with a finite sum"))
     train_split: str = opt("train", "split used for training (in every set)")
     val_split: str = opt("val", "split used for evaluation ('' for none)")
     val_shards: str = opt("", "the shard set evaluation reads ('' = the first of data.shards)")

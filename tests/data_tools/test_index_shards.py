@@ -135,6 +135,8 @@ def test_a_missing_shard_of_a_pattern_is_one_line(laion, tmp_path, capsys):
     (["{laion}", "{laion}/00000.tar", "--split", "train", "--split", "val"], "is named twice"),
     (["{laion}/nothing"], "no such folder or file"),
     (["{laion}/{{00000..00002.tar"], "unbalanced braces"),
+    (["{laion}", "--read-timeout", "inf"], "--read-timeout must be > 0 and finite"),
+    (["{laion}", "--workers", "0"], "--workers must be >= 1"),
 ])
 def test_mistakes_are_one_line_and_write_nothing(laion, tmp_path, capsys, argv, expected):
     (tmp_path / "empty").mkdir()
