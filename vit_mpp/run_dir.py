@@ -23,6 +23,7 @@ from vit_mpp.checkpoint import TRAINER_STATE, latest_checkpoint
 from vit_mpp.config import ConfigError, flatten, save_config, to_dict
 from vit_mpp.durable import write_atomic
 from vit_mpp.errors import UserError
+from vit_mpp.manifest import MANIFEST_NAME
 
 LOCK_NAME = ".lock"
 _held: dict[str, int] = {}  # run dir -> descriptor of its lock, kept open (so held) until this process ends
@@ -94,6 +95,9 @@ def prepare_run_dir(run_dir: str | Path, cfg: Any, is_main: bool, dry_run: bool 
     `train.extend` do not allow (`check_resume`). A dry run makes the same checks and writes nothing.
     """
     run_dir = Path(run_dir)
+    if (run_dir / MANIFEST_NAME).is_file():  # checkpoints, logs and a lock written among someone's shards
+        raise ConfigError(f"train.run_dir {run_dir} is a shard folder (it holds {MANIFEST_NAME}): a run writes its "
+                          "checkpoints and logs into a folder of its own; use another train.run_dir")
     if dry_run:
         if run_dir.exists() and not run_dir.is_dir():
             raise ConfigError(f"train.run_dir {run_dir} is a file, not a folder")

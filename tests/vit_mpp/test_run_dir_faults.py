@@ -142,3 +142,15 @@ def test_a_run_dir_under_a_file_is_one_line(demo_shards, tmp_path, capsys):
     assert result.returncode == 2
     assert result.stderr.strip() == f"error: train.run_dir {tmp_path / 'file' / 'run'} is (or lies under) a file, " \
                                     "not a folder"
+
+
+def test_a_shard_folder_is_refused_as_a_run_dir_before_anything_is_written(demo_shards, capsys):
+    # train.run_dir=data.shards: a run would write its lock, config, logs and checkpoints among the shards.
+    before = sorted(os.listdir(demo_shards))
+    for dry in ([], ["--dry-run"]):
+        result = run(pretrain(demo_shards, demo_shards, *dry), capsys)
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 2 and len(lines) == 1, result.stderr
+        assert lines[0] == f"error: train.run_dir {demo_shards} is a shard folder (it holds _info.json): a run " \
+                           "writes its checkpoints and logs into a folder of its own; use another train.run_dir"
+    assert sorted(os.listdir(demo_shards)) == before
