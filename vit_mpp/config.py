@@ -18,7 +18,6 @@ refuse only what the user asked for.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import math
 import re
@@ -202,11 +201,13 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if tp is float:
         # PyYAML reads `2e-4` (no dot) as a string; accept any number-looking value for float fields.
         number = None
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            number = float(value)
-        elif isinstance(value, str):
-            with contextlib.suppress(ValueError):
+        if isinstance(value, (int, float, str)) and not isinstance(value, bool):
+            try:
                 number = float(value)
+            except OverflowError:  # an int beyond the largest float
+                number = math.inf
+            except ValueError:
+                pass
         if number is None:
             raise ConfigError(f"config key '{key}' expects float, got {_shown(value)}")
         if not math.isfinite(number):  # no setting means anything at inf or nan; deadlines at inf overflow

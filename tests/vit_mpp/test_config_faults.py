@@ -68,6 +68,7 @@ BAD_VALUES = [
     ("pretrain", ["train.collective_timeout_s=inf"], "'train.collective_timeout_s' expects a finite number"),
     ("pretrain", ["data.read_timeout_s=.inf"], "'data.read_timeout_s' expects a finite number"),
     ("finetune", ["optim.lr=1e999"], "'optim.lr' expects a finite number"),
+    ("finetune", ["optim.lr=1" + "0" * 400], "'optim.lr' expects a finite number"),  # an int too large for a float
     ("pretrain", ["train.resume=maybe"], "'train.resume' expects one of"),
     ("finetune", ["train.record_samples=sometimes"], "'train.record_samples' expects bool"),
     # optimizer
