@@ -44,6 +44,7 @@ from vit_mpp.models import grid_size, img_hw, norm_stats, patch_size
 from vit_mpp.pretrained import Pretrained, build_model, checkpoint_kind, read_pretrained, results_folder
 from vit_mpp.progress import progress
 from vit_mpp.shard_reader import range_segments, read_segment
+from vit_mpp.tool_args import check_device, check_out_folder
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -78,6 +79,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least {0 if name == 'num_maps' else 1}")
     if args.img_size is not None and (len(args.img_size) not in (1, 2) or min(args.img_size) < 1):
         raise ConfigError(f"--img-size takes N or H W (positive), got {args.img_size}")
+    check_device(args.device)
     return args
 
 
@@ -193,7 +195,7 @@ def default_out(checkpoint: str) -> Path:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     model, mean, std, pre = load_model(args.checkpoint, args.model, args.img_size)
-    out = Path(args.out) if args.out else default_out(args.checkpoint)
+    out = check_out_folder(Path(args.out) if args.out else default_out(args.checkpoint))
     out.mkdir(parents=True, exist_ok=True)
     grid, p, pos_prefix = grid_size(model), patch_size(model), stats.num_pos_prefix(model)
     hw = (grid[0] * p, grid[1] * p)

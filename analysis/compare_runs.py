@@ -7,6 +7,7 @@ import argparse
 from pathlib import Path
 
 from vit_mpp.config import ConfigError
+from vit_mpp.tool_args import check_out_file
 from vit_mpp.training_curves import plot_curves, read_metrics
 
 
@@ -18,6 +19,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.labels is not None and len(args.labels) != len(args.run_dirs):
         raise ConfigError(f"--labels gives {len(args.labels)} labels for {len(args.run_dirs)} runs")
+    check_out_file(args.out)
     runs = {}
     for label, run_dir in zip(args.labels or args.run_dirs, args.run_dirs):
         records = read_metrics(run_dir)

@@ -29,11 +29,11 @@ from vit_mpp.cli import run_main
 from vit_mpp.config import ConfigError, DataConfig
 from vit_mpp.data_stream import build_eval_loader
 from vit_mpp.dry_run import probe
-from vit_mpp.export import is_export
 from vit_mpp.manifest import load_split
 from vit_mpp.pretrained import Pretrained, load_classifier, results_folder
 from vit_mpp.progress import progress
 from vit_mpp.step_meter import with_unread
+from vit_mpp.tool_args import check_out_folder
 
 MAX_ROWS = 20  # per-class rows printed; evaluation.json has them all
 
@@ -95,9 +95,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Evaluate, print the summary on the main process, write `--out`; returns what evaluation.json holds."""
     args = parse_args(argv)
-    out = Path(args.out) if args.out else default_out(args.checkpoint, args.split)
-    if out.exists() and (not out.is_dir() or is_export(out)):
-        raise ConfigError(f"--out {out} is {'an export' if out.is_dir() else 'a file'}: give a folder for the results")
+    out = check_out_folder(Path(args.out) if args.out else default_out(args.checkpoint, args.split))
     accelerator = make_eval_accelerator(args.mixed_precision)
     model, pre = load_classifier(args.checkpoint)
     split, info = load_split(args.shards, args.split)

@@ -33,6 +33,7 @@ from vit_mpp.image_decoder import ImageDecoder
 from vit_mpp.image_formats import IMAGE_EXTENSIONS, is_image_file
 from vit_mpp.pretrained import Pretrained, load_classifier
 from vit_mpp.progress import progress
+from vit_mpp.tool_args import check_device, check_out_file
 
 
 class NothingLabelled(ConfigError):
@@ -106,6 +107,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.top_k < 1 or args.batch_size < 1:
         raise ConfigError("--top-k and --batch-size must be at least 1")
+    check_device(args.device)
+    if args.out:
+        check_out_file(args.out)
     model, pre = load_classifier(args.checkpoint)
     names = pre.class_names or [str(i) for i in range(pre.num_classes)]
     paths = image_paths(args.images)
@@ -124,6 +128,8 @@ def main(argv: list[str] | None = None) -> None:
         for path, top in predict(model, pre, paths, args.batch_size, args.top_k, args.device, on_skip=skip,
                                  advance=advance):
             if writer is None:  # opened at the first label: when no image can be read, nothing is written
+                if args.out:
+                    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
                 out = stack.enter_context(open(args.out, "w", newline="")) if args.out else sys.stdout
                 writer = csv.writer(out)
                 writer.writerow(header)

@@ -15,7 +15,8 @@ __all__ = ["plt", "save_figure"]
 
 
 def save_figure(fig: plt.Figure, path: str | Path, dpi: int = 100) -> Path:
-    """Write `fig` to `path` (tight bounding box) and free it; returns the path."""
+    """Write `fig` to `path` (tight bounding box; its folder created if need be) and free it; returns the path."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=dpi, bbox_inches="tight")
     plt.close(fig)
     return Path(path)

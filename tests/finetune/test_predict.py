@@ -15,7 +15,7 @@ from PIL import Image
 
 from finetune import predict as predict_module
 from tests.helpers.models import SMALL_MODEL
-from tests.helpers.processes import REPO, subprocess_env
+from tests.helpers.processes import REPO, in_process, subprocess_env
 from vit_mpp.export import write_export
 from vit_mpp.image_formats import IMAGE_SUFFIXES
 from vit_mpp.models import create_vit
@@ -81,3 +81,28 @@ def test_the_readable_ones_are_written_and_the_others_reported(export, tmp_path)
     assert [w.split(":")[1].strip().split(" ")[-1] for w in warnings] == [str(images / "a_bad.png"),
                                                                           str(images / "c_bad.jpg")]
     assert result.stderr.strip().splitlines()[-1] == f"labelled 1 of 3 images -> {out}"
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--out", "{tmp}"], "error: --out {tmp} is a folder: give a file name"),
+    (["--out", "{tmp}/file.txt/preds.csv"], "error: --out {tmp}/file.txt/preds.csv: {tmp}/file.txt is a file, not a "
+                                            "folder"),
+    (["--device", "banana"], "error: --device banana: not a device (cpu, cuda, cuda:N, mps)"),
+], ids=["out is a folder", "out under a file", "no such device"])
+def test_a_bad_out_or_device_is_one_line_before_any_image_is_read(export, tmp_path, capsys, extra, message):
+    # These were tracebacks (IsADirectoryError, NotADirectoryError, RuntimeError), the first two after labelling.
+    (tmp_path / "file.txt").write_text("x")
+    image = tmp_path / "a.png"
+    Image.fromarray(np.zeros((20, 20, 3), dtype=np.uint8)).save(image)
+    extra = [a.format(tmp=tmp_path) for a in extra]
+    code, out, err = in_process(predict_module.main, ["--checkpoint", str(export), "--images", str(image), *extra],
+                                capsys)
+    assert code == 2 and err.strip() == message.format(tmp=tmp_path) and out == "", err
+
+
+def test_out_in_a_folder_that_does_not_exist_yet_is_created(export, tmp_path):
+    image = tmp_path / "a.png"
+    Image.fromarray(np.zeros((20, 20, 3), dtype=np.uint8)).save(image)
+    out = tmp_path / "new" / "deeper" / "preds.csv"
+    predict_module.main(["--checkpoint", str(export), "--images", str(image), "--out", str(out)])
+    assert [r["path"] for r in csv.DictReader(out.open())] == [str(image)]
