@@ -194,8 +194,8 @@ def default_out(checkpoint: str) -> Path:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    out = check_out_folder(Path(args.out) if args.out else default_out(args.checkpoint))  # before the model loads
     model, mean, std, pre = load_model(args.checkpoint, args.model, args.img_size)
-    out = check_out_folder(Path(args.out) if args.out else default_out(args.checkpoint))
     out.mkdir(parents=True, exist_ok=True)
     grid, p, pos_prefix = grid_size(model), patch_size(model), stats.num_pos_prefix(model)
     hw = (grid[0] * p, grid[1] * p)

@@ -22,7 +22,7 @@ from data_tools.executors import BuildStopped, LocalExecutor, RayExecutor, requi
 from data_tools.images import EncodeSettings
 from data_tools.journal import Journal, intact, journal_name, last_is_whole, read_journals
 from data_tools.layout import ONE_MACHINE, Layout, Parts, RangeRef
-from data_tools.merge import FAILURES_NAME, check_written, finalize, summary
+from data_tools.merge import FAILURES_NAME, check_written, conclude, finalize
 from data_tools.out_state import prepare_out
 from data_tools.plan_parts import PlannedBuild
 from data_tools.scratch import scratch, sweep_stale
@@ -215,8 +215,7 @@ def _build(plan: BuildPlan | PlannedBuild, store: LocalStore | RemoteStore, enco
               f"`build-shards merge {store.url}` once every part is done")
         return None
     info = finalize(store, plan.fingerprint)
-    print(summary(info, store.url))
-    check_written(info, store.url)
+    conclude(info, store.url)
     return info
 
 

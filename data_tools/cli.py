@@ -241,8 +241,7 @@ def merge_main(argv: list[str]) -> dict:
     """`build-shards merge OUT`: finish a build made of parts; returns the manifest."""
     args = parse_merge_args(argv)
     info = merge.finalize(open_store(args.out_dir))
-    print(merge.summary(info, args.out_dir))
-    merge.check_written(info, args.out_dir)
+    merge.conclude(info, args.out_dir)
     return info
 
 

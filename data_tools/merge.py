@@ -240,21 +240,32 @@ def _planned(store: LocalStore | RemoteStore, journals: dict[str, tuple], header
     return records, listing, base
 
 
+def _outcome(info: dict) -> tuple[int, int, str]:
+    """(inputs written, inputs failed, the failures by reason as `reason N, ...`) of a finished build."""
+    written = sum(e["num_samples"] for e in info["splits"].values())
+    reasons = ", ".join(f"{k} {v:,}" for k, v in info["failure_reasons"].items())
+    return written, info["num_failures"], reasons
+
+
 def check_written(info: dict, out: str) -> None:
     """Raise NothingWritten when the finished build holds no sample although inputs were seen."""
-    written = sum(e["num_samples"] for e in info["splits"].values())
-    if info["num_failures"] and not written:
-        reasons = ", ".join(f"{k} {v:,}" for k, v in info["failure_reasons"].items())
-        raise NothingWritten(f"none of the {info['num_failures']:,} inputs could be written ({reasons}): the reason "
-                             f"of each is in {out.rstrip('/')}/{FAILURES_NAME}")
+    written, failed, reasons = _outcome(info)
+    if failed and not written:
+        raise NothingWritten(f"none of the {failed:,} inputs could be written ({reasons}): the reason of each is in "
+                             f"{out.rstrip('/')}/{FAILURES_NAME}")
 
 
 def summary(info: dict, out: str) -> str:
     """The closing line of a build: inputs seen, written and failed, per split, by reason."""
-    written = sum(e["num_samples"] for e in info["splits"].values())
+    written, failed, reasons = _outcome(info)
     shards = sum(len(e["filenames"]) for e in info["splits"].values())
     per_split = ", ".join(f"{k}: {v['num_samples']:,}" for k, v in info["splits"].items())
-    failed = info["num_failures"]
-    reasons = ", ".join(f"{k} {v:,}" for k, v in info["failure_reasons"].items())
     return (f"inputs: {written + failed:,} seen, {written:,} written, {failed:,} failed"
             f"{f' ({reasons}; see {FAILURES_NAME})' if failed else ''}; {shards:,} shards in {out} ({per_split})")
+
+
+def conclude(info: dict, out: str) -> None:
+    """The end of a build (or a merge) that finished: its closing line, then NothingWritten if no input was
+    written."""
+    print(summary(info, out))
+    check_written(info, out)

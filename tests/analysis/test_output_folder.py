@@ -5,12 +5,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from analysis.analyze import default_out
 from analysis.analyze import main as analyze_main
 from finetune.evaluate import default_out as eval_out
 from tests.helpers.models import SMALL_MODEL, write_encoder_export
+from vit_mpp.config import ConfigError
 from vit_mpp.hub import draw_figures
 from vit_mpp.models import create_vit
 
@@ -47,3 +49,10 @@ def test_the_model_cards_figures_are_still_drawn_into_the_export(demo_shards, tm
     assert {"position_similarity.png", "embedding_filters.png", "attention_distance.png"} <= set(drawn)
     assert any(name.startswith("attention_0_") for name in drawn)
     assert not (tmp_path / "export-analysis").exists()
+
+
+def test_a_bad_out_is_found_before_the_model_is_loaded(tmp_path):
+    # The checkpoint does not exist: the error names --out, so --out was checked first.
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(ConfigError, match=r"--out .*f is a file: give a folder for the results"):
+        analyze_main([str(tmp_path / "no-such-export"), "--out", str(tmp_path / "f")])
