@@ -57,6 +57,26 @@ class _WordLoader(yaml.SafeLoader):
     """PyYAML's safe loader, except that booleans and nulls come back as `Word`s (the type decides, not YAML)."""
 
 
+def _unique_keys_mapping(loader: _WordLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+    """A mapping, refusing a key written twice: YAML requires unique keys, and PyYAML would keep the last one,
+    silently dropping the first setting (`lr: 0.1` ... `lr: 0.5` trained at 0.5)."""
+    lines: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base` may override the base's keys, by design
+            continue
+        key = loader.construct_object(key_node, deep=True)
+        line = key_node.start_mark.line + 1
+        try:
+            if key in lines:
+                where = f"line {line}" if lines[key] == line else f"lines {lines[key]} and {line}"
+                raise yaml.constructor.ConstructorError(None, None, f"key '{key}' is written twice ({where})")
+            lines[key] = line
+        except TypeError:  # an unhashable key: PyYAML's own check below names it
+            continue
+    return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
+
+
+_WordLoader.add_constructor("tag:yaml.org,2002:map", _unique_keys_mapping)
 _WordLoader.add_constructor("tag:yaml.org,2002:bool",
                             lambda loader, node: Word(node.value, loader.construct_yaml_bool(node)))
 _WordLoader.add_constructor("tag:yaml.org,2002:null", lambda loader, node: Word(node.value, None))
@@ -289,10 +309,19 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
     data: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
+        if path.is_dir():
+            raise ConfigError(f"config file {path} is a folder: give the YAML file")
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}")
         try:
-            loaded = read_yaml(path.read_text())
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {path} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset "
+                              f"{e.start}): give a YAML file") from None
+        except OSError as e:
+            raise ConfigError(f"config file {path} cannot be read: {e.strerror or e}") from None
+        try:
+            loaded = read_yaml(text)
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {path} is not valid YAML: {str(e).splitlines()[0]}") from None
         loaded = None if _is_null(loaded) else loaded  # a file holding only `~`: no keys

@@ -6,6 +6,8 @@ bytes. (With `--streaming`: hf_stream.py, which shares this module's choice of s
 from __future__ import annotations
 
 import bisect
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,23 +45,38 @@ class HFReader(Reader):
                                  self.image_column)
 
 
+@contextlib.contextmanager
+def quiet_datasets() -> Iterator[None]:
+    """`datasets` logs its own error line before raising (a parquet file it cannot read); the SourceError made of
+    the exception says the same in our one line, so its log is held back to CRITICAL meanwhile."""
+    import datasets
+
+    level = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
+    try:
+        yield
+    finally:
+        datasets.logging.set_verbosity(level)
+
+
 def _load_hf(path: str) -> Any:
     """A Dataset or DatasetDict from a save_to_disk folder, parquet file(s), an image folder, or a hub name."""
     import datasets  # imported here: only this source needs it, and it is slow to import
 
     p = Path(path)
     try:
-        if p.is_dir() and ((p / "dataset_dict.json").exists() or (p / "state.json").exists()):
-            return datasets.load_from_disk(str(p)), "save_to_disk"
-        if p.is_file() and p.suffix == ".parquet":
-            return datasets.load_dataset("parquet", data_files=str(p)), "parquet"
-        if p.is_dir() and any(p.rglob("*.parquet")):
-            return datasets.load_dataset("parquet", data_dir=str(p)), "parquet"
-        if p.is_dir():
-            return datasets.load_dataset("imagefolder", data_dir=str(p)), "imagefolder"
-        if p.exists():
-            raise SourceError(f"{p} is neither a dataset folder nor a parquet file")
-        return datasets.load_dataset(path), "hub"
+        with quiet_datasets():
+            if p.is_dir() and ((p / "dataset_dict.json").exists() or (p / "state.json").exists()):
+                return datasets.load_from_disk(str(p)), "save_to_disk"
+            if p.is_file() and p.suffix == ".parquet":
+                return datasets.load_dataset("parquet", data_files=str(p)), "parquet"
+            if p.is_dir() and any(p.rglob("*.parquet")):
+                return datasets.load_dataset("parquet", data_dir=str(p)), "parquet"
+            if p.is_dir():
+                return datasets.load_dataset("imagefolder", data_dir=str(p)), "imagefolder"
+            if p.exists():
+                raise SourceError(f"{p} is neither a dataset folder nor a parquet file")
+            return datasets.load_dataset(path), "hub"
     except SourceError:
         raise
     except Exception as e:  # datasets raises many types (ConnectionError offline, FileNotFoundError, ...)

@@ -37,7 +37,7 @@ from data_tools.sources.base import (
     image_value_bytes,
     labelled_listing,
 )
-from data_tools.sources.hf_datasets import choose_splits, hf_error, pick_image_column
+from data_tools.sources.hf_datasets import choose_splits, hf_error, pick_image_column, quiet_datasets
 from vit_mpp import urls
 
 
@@ -46,13 +46,14 @@ def resolve_files(path: str) -> tuple[dict[str, list[str]], str]:
     import datasets
 
     try:
-        if os.path.isfile(path):
-            builder, how = datasets.load_dataset_builder("parquet", data_files=path), "parquet-stream"
-        elif os.path.isdir(path):
-            builder, how = datasets.load_dataset_builder("parquet", data_dir=path), "parquet-stream"
-        else:
-            builder, how = datasets.load_dataset_builder(path), "hub-stream"
-        data_files = builder.config.data_files or {}
+        with quiet_datasets():
+            if os.path.isfile(path):
+                builder, how = datasets.load_dataset_builder("parquet", data_files=path), "parquet-stream"
+            elif os.path.isdir(path):
+                builder, how = datasets.load_dataset_builder("parquet", data_dir=path), "parquet-stream"
+            else:
+                builder, how = datasets.load_dataset_builder(path), "hub-stream"
+            data_files = builder.config.data_files or {}
     except Exception as e:  # datasets raises many types (offline, not found, no data files)
         raise SourceError(f"could not resolve the data files of '{path}': {hf_error(e)}") from None
     files = {str(split): [str(f) for f in found] for split, found in data_files.items()}

@@ -166,12 +166,15 @@ def resolve_list_files(path: str) -> ListSource:
 
 
 def is_path_list(location: str) -> bool:
-    """A parquet file with a string 'path' column and no image column is a list of paths, not a dataset."""
+    """A parquet file with a string 'path' column and no image column is a list of paths, not a dataset. A file
+    that is not parquet at all is a SourceError naming it, whatever kind of source it was meant to be."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
         schema = urls.read_seekable(location, pq.read_schema)
+    except pa.ArrowInvalid as e:  # not parquet (no magic bytes, empty, cut short)
+        raise SourceError(f"{location} is not a readable parquet file: {str(e).splitlines()[0]}") from None
     except (OSError, pa.ArrowException):
         return False
     images = [f for f in schema if pa.types.is_struct(f.type) or pa.types.is_binary(f.type)]

@@ -193,6 +193,26 @@ def test_a_list_that_is_not_a_list_is_one_line(tmp_path, capsys, content, messag
     assert message in one_line_error(capsys, str(tmp_path / "list.csv"), str(tmp_path / "out"))
 
 
+@pytest.mark.parametrize("content, message", [
+    (b"PAR1 not really" * 10, "is not a readable parquet file: Parquet magic bytes not found"),
+    (b"", "is not a readable parquet file: Parquet file size is 0 bytes"),
+])
+def test_a_parquet_file_that_is_not_parquet_is_one_line_naming_it(tmp_path, capsys, content, message):
+    (tmp_path / "lists").mkdir()
+    (tmp_path / "lists" / "a.parquet").write_bytes(content)
+    for source in ("lists/a.parquet", "lists"):  # the file itself, and a folder of lists holding it
+        line = one_line_error(capsys, str(tmp_path / source), str(tmp_path / "out"))
+        assert line.startswith(f"error: {tmp_path / 'lists/a.parquet'} {message}"), line
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_damaged_parquet_dataset_is_one_line_without_the_log_of_datasets(tmp_path):
+    (tmp_path / "a.parquet").write_bytes(b"not parquet")
+    for extra in (["--source-kind", "hf"], ["--streaming"]):
+        result = run(str(tmp_path / "a.parquet"), str(tmp_path / "out"), *extra)
+        assert "Parquet magic bytes not found" in assert_one_line(result)  # datasets' own error log held back
+
+
 # ---------------------------------------------------------------- 8: inspect reports damage
 
 def _rewrite(shard: Path, change) -> None:

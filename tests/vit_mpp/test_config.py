@@ -9,7 +9,7 @@ import pytest
 
 from finetune.config import FinetuneConfig
 from pretrain.config import PretrainConfig
-from vit_mpp.config import ConfigError, given_keys, is_dry_run, load_config, parse_args, replaced, to_dict
+from vit_mpp.config import ConfigError, given_keys, is_dry_run, load_config, parse_args, read_yaml, replaced, to_dict
 
 
 def test_defaults_follow_the_paper_recipe():
@@ -56,6 +56,33 @@ def test_unknown_key_in_yaml_file(tmp_path):
         load_config(PretrainConfig, path)
     with pytest.raises(ConfigError, match="config file not found"):
         load_config(PretrainConfig, tmp_path / "missing.yaml")
+    with pytest.raises(ConfigError, match=f"config file {tmp_path} is a folder: give the YAML file"):
+        load_config(PretrainConfig, tmp_path)
+
+
+@pytest.mark.parametrize("text, where", [
+    ("optim:\n  lr: 0.1\n  lr: 0.5\n", "key 'lr' is written twice (lines 2 and 3)"),
+    ("optim: {lr: 0.1, lr: 0.5}\n", "key 'lr' is written twice (line 1)"),
+    ("train:\n  steps: 3\ntrain:\n  seed: 1\n", "key 'train' is written twice (lines 1 and 3)"),
+])
+def test_a_key_written_twice_in_a_yaml_file_is_refused_not_silently_overwritten(tmp_path, text, where):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load_config(PretrainConfig, path)
+    assert str(e.value) == f"config file {path} is not valid YAML: {where}"
+
+
+def test_a_config_file_that_is_not_text_is_one_line(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_bytes(b"optim:\n  lr: 0.1\n\xff\xfe\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(PretrainConfig, path)
+    assert str(e.value) == f"config file {path} is not UTF-8 text (byte 0xff at offset 17): give a YAML file"
+
+
+def test_a_yaml_merge_key_may_still_override_its_base():
+    assert read_yaml("a: &b {x: 1, y: 2}\nc:\n  <<: *b\n  x: 3\n")["c"] == {"x": 3, "y": 2}
 
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
