@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import os
 import tarfile
 from pathlib import Path
 from typing import Any
@@ -28,36 +27,10 @@ from data_tools.decode_check import KeyTally
 from vit_mpp import urls
 from vit_mpp.errors import UserError
 from vit_mpp.image_formats import IMAGE_EXTENSIONS, image_member
-from vit_mpp.manifest import ManifestError, manifest_file, read_manifest, shard_base, shard_url
+from vit_mpp.manifest import check_manifest, manifest_file, read_manifest, shard_base, shard_url
 
 THUMB = 96
 READ_ERRORS = (tarfile.TarError, OSError, EOFError, ValueError, UnicodeDecodeError)
-
-
-def check_manifest(info: dict, where: str) -> None:
-    """The manifest's structure, before anything relies on it (a damaged one is a one-line error)."""
-    def bad(why: str) -> ManifestError:
-        return ManifestError(f"{where} is not a usable build-shards manifest: {why}")
-
-    splits = info.get("splits")
-    if not isinstance(splits, dict) or not splits:
-        raise bad("no 'splits'")
-    for name, split in splits.items():
-        if not isinstance(split, dict):
-            raise bad(f"split '{name}' is not an object")
-        files, lengths = split.get("filenames"), split.get("shard_lengths")
-        if not isinstance(files, list) or not isinstance(lengths, list) or len(files) != len(lengths):
-            raise bad(f"split '{name}': 'filenames' and 'shard_lengths' must be lists of the same length")
-        if not all(isinstance(f, str) and f and ("/" not in f or os.path.isabs(f) or not urls.is_local(f))
-                   for f in files):
-            raise bad(f"split '{name}': a file name is not a plain name, an absolute path or a URL")
-        if not all(isinstance(n, int) and n >= 0 for n in lengths):
-            raise bad(f"split '{name}': 'shard_lengths' must be counts")
-        for key in ("shard_bytes", "shard_sha256"):
-            if key in split and (not isinstance(split[key], list) or len(split[key]) != len(files)):
-                raise bad(f"split '{name}': '{key}' must be a list as long as 'filenames'")
-    if not isinstance(info.get("num_classes", 0), int) or info.get("num_classes", 0) < 0:
-        raise bad("'num_classes' must be a count")
 
 
 class _Hashing(io.RawIOBase):

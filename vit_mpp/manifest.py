@@ -93,28 +93,62 @@ def shard_url(base: str, name: str) -> str:
     return name if not is_local(name) or os.path.isabs(name) else join(base, name)
 
 
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def check_manifest(info: dict[str, Any], where: str) -> None:
+    """The manifest's structure, checked before anything relies on it: a damaged or hand-edited one is a one-line
+    ManifestError naming what is wrong, never a traceback or a silently wrong run (the one check training,
+    evaluation and `build-shards inspect` share)."""
+    def bad(why: str) -> ManifestError:
+        return ManifestError(f"{where} is not a usable build-shards manifest: {why}")
+
+    splits = info.get("splits")
+    if not isinstance(splits, dict) or not splits:
+        raise bad("no 'splits'")
+    for name, split in splits.items():
+        if not isinstance(split, dict):
+            raise bad(f"split '{name}' is not an object")
+        files, lengths = split.get("filenames"), split.get("shard_lengths")
+        if not isinstance(files, list) or not isinstance(lengths, list) or len(files) != len(lengths):
+            raise bad(f"split '{name}': 'filenames' and 'shard_lengths' must be lists of the same length")
+        # a shard is named as build-shards and index write it: a name in the manifest's folder, or absolute
+        if not all(isinstance(f, str) and f and ("/" not in f or os.path.isabs(f) or not is_local(f)) for f in files):
+            raise bad(f"split '{name}': a file name is not a plain name, an absolute path or a URL")
+        if len(set(files)) != len(files):
+            twice = next(f for i, f in enumerate(files) if f in files[:i])
+            raise bad(f"split '{name}': shard {twice} is listed twice (its samples would be read twice as often)")
+        if not all(_is_count(n) for n in lengths):
+            raise bad(f"split '{name}': 'shard_lengths' must be counts")
+        if split.get("num_samples") != sum(lengths):
+            raise bad(f"split '{name}': 'num_samples' ({split.get('num_samples')}) is not the sum of "
+                      f"'shard_lengths' ({sum(lengths)})")
+        for key in ("shard_bytes", "shard_sha256"):
+            if key in split and (not isinstance(split[key], list) or len(split[key]) != len(files)):
+                raise bad(f"split '{name}': '{key}' must be a list as long as 'filenames'")
+    if not _is_count(info.get("num_classes", 0)):
+        raise bad(f"'num_classes' must be a count, not {info.get('num_classes')!r}")
+    names = info.get("class_names", [])
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise bad("'class_names' must be a list of names")
+    if names and info.get("num_classes") and len(names) != info["num_classes"]:
+        raise bad(f"'class_names' names {len(names)} classes but 'num_classes' is {info['num_classes']}")
+
+
 def load_split(location: str | Path, split: str) -> tuple[Split, dict[str, Any]]:
     """The named split of the shard set at `location`, with shard URLs resolved, plus the whole manifest."""
     if not str(location).strip():
         raise ManifestError("data.shards is not set: give the folder or URL of a build-shards output")
     info = read_manifest(location)
     where = manifest_file(location)
-    splits = info.get("splits")
-    if not isinstance(splits, dict):
-        raise ManifestError(f"{where} has no 'splits' mapping: not a build-shards manifest")
-    if split not in splits:
-        raise ManifestError(f"split '{split}' not in {where} (has: {', '.join(splits)})")
-    s = splits[split] if isinstance(splits[split], dict) else {}
-    names, lengths = s.get("filenames"), s.get("shard_lengths")
-    if (not isinstance(names, list) or not isinstance(lengths, list) or len(names) != len(lengths)
-            or not all(isinstance(f, str) and f for f in names)
-            or not all(isinstance(n, int) and n >= 0 for n in lengths)
-            or s.get("num_samples") != sum(lengths)):
-        raise ManifestError(f"manifest split '{split}' of {where} is inconsistent: filenames, shard_lengths "
-                            "(counts >= 0) and num_samples must agree")
+    check_manifest(info, where)
+    if split not in info["splits"]:
+        raise ManifestError(f"split '{split}' not in {where} (has: {', '.join(info['splits'])})")
+    s = info["splits"][split]
     base = shard_base(location, info)
-    urls = [shard_url(base, f) for f in names]
-    return Split(name=split, urls=urls, lengths=lengths), info
+    urls = [shard_url(base, f) for f in s["filenames"]]
+    return Split(name=split, urls=urls, lengths=s["shard_lengths"]), info
 
 
 def manifest_text(info: dict[str, Any]) -> str:

@@ -11,10 +11,11 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from vit_mpp.config import DataConfig
+from vit_mpp.config import ConfigError, DataConfig
 from vit_mpp.data_stream import TrainSet
 from vit_mpp.manifest import Split, data_record, load_split
 from vit_mpp.stream_plan import samples_per_epoch
+from vit_mpp.urls import is_local, local_path
 
 
 @dataclass
@@ -75,11 +76,24 @@ def set_name(location: str, manifest: dict[str, Any]) -> str:
     return os.path.basename(location.rstrip("/").removesuffix("/_info.json")) or location
 
 
+def _check_disjoint(locations: list[str], splits: list[Split]) -> None:
+    """No shard in two sets of a mixture: the same set named two ways (`sh`, `./sh/`, `sh/_info.json`) would be read
+    twice as often as its weight says, and its samples counted twice."""
+    seen: dict[str, str] = {}
+    for location, split in zip(locations, splits):
+        for url in split.urls:
+            key = os.path.abspath(local_path(url)) if is_local(url) else url
+            if seen.setdefault(key, location) != location:
+                raise ConfigError(f"config key 'data.shards': {seen[key]} and {location} hold the same shard {url}: "
+                                  "name each set once")
+
+
 def load_training_data(data: DataConfig, evaluate: bool = True) -> TrainingData:
     """Read the manifests of the training sets and of the evaluation set (ManifestError with one line when one is
     missing or unusable)."""
     locations = data.shard_sets()
     loaded = [load_split(location, data.train_split) for location in locations]
+    _check_disjoint(locations, [split for split, _ in loaded])
     sizes = [split.num_samples for split, _ in loaded]
     weights = [float(w) for w in data.weights] if data.weights is not None else [float(n) for n in sizes]
     names: list[str] = []

@@ -1,0 +1,95 @@
+"""A hand-edited or damaged manifest is one line naming what is wrong, for training, evaluation and inspect alike
+(vit_mpp/manifest.py `check_manifest`), before a run directory is written."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from finetune.__main__ import main as finetune_main
+from pretrain.__main__ import main as pretrain_main
+from vit_mpp.cli import run_main
+from vit_mpp.config import ConfigError, DataConfig
+from vit_mpp.manifest import ManifestError, load_split
+from vit_mpp.training_data import load_training_data
+
+
+def good() -> dict:
+    return {"name": "s", "num_classes": 2, "class_names": ["a", "b"],
+            "splits": {"train": {"name": "train", "num_samples": 5, "filenames": ["t-0.tar", "t-1.tar"],
+                                 "shard_lengths": [3, 2], "shard_bytes": [10, 10], "shard_sha256": ["x", "y"]}}}
+
+
+def train(info: dict) -> dict:
+    return info["splits"]["train"]
+
+
+EDITS = [
+    ("a negative count", lambda d: train(d)["shard_lengths"].__setitem__(0, -1), "'shard_lengths' must be counts"),
+    ("a count that is true", lambda d: train(d).update(shard_lengths=[True, 4]), "'shard_lengths' must be counts"),
+    ("a count as text", lambda d: train(d)["shard_lengths"].__setitem__(0, "3"), "'shard_lengths' must be counts"),
+    ("a wrong total", lambda d: train(d).update(num_samples=6),
+     "split 'train': 'num_samples' (6) is not the sum of 'shard_lengths' (5)"),
+    ("no total", lambda d: train(d).pop("num_samples"), "'num_samples' (None) is not the sum"),
+    ("a shard listed twice", lambda d: train(d).update(filenames=["t-0.tar", "t-0.tar"]),
+     "split 'train': shard t-0.tar is listed twice"),
+    ("a path out of the folder", lambda d: train(d)["filenames"].__setitem__(0, "../t.tar"), "not a plain name"),
+    ("fewer lengths than files", lambda d: train(d).update(shard_lengths=[5]), "lists of the same length"),
+    ("hashes of other shards", lambda d: train(d).update(shard_sha256=["x"]),
+     "'shard_sha256' must be a list as long as 'filenames'"),
+    ("negative classes", lambda d: d.update(num_classes=-1), "'num_classes' must be a count, not -1"),
+    ("classes as text", lambda d: d.update(num_classes="2"), "'num_classes' must be a count, not '2'"),
+    ("names of other classes", lambda d: d.update(class_names=["a"]),
+     "'class_names' names 1 classes but 'num_classes' is 2"),
+    ("names that are numbers", lambda d: d.update(class_names=[0, 1]), "'class_names' must be a list of names"),
+    ("no splits", lambda d: d.update(splits={}), "no 'splits'"),
+]
+
+
+@pytest.mark.parametrize("edit, message", [e[1:] for e in EDITS], ids=[e[0] for e in EDITS])
+def test_a_hand_edited_manifest_is_one_line_naming_what_is_wrong(tmp_path, edit, message):
+    info = good()
+    edit(info)
+    (tmp_path / "_info.json").write_text(json.dumps(info))
+    with pytest.raises(ManifestError) as e:
+        load_split(tmp_path, "train")
+    assert str(e.value).startswith(f"{tmp_path / '_info.json'} is not a usable build-shards manifest: ")
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_good_manifest_loads(tmp_path):
+    (tmp_path / "_info.json").write_text(json.dumps(good()))
+    split, info = load_split(tmp_path, "train")
+    assert split.lengths == [3, 2] and split.urls == [str(tmp_path / "t-0.tar"), str(tmp_path / "t-1.tar")]
+
+
+@pytest.mark.parametrize("stage, config, change", [
+    ("pretrain", "configs/pretrain/tiny.yaml", {"num_classes": -1}),  # was accepted: pretraining reads no labels
+    ("finetune", "configs/finetune/tiny.yaml", {"num_classes": -1}),  # was an AttributeError traceback
+    ("finetune", "configs/finetune/tiny.yaml", {"num_classes": "2"}),  # was a TypeError traceback
+    ("finetune", "configs/finetune/tiny.yaml", {"class_names": ["only one"]}),  # was accepted: names misread
+])
+def test_training_on_a_damaged_manifest_stops_before_its_run_directory(tmp_path, demo_shards, encoder_export,
+                                                                      capsys, stage, config, change):
+    shards = tmp_path / "shards"
+    shutil.copytree(demo_shards, shards)
+    info = json.loads((shards / "_info.json").read_text())
+    (shards / "_info.json").write_text(json.dumps({**info, **change}))
+    argv = ["--config", config, f"data.shards={shards}", f"train.run_dir={tmp_path / 'run'}"]
+    if stage == "finetune":
+        argv.append(f"init.checkpoint={encoder_export}")
+    with pytest.raises(SystemExit) as e:
+        run_main({"pretrain": pretrain_main, "finetune": finetune_main}[stage], argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and "is not a usable build-shards manifest" in err[0], err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("other", ["{s}/", "{s}/_info.json", "{s}/../{name}"])
+def test_one_set_named_two_ways_in_a_mixture_is_refused(demo_shards, other):
+    # `data.shards=[a, a]` is refused by the config check; these name the same shards in other words
+    second = other.format(s=demo_shards, name=demo_shards.name)
+    with pytest.raises(ConfigError, match=f"{demo_shards} and {second} hold the same shard .*: name each set once"):
+        load_training_data(DataConfig(shards=[str(demo_shards), second]))
