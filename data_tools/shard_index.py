@@ -20,6 +20,7 @@ from data_tools.decode_check import KeyTally
 from data_tools.tar_scan import ReadAhead, TarDamaged, TarReader, describe, samples
 from vit_mpp import urls
 from vit_mpp.image_formats import IMAGE_EXTENSIONS, image_member
+from vit_mpp.manifest import MAX_CLASSES
 
 IMAGES = frozenset(IMAGE_EXTENSIONS)
 DAMAGED, MISSING, UNREADABLE = "damaged", "missing", "unreadable"
@@ -46,7 +47,7 @@ class ShardIndex:
     label_min: int | None = None
     label_max: int | None = None
     no_image: KeyTally = field(default_factory=KeyTally)
-    bad_label: KeyTally = field(default_factory=KeyTally)  # a .cls that is not an integer
+    bad_label: KeyTally = field(default_factory=KeyTally)  # a .cls that is not an integer, or too large
     undecodable: KeyTally | None = None  # with verify only
     problem: str = ""
     reason: str = ""
@@ -59,6 +60,9 @@ class ShardIndex:
             self.bad_label.add(key, f"{raw[:20]!r} is not an integer")
             return
         if label < 0:
+            return
+        if label >= MAX_CLASSES:
+            self.bad_label.add(key, f"{label} is above the largest class index, {MAX_CLASSES - 1}")
             return
         self.labelled += 1
         self.label_min = label if self.label_min is None else min(self.label_min, label)

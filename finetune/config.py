@@ -21,6 +21,7 @@ from vit_mpp.config import (
     opt,
     section,
 )
+from vit_mpp.manifest import MAX_CLASSES
 
 DESCRIPTION = "Fine-tuning a ViT encoder into a classifier (the paper's rule: zero head, resized position embeddings)."
 
@@ -117,7 +118,8 @@ class FinetuneConfig:
 
     init: InitConfig = section(InitConfig)
     model: ModelConfig = section(ModelConfig)
-    num_classes: int | None = opt(None, "classes of the new head (default: from the shard manifest)", at_least(1))
+    num_classes: int | None = opt(None, "classes of the new head (default: from the shard manifest)",
+                                  Check(lambda n: 1 <= n <= MAX_CLASSES, f"in [1, {MAX_CLASSES}]"))
     data: DataConfig = section(DataConfig)
     optim: FinetuneOptimConfig = section(FinetuneOptimConfig)
     augment: AugmentConfig = section(AugmentConfig)

@@ -23,6 +23,10 @@ from vit_mpp.errors import UserError
 from vit_mpp.urls import is_local, join, local_path, read_url
 
 MANIFEST_NAME = "_info.json"
+# The most classes a manifest or a classifier takes (labels 0 .. MAX_CLASSES - 1): above the largest label spaces in
+# use (ImageNet-21k has 21,841; face sets a few million identities), and a bound on what a stray `.cls` can make
+# (a head and class-name list sized by a label of 10**20 would exhaust memory).
+MAX_CLASSES = 1 << 22
 
 
 class ManifestError(UserError):
@@ -127,8 +131,8 @@ def check_manifest(info: dict[str, Any], where: str) -> None:
         for key in ("shard_bytes", "shard_sha256"):
             if key in split and (not isinstance(split[key], list) or len(split[key]) != len(files)):
                 raise bad(f"split '{name}': '{key}' must be a list as long as 'filenames'")
-    if not _is_count(info.get("num_classes", 0)):
-        raise bad(f"'num_classes' must be a count, not {info.get('num_classes')!r}")
+    if not _is_count(info.get("num_classes", 0)) or info.get("num_classes", 0) > MAX_CLASSES:
+        raise bad(f"'num_classes' must be a count up to {MAX_CLASSES}, not {info.get('num_classes')!r}")
     names = info.get("class_names", [])
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
         raise bad("'class_names' must be a list of names")

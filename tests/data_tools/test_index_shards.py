@@ -13,15 +13,16 @@ import tarfile
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from data_tools.cli import main as build_main
 from finetune.train import main as finetune_main
 from pretrain.train import main as pretrain_main
 from tests.helpers.servers import FaultyHandler, serve_directory, serve_faulty
-from tests.helpers.shards import img2dataset_folder, timm_style_folder
+from tests.helpers.shards import add, img2dataset_folder, jpeg, timm_style_folder
 from vit_mpp.cli import run_main
-from vit_mpp.manifest import load_split
+from vit_mpp.manifest import MAX_CLASSES, load_split
 
 LENGTHS = [7, 12, 5]  # uneven shards
 
@@ -213,6 +214,25 @@ def test_damaged_tars_are_named_with_their_reason(tmp_path, capsys, damage, reas
     line = refused(capsys, build_main, ["index", str(folder)])
     assert str(path) in line and reason in line, line
     assert not (folder / "_info.json").exists()
+
+
+def test_labels_that_are_not_class_indices_are_recorded_not_counted(tmp_path, capsys):
+    # a label of 10**20 made the index build a list of 10**20 class names: the machine ran out of memory
+    folder = tmp_path / "set"
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    with tarfile.open(folder / "00000.tar", "w") as tar:
+        for key, label in (("a", b"1"), ("b", b"cat"), ("c", b"99999999999999999999"), ("d", str(MAX_CLASSES).encode()),
+                           ("e", str(MAX_CLASSES - 1).encode()), ("f", b"-3")):
+            add(tar, f"{key}.jpg", jpeg(rng))
+            add(tar, f"{key}.cls", label)
+    index(str(folder))
+    info = json.loads((folder / "_info.json").read_text())
+    assert info["num_classes"] == MAX_CLASSES and info["label_range"] == [1, MAX_CLASSES - 1]
+    assert info["num_unlabelled"] == 4  # f (a negative label is no label, as training reads it) and the bad ones
+    bad = info["splits"]["train"]["bad_labels"]
+    assert info["splits"]["train"]["num_bad_labels"] == 3 and bad[0]["keys"] == ["b", "c", "d"]
+    assert "bad label: " in capsys.readouterr().out
 
 
 def test_timm_style_labelled_shards_get_classes_and_fine_tune(tmp_path, capsys):
