@@ -206,8 +206,9 @@ def build_manifest(locations: list[str], location_splits: list[str], shards: lis
     labelled = [r for _, r in good if r.labelled]
     if labelled:
         top = max(r.label_max for r in labelled)
-        info.update(num_classes=top + 1, class_names=[str(i) for i in range(top + 1)],
-                    label_range=[min(r.label_min for r in labelled), top],
+        # no class_names: labels are all the shards hold, and names "0" .. "K-1" would say nothing (and run to
+        # millions of strings for one stray large label); everything that shows names falls back to the index
+        info.update(num_classes=top + 1, label_range=[min(r.label_min for r in labelled), top],
                     num_unlabelled=sum(r.samples - r.labelled for _, r in good))
     if place.location is not None:
         info["location"] = place.location

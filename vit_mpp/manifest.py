@@ -23,10 +23,11 @@ from vit_mpp.errors import UserError
 from vit_mpp.urls import is_local, join, local_path, read_url
 
 MANIFEST_NAME = "_info.json"
-# The most classes a manifest or a classifier takes (labels 0 .. MAX_CLASSES - 1): above the largest label spaces in
-# use (ImageNet-21k has 21,841; face sets a few million identities), and a bound on what a stray `.cls` can make
-# (a head and class-name list sized by a label of 10**20 would exhaust memory).
-MAX_CLASSES = 1 << 22
+# The most classes a manifest or a classifier takes (labels 0 .. MAX_CLASSES - 1), for build-shards, index and
+# fine-tuning alike: above the largest label spaces in use (ImageNet-21k has 21,841; face sets a few million
+# identities), and a bound on what a stray label can make (a head and class-name list sized by a label of 10**20
+# would exhaust memory).
+MAX_CLASSES = 10_000_000
 
 
 class ManifestError(UserError):

@@ -26,10 +26,10 @@ import numpy as np
 from data_tools.catalog import EXCLUDED, Catalog, CatalogWriter
 from vit_mpp import urls
 from vit_mpp.errors import UserError
+from vit_mpp.manifest import MAX_CLASSES
 
 SPLIT_NAME = re.compile(r"^[A-Za-z0-9_]+$")  # split names end up in shard names and sample keys
 UNLABELLED_ROWS = ("error", "skip", "keep")
-MAX_LABEL_INDEX = 10_000_000  # integer labels are class indices: a larger one is a mistake (or a memory bomb)
 MAX_LABEL_NAMES = 1_000_000  # distinct label names held while listing
 
 
@@ -231,8 +231,8 @@ class LabelTable:
             index = int(text)
             if index == -1:
                 return -1
-            if index < 0 or index >= MAX_LABEL_INDEX:
-                raise BadLabel(f"label {value!r} is not a class index (0 to {MAX_LABEL_INDEX - 1:,}, or -1 for none)")
+            if index < 0 or index >= MAX_CLASSES:
+                raise BadLabel(f"label {value!r} is not a class index (0 to {MAX_CLASSES - 1:,}, or -1 for none)")
             text = str(index)
         else:
             self.intlike = False

@@ -35,8 +35,8 @@ BAD_VALUES = [
     ("finetune", ["train.label_smoothing=1.0"], "'train.label_smoothing' must be in [0, 1)"),
     ("finetune", ["train.label_smoothing=-0.1"], "'train.label_smoothing' must be in [0, 1)"),
     ("finetune", ["train.mode=probe"], "'train.mode' expects one of"),
-    ("finetune", ["num_classes=0"], "'num_classes' must be in [1, 4194304]"),
-    ("finetune", ["num_classes=4194305"], "'num_classes' must be in [1, 4194304]"),
+    ("finetune", ["num_classes=0"], "'num_classes' must be in [1, 10000000]"),
+    ("finetune", ["num_classes=10000001"], "'num_classes' must be in [1, 10000000]"),
     # data
     ("pretrain", ["data.crop_scale=[0,1]"], "'data.crop_scale' must be 2 values, each in (0, 1]"),
     ("pretrain", ["data.crop_scale=[0.9,0.5]"], "'data.crop_scale' must be [min, max] with min <= max"),
