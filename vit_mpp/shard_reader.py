@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import http.client
 import random
+import re
 import sys
 import tarfile
 import time
@@ -21,6 +22,7 @@ import webdataset as wds
 
 from vit_mpp import urls
 from vit_mpp.errors import UserError
+from vit_mpp.image_formats import IMAGE_EXTENSIONS
 from vit_mpp.manifest import Split
 
 
@@ -124,12 +126,34 @@ def _warn_once(key: str, message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
 
+# The members a sample is read for: its image and its label. Shards others wrote often hold more (a caption, a
+# metadata .json, an embedding, a video beside the frame); those are passed over in the stream, never held.
+READ_MEMBERS: frozenset[str] = frozenset((*IMAGE_EXTENSIONS, "cls"))
+
+
+def _members(url: str, stream: Any) -> Iterator[dict[str, Any]]:
+    """Each regular member of a tar stream, as webdataset's grouping takes it ({fname, data, __url__}), in order.
+    The bytes are read only for READ_MEMBERS; any other member comes with empty data, so a sample keeps its key
+    (a sample with no image is still counted, and reported) while a member of any size costs no memory."""
+    with tarfile.open(fileobj=stream, mode="r|*") as tar:
+        for info in tar:
+            if not info.isreg() or _WDS_META.match(info.name):  # as webdataset: links, folders, `__x__` members
+                continue
+            _, suffix = wds.tariterators.base_plus_ext(info.name)
+            wanted = suffix is not None and suffix.lower() in READ_MEMBERS
+            data = tar.extractfile(info).read() if wanted else b""  # an unread member is skipped by the stream
+            yield {"fname": info.name, "data": data, "__url__": url}
+            tar.members = []  # a stream holds every TarInfo otherwise: memory grows with the shard
+
+
+_WDS_META = re.compile(r"__[^/]*__($|/)")
+
+
 def _samples(url: str, timeout: float = urls.READ_TIMEOUT_S) -> Iterator[dict[str, Any]]:
-    """Every raw sample of one shard, in order."""
+    """Every raw sample of one shard, in order (only READ_MEMBERS hold bytes; see `_members`)."""
     stream = urls.open_url(url, timeout)
     try:
-        files = wds.tariterators.tar_file_expander([{"url": url, "stream": stream}])
-        yield from wds.tariterators.group_by_keys(files)
+        yield from wds.tariterators.group_by_keys(_members(url, stream))
     finally:
         stream.close()
 

@@ -4,11 +4,14 @@
 from __future__ import annotations
 
 import collections
+import tarfile
+import tracemalloc
 
+import numpy as np
 import pytest
 
 from tests.helpers.servers import FaultyHandler, serve_directory, serve_faulty
-from tests.helpers.shards import bad_shard_set, write_shard_set
+from tests.helpers.shards import add, bad_shard_set, jpeg, write_shard_set
 from vit_mpp import shard_reader
 from vit_mpp.cli import run_main
 from vit_mpp.config import DataConfig
@@ -86,3 +89,26 @@ def test_a_remote_shard_that_keeps_breaking_is_a_data_error(flaky):
         segment = shard_reader.Segment(f"{flaky}/train-000000.tar", 0, 40, 40)
         list(shard_reader.read_segment(segment, retries=2, wait_s=0))
     assert len(FaultyHandler.requests) == 3
+
+
+def test_members_the_stream_does_not_use_are_passed_over_not_held(tmp_path):
+    # Shards others wrote hold more than an image and a label (an embedding, a video beside the frame). They were
+    # read into memory with every sample, and kept in the shuffle buffer: a big member per sample could exhaust it.
+    rng = np.random.default_rng(0)
+    big = bytes(8 << 20)  # 8 MiB per sample, 48 MiB in the shard
+    with tarfile.open(tmp_path / "0.tar", "w") as tar:
+        for key in ("a", "b", "c", "d", "e", "f"):
+            add(tar, f"{key}.JPG", jpeg(rng))
+            add(tar, f"{key}.cls", b"1")
+            add(tar, f"{key}.npy", big)
+            add(tar, f"{key}.txt", b"a caption")
+        add(tar, "g.txt", b"a caption, no image")  # still a sample: counted, and reported as one without an image
+    seg = shard_reader.Segment(str(tmp_path / "0.tar"), 0, 7, 7)
+    tracemalloc.start()
+    samples = list(shard_reader.read_segment(seg))
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert [s["__key__"] for s in samples] == list("abcdefg")
+    assert all(s["jpg"][:2] == b"\xff\xd8" and s["cls"] == b"1" and s["npy"] == b"" == s["txt"] for s in samples[:6])
+    assert samples[6]["txt"] == b"" and "jpg" not in samples[6]
+    assert peak < 4 << 20, peak  # not one 8 MiB member was held
