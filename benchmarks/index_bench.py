@@ -148,11 +148,11 @@ def start_server(root: Path, mbps: float) -> tuple[subprocess.Popen, str]:
 
 
 def parser_rates(paths: list[Path], runs: int) -> str:
-    """One process, files in the page cache: this reader (data_tools/tar_scan.py) against `tarfile` with
+    """One process, files in the page cache: this reader (vit_mpp/tar_scan.py) against `tarfile` with
     webdataset's grouping, which is how the training stream reads a shard."""
     import webdataset as wds
 
-    from data_tools.tar_scan import TarReader, samples
+    from vit_mpp.tar_scan import TarReader, samples
 
     def ours() -> int:
         total = 0
@@ -177,7 +177,7 @@ def parser_rates(paths: list[Path], runs: int) -> str:
             times[name].append(time.perf_counter() - start)
     mb = sum(p.stat().st_size for p in paths) / 1e6
     a, b = (mb / statistics.median(times[k]) for k in ("ours", "webdataset"))
-    return (f"parsing in one process, {len(paths)} shards in the page cache: data_tools/tar_scan.py {a:.0f} MB/s, "
+    return (f"parsing in one process, {len(paths)} shards in the page cache: vit_mpp/tar_scan.py {a:.0f} MB/s, "
             f"tarfile + webdataset's grouping {b:.0f} MB/s ({a / b:.1f}x)")
 
 

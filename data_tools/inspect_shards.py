@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import tarfile
 from pathlib import Path
 from typing import Any
 
@@ -24,13 +23,13 @@ from rich.console import Console
 from rich.table import Table
 
 from data_tools.decode_check import KeyTally
-from vit_mpp import urls
+from vit_mpp import tar_scan, urls
 from vit_mpp.errors import UserError
 from vit_mpp.image_formats import IMAGE_EXTENSIONS, image_member
 from vit_mpp.manifest import check_manifest, manifest_file, read_manifest, shard_base, shard_url
 
 THUMB = 96
-READ_ERRORS = (tarfile.TarError, OSError, EOFError, ValueError, UnicodeDecodeError)
+_THUMB_MEMBERS = frozenset((*IMAGE_EXTENSIONS, "cls", "json"))  # a thumbnail's image and its label
 
 
 class _Hashing(io.RawIOBase):
@@ -59,14 +58,6 @@ def check_shard(location: str, name: str, count: int, size: int | None, digest: 
     keys: list[str] = []
     bad_labels: list[str] = []
     undecodable = KeyTally()
-    images: dict[str, bytes] = {}  # the image members of the current sample, when decoding
-
-    def decode_sample() -> None:
-        ext = image_member(images)
-        if ext is not None:
-            undecodable.check(keys[-1], images[ext])
-        images.clear()
-
     try:
         stream = urls.open_url(shard_url(location, name))
     except FileNotFoundError:
@@ -74,32 +65,26 @@ def check_shard(location: str, name: str, count: int, size: int | None, digest: 
     except OSError as e:
         return [f"{name}: cannot be opened ({type(e).__name__}: {e.strerror or e})"]
     hashing = _Hashing(stream)
+    wanted = frozenset(("cls", *(IMAGE_EXTENSIONS if decode else ())))  # the bytes read: one sample's at a time
     try:
         with stream:
-            try:
-                with tarfile.open(fileobj=hashing, mode="r|") as tar:
-                    for member in tar:
-                        key, _, ext = member.name.partition(".")
-                        if not keys or keys[-1] != key:
-                            if images:
-                                decode_sample()
-                            keys.append(key)
-                        if decode and ext.lower() in IMAGE_EXTENSIONS:
-                            images[ext.lower()] = tar.extractfile(member).read()
-                        if ext == "cls":
-                            raw = tar.extractfile(member).read()
-                            try:
-                                label = int(raw)
-                            except ValueError:
-                                bad_labels.append(f"{key} ({raw[:20]!r} is not an integer)")
-                                continue
-                            if not 0 <= label < num_classes:
-                                bad_labels.append(f"{key} ({label} not in 0..{num_classes - 1})")
-                    if images:
-                        decode_sample()
-            except READ_ERRORS as e:
-                what = "empty" if hashing.size == 0 else f"not a complete tar after {hashing.size} bytes"
-                problems.append(f"{name}: {what} ({type(e).__name__}: {' '.join(str(e).split())})")
+            try:  # samples as training reads them (vit_mpp/tar_scan.py), so the counts compare
+                for sample in tar_scan.samples(tar_scan.TarReader(hashing), wanted):
+                    keys.append(sample.key)
+                    ext = image_member(sample.data) if decode else None
+                    if ext is not None:
+                        undecodable.check(sample.key, sample.data[ext])
+                    if "cls" in sample.data:
+                        raw = sample.data["cls"]
+                        try:
+                            label = int(raw)
+                        except ValueError:
+                            bad_labels.append(f"{sample.key} ({raw[:20]!r} is not an integer)")
+                            continue
+                        if not 0 <= label < num_classes:
+                            bad_labels.append(f"{sample.key} ({label} not in 0..{num_classes - 1})")
+            except tar_scan.TarDamaged as e:
+                problems.append(f"{name}: {e}")
             while hashing.read(1 << 20):  # the rest of the file (tar end blocks, padding) for size and sha256
                 pass
     except OSError as e:
@@ -145,14 +130,12 @@ def _thumbnails(location: str, info: dict, count: int) -> list[tuple[Image.Image
     for filename in split["filenames"]:
         samples: dict[str, dict[str, bytes]] = {}
         try:
-            with urls.open_url(shard_url(location, filename)) as stream, tarfile.open(fileobj=stream,
-                                                                                      mode="r|") as tar:
-                for member in tar:
-                    key, _, ext = member.name.partition(".")
-                    samples.setdefault(key, {})[ext] = tar.extractfile(member).read()
+            with urls.open_url(shard_url(location, filename)) as stream:
+                for sample in tar_scan.samples(tar_scan.TarReader(stream), _THUMB_MEMBERS):
+                    samples[sample.key] = sample.data
                     if len(samples) > count:
                         break
-        except READ_ERRORS:
+        except (tar_scan.TarDamaged, OSError):
             pass
         for key, files in samples.items():
             ext = image_member(files)

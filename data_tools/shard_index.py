@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
 from data_tools.decode_check import KeyTally
-from data_tools.tar_scan import ReadAhead, TarDamaged, TarReader, describe, samples
 from vit_mpp import urls
 from vit_mpp.image_formats import IMAGE_EXTENSIONS, image_member
 from vit_mpp.manifest import MAX_CLASSES
+from vit_mpp.tar_scan import ReadAhead, TarDamaged, TarReader, describe, samples
 
 IMAGES = frozenset(IMAGE_EXTENSIONS)
 DAMAGED, MISSING, UNREADABLE = "damaged", "missing", "unreadable"

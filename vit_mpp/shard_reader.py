@@ -1,5 +1,6 @@
 """Reading raw samples (dicts of member extension -> bytes, plus `__key__`) from webdataset shards, by sample range,
-with deadlines: what the training and evaluation streams are made of. Nothing is decoded here.
+with deadlines: what the training and evaluation streams are made of. Nothing is decoded here, and only the members
+training uses (the image, the `.cls`: READ_MEMBERS) are read into memory; the tar is parsed by vit_mpp/tar_scan.py.
 
 A split is one virtual sequence of samples, its shards in a given order; `range_segments` turns a range of that
 sequence into pieces of shards, and `read_segment` reads one piece, reopening a remote stream that breaks or stalls
@@ -10,17 +11,13 @@ from __future__ import annotations
 
 import http.client
 import random
-import re
 import sys
-import tarfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import webdataset as wds
-
-from vit_mpp import urls
+from vit_mpp import tar_scan, urls
 from vit_mpp.errors import UserError
 from vit_mpp.image_formats import IMAGE_EXTENSIONS
 from vit_mpp.manifest import Split
@@ -63,12 +60,13 @@ def range_segments(split: Split, order: list[int], start: int, stop: int) -> lis
 # A remote stream that breaks mid-shard (connection reset, truncated body, a stall past its deadline, a failed
 # command), or a local file that stalls (a hung network mount), is reopened `urls.RETRIES` times, after
 # `urls.WAIT_S`, then twice that, and so on; the samples already yielded are skipped, not repeated.
-STREAM_ERRORS = (OSError, tarfile.TarError, http.client.HTTPException)
+STREAM_ERRORS = (OSError, tar_scan.TarDamaged, http.client.HTTPException)
 
 
 def read_segment(seg: Segment, retries: int = urls.RETRIES, wait_s: float = urls.WAIT_S,
                  timeout: float = urls.READ_TIMEOUT_S) -> Iterator[dict[str, Any]]:
-    """Raw samples (dicts of extension -> bytes, plus `__key__`) of one shard segment; nothing is decoded.
+    """Raw samples (dicts of extension -> bytes for READ_MEMBERS, plus `__key__`) of one shard segment; nothing is
+    decoded.
 
     A remote shard whose stream breaks or stalls (no byte for `timeout` seconds), or a local one that stalls, is
     reopened (`retries` times) and read on from the next sample. A shard that still ends before the segment does
@@ -107,7 +105,7 @@ def read_segment(seg: Segment, retries: int = urls.RETRIES, wait_s: float = urls
             tries = f" ({attempt + 1} attempts)" if attempt else ""
             if error is not None:
                 what = "cannot be read" if urls.is_local(seg.url) else "the stream broke"
-                # webdataset's errors carry (message, stream, url): the message is what a user needs
+                # an error whose args carry more than its message (a url, a stream): the message is what a user needs
                 text = error.args[0] if error.args and isinstance(error.args[0], str) else str(error)
                 reason = " ".join(f"{type(error).__name__}: {text}".split())  # one line
                 raise ShardError(f"shard {seg.url}: {what} after sample {position} of {seg.stop}{tries}: {reason}")
@@ -131,29 +129,15 @@ def _warn_once(key: str, message: str) -> None:
 READ_MEMBERS: frozenset[str] = frozenset((*IMAGE_EXTENSIONS, "cls"))
 
 
-def _members(url: str, stream: Any) -> Iterator[dict[str, Any]]:
-    """Each regular member of a tar stream, as webdataset's grouping takes it ({fname, data, __url__}), in order.
-    The bytes are read only for READ_MEMBERS; any other member comes with empty data, so a sample keeps its key
-    (a sample with no image is still counted, and reported) while a member of any size costs no memory."""
-    with tarfile.open(fileobj=stream, mode="r|*") as tar:
-        for info in tar:
-            if not info.isreg() or _WDS_META.match(info.name):  # as webdataset: links, folders, `__x__` members
-                continue
-            _, suffix = wds.tariterators.base_plus_ext(info.name)
-            wanted = suffix is not None and suffix.lower() in READ_MEMBERS
-            data = tar.extractfile(info).read() if wanted else b""  # an unread member is skipped by the stream
-            yield {"fname": info.name, "data": data, "__url__": url}
-            tar.members = []  # a stream holds every TarInfo otherwise: memory grows with the shard
-
-
-_WDS_META = re.compile(r"__[^/]*__($|/)")
-
-
 def _samples(url: str, timeout: float = urls.READ_TIMEOUT_S) -> Iterator[dict[str, Any]]:
-    """Every raw sample of one shard, in order (only READ_MEMBERS hold bytes; see `_members`)."""
+    """Every raw sample of one shard, in order, as webdataset groups them: {__key__, __url__, and the bytes of its
+    READ_MEMBERS}. Read with the reader `build-shards index` counts with (vit_mpp/tar_scan.py), so the stream meets
+    the samples the manifest counted; other members cost no memory (a sample with no image keeps its key, and is
+    counted and reported), and damage is TarDamaged, never a quietly short shard."""
     stream = urls.open_url(url, timeout)
     try:
-        yield from wds.tariterators.group_by_keys(_members(url, stream))
+        for sample in tar_scan.samples(tar_scan.TarReader(stream), READ_MEMBERS):
+            yield {"__key__": sample.key, "__url__": url, **sample.data}
     finally:
         stream.close()
 

@@ -13,6 +13,7 @@ import os
 import struct
 import subprocess
 import sys
+import tarfile
 import time
 import zlib
 from pathlib import Path
@@ -22,10 +23,12 @@ import pytest
 from PIL import Image
 
 from data_tools.cli import main as build_main
+from data_tools.inspect_shards import verify
 from data_tools.writer import ShardWriter
 from tests.helpers.build import make_tree, one_line_error, result_files, samples, write_list
 from tests.helpers.processes import REPO, ctrl_c_enabled, interrupt_paused, subprocess_env
 from tests.helpers.shards import image_bytes
+from vit_mpp.manifest import load_split
 
 
 def failures(out: Path) -> list[dict]:
@@ -250,14 +253,33 @@ def test_inspect_reports_damaged_shards_as_problems(tmp_path, capsys):
     captured = capsys.readouterr()
     assert exit_info.value.code == 1 and captured.err == ""
     text = " ".join(captured.out.split())
-    for expected in (f"{shards[0].name}: not a complete tar", f"{shards[1].name}: empty",
-                     f"{shards[2].name}: not a complete tar", f"{shards[3].name}: missing",
+    for expected in (f"{shards[0].name}: truncated: the file ends inside", f"{shards[1].name}: empty file",
+                     f"{shards[2].name}: not a tar (no tar header at the start)", f"{shards[3].name}: missing",
                      f"{shards[4].name}: 2 label(s) out of range for num_classes 2, e.g.",
                      "(7 not in 0..1)", f"{shards[5].name}: 2 label(s) out of range", "(-1 not in 0..1)",
                      f"{shards[6].name}: 4 samples, manifest says 2", f"{shards[7].name}: 2 label(s)",
                      "is not an integer"):
         assert expected in text, expected
     assert Image.open(tmp_path / "grid.png").width > 0  # the grid is drawn from what is readable
+
+
+def test_inspect_counts_samples_as_training_reads_them(tmp_path, capsys):
+    # inspect grouped members by their name's first dot: a folder member or webdataset's `__meta__` members were
+    # counted as samples, and a healthy shard reported as holding more samples than its manifest says
+    make_tree(tmp_path / "src", {"a": 2, "b": 2})
+    build_main([str(tmp_path / "src"), str(tmp_path / "out"), "--shard-size", "4", "--val-fraction", "0"])
+    shard = next((tmp_path / "out").glob("train-*.tar"))
+    with tarfile.open(shard, "a") as tar:
+        folder = tarfile.TarInfo("a.folder")
+        folder.type = tarfile.DIRTYPE
+        tar.addfile(folder)
+        meta = tarfile.TarInfo("__meta__")
+        meta.size = 2
+        tar.addfile(meta, io.BytesIO(b"{}"))
+    _, info = load_split(tmp_path / "out", "train")
+    problems = verify(str(tmp_path / "out"), info)
+    assert all("samples, manifest says" not in p for p in problems), problems  # sha256 and size differ, not count
+    assert problems and all(("sha256" in p or "bytes, manifest says" in p) for p in problems), problems
 
 
 @pytest.mark.parametrize("manifest, message", [

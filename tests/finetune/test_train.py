@@ -16,6 +16,7 @@ from data_tools.cli import main as build_main
 from finetune import predict
 from finetune.augment import build_mixup, color_jitter
 from finetune.config import AugmentConfig, FinetuneOptimConfig
+from tests.helpers.build import samples as shard_samples
 from tests.helpers.runs import read_metrics, run_tiny_finetune
 from tests.helpers.shards import png_bytes
 from vit_mpp.config import ConfigError, ModelConfig
@@ -26,7 +27,6 @@ from vit_mpp.models import create_vit
 from vit_mpp.optimizer import build_optimizer
 from vit_mpp.pretrained import resize_pos_embed
 from vit_mpp.schedule import set_lr
-from vit_mpp.shard_reader import range_segments, read_segment
 
 
 def test_linear_probe_leaves_the_encoder_unchanged(probe_run, pretrained):
@@ -133,11 +133,11 @@ def test_predict_prepares_images_exactly_as_the_shards_hold_them(probe_run, tmp_
     rotated.save(src / "rotated.jpg", exif=exif)
     Image.fromarray(rng.integers(0, 65536, (24, 24), dtype=np.uint16)).save(src / "grey16.png")
     build_main([str(tmp_path / "src"), str(tmp_path / "shards"), "--val-fraction", "0", "--workers", "1"])
-    split, info = load_split(tmp_path / "shards", "train")
+    _, info = load_split(tmp_path / "shards", "train")
     model, pre = predict.load_classifier(probe_run / "export")
     pre.record["data"] = {"encoder": info["encoder"]}  # the settings these shards were built with
     decoder = ImageDecoder(pre.model.img_size, train=False, eval_crop_pct=pre.crop_pct)
-    for sample in read_segment(range_segments(split, [0], 0, 2)[0]):
+    for sample in shard_samples(tmp_path / "shards", "train"):  # with their .json, which the stream does not read
         source = json.loads(sample["json"])["source"]
         from_shard = decoder(sample["jpg"])
         by_predict = predict.prepared_image(src.parent / source, decoder, pre)

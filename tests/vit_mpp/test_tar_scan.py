@@ -1,4 +1,4 @@
-"""The streaming tar reader behind `build-shards index` (data_tools/tar_scan.py) sees the samples webdataset's own
+"""The streaming tar reader behind `build-shards index` (vit_mpp/tar_scan.py) sees the samples webdataset's own
 iterators give the training stream, on the tar dialects and member names met in the wild, and names damage that
 tarfile would pass over in silence."""
 
@@ -10,7 +10,7 @@ import tarfile
 import pytest
 import webdataset as wds
 
-from data_tools.tar_scan import CHUNK, TarDamaged, TarReader, samples
+from vit_mpp.tar_scan import CHUNK, TarDamaged, TarReader, samples
 
 NAMES = [
     "000001.jpg", "000001.txt", "000001.json",  # img2dataset
