@@ -150,19 +150,34 @@ def is_peer_error(error: BaseException) -> bool:
         return False
     if isinstance(error, dist.DistError):
         return True
-    text = str(error)
-    return isinstance(error, RuntimeError) and any(
-        s in text for s in ("Connection closed by peer", "Connection reset by peer", "gloo", "NCCL", "Broken pipe"))
+    return isinstance(error, RuntimeError) and names_broken_collective(str(error))
+
+
+# What gloo, NCCL and the store say when a peer went away or stopped answering. "pair closure" is gloo's timeout
+# met outside our own collectives (DDP's buffer broadcast in the forward pass), with no "gloo" in its text.
+BROKEN_COLLECTIVE_TEXTS = ("Connection closed by peer", "Connection reset by peer", "gloo", "NCCL", "Broken pipe",
+                           "timeout caused pair closure", "Timed out waiting")
+
+
+def names_broken_collective(text: str) -> bool:
+    """Whether an error's text says that a collective broke because of a peer."""
+    return any(s in text for s in BROKEN_COLLECTIVE_TEXTS)
 
 
 _stopping = threading.Lock()  # the signal watcher and the main thread may both find the failed peer: one line
 
 
-def stop_if_peer_failed() -> None:
+def stop_if_peer_failed(wait_s: float = 0.0) -> None:
     """If a peer noted a failure, print the one line naming it and end this process with status 2; else return.
 
     Its failure outranks everything else this rank sees then: the launcher's SIGTERM that follows it, and the
-    collective it breaks, arrive in either order."""
+    collective it breaks, arrive in either order. `wait_s`: how long to wait for this rank's process group, when
+    it is not made yet. A peer that fails right after the group is made (a check only the main rank runs) is
+    stopped by the launcher while this rank may still be finishing its part of making it; without the group its
+    note cannot be read, and this rank would stop without a word."""
+    deadline = time.monotonic() + wait_s
+    while _store() is None and int(os.environ.get("WORLD_SIZE", "1")) > 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
     peer = failed_peer()
     if peer is None:
         return

@@ -57,6 +57,9 @@ class Preempted(Exception):
         self.step = step
 
 
+GROUP_WAIT_S = 5.0  # a signal before the first step waits at most this long for the process group (see above)
+
+
 class StopSignals:
     """Catches the preemption signals for the life of a run (a context manager: the previous handlers come back)."""
 
@@ -114,7 +117,9 @@ class StopSignals:
                 self._on_signal(next(b for b in data if b in self.signals))
 
     def _on_signal(self, signum: int) -> None:
-        stop_if_peer_failed()  # the launcher stops this rank because a peer failed: say so, once, and go
+        # the launcher stops this rank because a peer failed: say so, once, and go (before the first step, the
+        # group may still be being made: wait for it a little, to read the peer's note)
+        stop_if_peer_failed(0.0 if self.in_loop else GROUP_WAIT_S)
         global signalled
         signalled = True
         if not self.in_loop:

@@ -7,11 +7,13 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 
 from tests.helpers.processes import REPO, alive, subprocess_env
+from vit_mpp import launcher
 from vit_mpp.data_stream import make_loader
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
@@ -84,3 +86,49 @@ def test_a_peer_failure_outranks_the_launchers_sigterm_that_follows_it():
     errors = [p.communicate(timeout=120)[1] for p in ranks]
     assert [p.returncode for p in ranks] == [2, 2], errors
     assert errors[0].strip().splitlines() == ["error: [rank 0] stopped: rank 1 failed (its error is above)"], errors
+
+
+class NotedStore:
+    """A store holding the note of rank 1's failure."""
+
+    def set_timeout(self, timeout) -> None:
+        pass
+
+    def check(self, keys) -> bool:
+        return True
+
+    def get(self, key) -> bytes:
+        return b"1"
+
+
+def test_a_signal_while_the_group_is_being_made_waits_for_it_to_read_the_peers_note(monkeypatch, capsys):
+    # slow CI: rank 0 failed a check only it runs right after the group was made; torch elastic stopped rank 1 while
+    # rank 1 was still finishing its part of making it, so rank 1 could not read the note and stopped without a word
+    calls = []
+
+    def store():
+        calls.append(1)
+        return None if len(calls) < 4 else NotedStore()  # the group is up on the 4th look
+
+    monkeypatch.setattr(launcher, "_store", store)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(launcher.os, "_exit", lambda code: (_ for _ in ()).throw(SystemExit(code)))
+    monkeypatch.setattr(launcher, "_stopping", threading.Lock())  # the line's lock is never released: a fresh one
+    launcher.stop_if_peer_failed(0.0)  # no wait: the note cannot be read, nothing is said
+    assert capsys.readouterr().err == ""
+    calls.clear()
+    with pytest.raises(SystemExit) as e:
+        launcher.stop_if_peer_failed(5.0)
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip() == "error: [rank 0] stopped: rank 1 failed (its error is above)"
+
+
+@pytest.mark.parametrize("text, broken", [
+    ("Application timeout caused pair closure", True),  # slow CI: DDP's buffer broadcast met the hung peer
+    ("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1234", True),
+    ("Timed out waiting 5000ms for recv operation to complete", True),
+    ("CUDA out of memory", False), ("shape mismatch", False),
+])
+def test_the_errors_of_a_broken_collective_are_known_by_their_text(text, broken):
+    assert launcher.names_broken_collective(text) is broken
