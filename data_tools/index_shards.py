@@ -210,6 +210,8 @@ def build_manifest(locations: list[str], location_splits: list[str], shards: lis
         # millions of strings for one stray large label); everything that shows names falls back to the index
         info.update(num_classes=top + 1, label_range=[min(r.label_min for r in labelled), top],
                     num_unlabelled=sum(r.samples - r.labelled for _, r in good))
+        for name, entry in splits.items():  # per split too: fine-tuning checks the splits it reads before it starts
+            entry["num_unlabelled"] = sum(r.samples - r.labelled for ref, r in good if ref.split == name)
     if place.location is not None:
         info["location"] = place.location
     info["indexed"] = True
@@ -236,7 +238,7 @@ def report(info: dict, shards: list[ShardRef], results: list[ShardIndex]) -> lis
                                 if getattr(r, attr) is not None and getattr(r, attr).count])
     if info.get("num_unlabelled"):
         lines.append(f"warning: {info['num_unlabelled']:,} sample(s) have no label (.cls) while others do: "
-                     "fine-tuning stops at the first of them; pretraining does not read labels")
+                     "fine-tuning refuses the splits that hold them; pretraining does not read labels")
     return lines
 
 

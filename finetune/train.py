@@ -56,7 +56,8 @@ def _train(cfg: FinetuneConfig, signals: StopSignals) -> None:
     # The checkpoint's architecture (a model.* key set otherwise is refused before any write), so that config.yaml
     # names the model this run trains, not model.name's default.
     cfg = replaced(cfg, model=resolve_architecture(cfg.init, cfg.model))
-    run = start_run(cfg)  # accelerator, checks, seed, data manifests, run directory, logs
+    # accelerator, checks, seed, data manifests (classes and labels checked), run directory, logs
+    run = start_run(cfg, partial(classes_of, cfg))
     accelerator, gbatch, data, log, audit = run.accelerator, run.gbatch, run.data, run.log, run.audit
     num_classes, class_names = classes_of(cfg, data)
 
@@ -172,7 +173,22 @@ def classes_of(cfg: FinetuneConfig, data: TrainingData) -> tuple[int, list[str] 
     if not num_classes:
         raise ConfigError("num_classes is not set and the manifest names no classes: the shards carry no labels, "
                           "which pretraining accepts but a classifier cannot learn from")
+    read = [(loc, man, cfg.data.train_split) for loc, man in zip(data.locations, data.manifests)]
+    for location, manifest, split in read + ([(data.val_location, data.val_manifest, cfg.data.val_split)]
+                                             if data.val_manifest is not None else []):
+        _check_every_sample_labelled(location, manifest, split)
     return num_classes, names[0]
+
+
+def _check_every_sample_labelled(location: str, manifest: dict, split: str) -> None:
+    """Refuse, before the run starts, a split whose manifest counts samples without a usable label (an indexed
+    set: `build-shards index` counts them per split); the stream would stop at the first of them, an epoch in."""
+    entry = manifest["splits"][split]
+    missing, bad = entry.get("num_unlabelled", 0), entry.get("num_bad_labels", 0)
+    if missing or bad:
+        raise ConfigError(f"split '{split}' of {location} has {max(missing, bad):,} sample(s) without a usable label "
+                          f"({bad:,} of them with a .cls that is not a class index; the manifest lists their keys): a "
+                          "classifier needs a label on every sample; pretraining accepts them")
 
 
 def summary(cfg: FinetuneConfig, model: torch.nn.Module, model_cfg: ModelConfig, num_classes: int,

@@ -4,6 +4,7 @@ log and the sample audit. The data is read before the run directory is touched, 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,14 +34,18 @@ class RunStart:
     dry_run: bool
 
 
-def start_run(cfg: Any) -> RunStart:
-    """Start a run of a stage config (with `train`, `data` and `export` sections); see the module doc."""
+def start_run(cfg: Any, check_data: Callable[[TrainingData], object] | None = None) -> RunStart:
+    """Start a run of a stage config (with `train`, `data` and `export` sections); see the module doc.
+    `check_data`: the stage's own checks of the data (fine-tuning: classes and labels), run before the run
+    directory is touched."""
     tc, dry_run = cfg.train, is_dry_run(cfg)
     accelerator, gbatch = make_accelerator(tc)
     if accelerator.is_main_process:
         check_hub(cfg.export)  # a push at the end of a long run must not fail for want of a token
     set_seed(tc.seed, device_specific=True)  # a different corruption draw and dropout on every process
     data = load_training_data(cfg.data)
+    if check_data is not None:
+        check_data(data)
     with accelerator.main_process_first():
         changed = prepare_run_dir(tc.run_dir, cfg, accelerator.is_main_process, dry_run)
     layout = Layout(accelerator.num_processes, max(1, cfg.data.num_workers), gbatch.micro_batch, gbatch.accum_steps)

@@ -27,6 +27,7 @@ class TrainingData:
     manifests: list[dict[str, Any]]
     val_location: str
     val_split: Split | None
+    val_manifest: dict[str, Any] | None = None
 
     @property
     def sizes(self) -> list[int]:
@@ -102,5 +103,5 @@ def load_training_data(data: DataConfig, evaluate: bool = True) -> TrainingData:
         names.append(name if name not in names else f"{name}#{len(names)}")  # unique, for logs and the audit
     sets = [TrainSet(name, split, weight) for name, (split, _), weight in zip(names, loaded, weights)]
     val_location = data.val_shards or locations[0]
-    val_split = load_split(val_location, data.val_split)[0] if evaluate and data.val_split else None
-    return TrainingData(sets, locations, [manifest for _, manifest in loaded], val_location, val_split)
+    val_split, val_manifest = load_split(val_location, data.val_split) if evaluate and data.val_split else (None, None)
+    return TrainingData(sets, locations, [manifest for _, manifest in loaded], val_location, val_split, val_manifest)

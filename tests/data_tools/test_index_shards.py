@@ -233,7 +233,16 @@ def test_labels_that_are_not_class_indices_are_recorded_not_counted(tmp_path, ca
     assert info["num_unlabelled"] == 4  # f (a negative label is no label, as training reads it) and the bad ones
     bad = info["splits"]["train"]["bad_labels"]
     assert info["splits"]["train"]["num_bad_labels"] == 3 and bad[0]["keys"] == ["b", "c", "d"]
+    assert info["splits"]["train"]["num_unlabelled"] == 4
     assert "bad label: " in capsys.readouterr().out
+    # fine-tuning refuses the split before its run directory is written, not at the first such sample, an epoch in
+    run_dir = tmp_path / "finetune"
+    line = refused(capsys, finetune_main, ["--config", "configs/finetune/tiny.yaml", f"data.shards={folder}",
+                                           "data.val_split=", "init.checkpoint=", f"train.run_dir={run_dir}"])
+    assert line == (f"error: split 'train' of {folder} has 4 sample(s) without a usable label (3 of them with a .cls "
+                    "that is not a class index; the manifest lists their keys): a classifier needs a label on every "
+                    "sample; pretraining accepts them"), line
+    assert not run_dir.exists()
 
 
 def test_timm_style_labelled_shards_get_classes_and_fine_tune(tmp_path, capsys):
