@@ -95,3 +95,23 @@ def test_one_set_named_two_ways_in_a_mixture_is_refused(demo_shards, other):
     second = other.format(s=demo_shards, name=demo_shards.name)
     with pytest.raises(ConfigError, match=f"{demo_shards} and {second} hold the same shard .*: name each set once"):
         load_training_data(DataConfig(shards=[str(demo_shards), second]))
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"class_names": ["x", "y", "z", "w"]}, "the sets of data.shards name different classes"),
+    ({"num_classes": 0, "class_names": []}, "num_classes is not set and the manifest names no classes"),
+])
+def test_fine_tuning_checks_the_classes_before_its_run_directory(tmp_path, demo_shards, encoder_export, capsys,
+                                                                 change, message):
+    other = tmp_path / "other"
+    shutil.copytree(demo_shards, other)
+    info = json.loads((other / "_info.json").read_text())
+    (other / "_info.json").write_text(json.dumps({**info, **change, "name": "other"}))
+    shards = f"data.shards=[{demo_shards},{other}]" if "different" in message else f"data.shards={other}"
+    argv = ["--config", "configs/finetune/tiny.yaml", shards, f"train.run_dir={tmp_path / 'run'}",
+            f"init.checkpoint={encoder_export}"]
+    with pytest.raises(SystemExit) as e:
+        run_main(finetune_main, argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and message in err[0], err
+    assert not (tmp_path / "run").exists()  # it was written before the check
