@@ -29,7 +29,7 @@ from vit_mpp.cli import run_main
 from vit_mpp.config import ConfigError, DataConfig
 from vit_mpp.data_stream import build_eval_loader
 from vit_mpp.dry_run import probe
-from vit_mpp.manifest import load_split
+from vit_mpp.manifest import check_every_sample_labelled, load_split
 from vit_mpp.pretrained import Pretrained, load_classifier, results_folder
 from vit_mpp.progress import progress
 from vit_mpp.step_meter import with_unread
@@ -99,6 +99,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     accelerator = make_eval_accelerator(args.mixed_precision)
     model, pre = load_classifier(args.checkpoint)
     split, info = load_split(args.shards, args.split)
+    check_every_sample_labelled(args.shards, info, args.split)
     warning = check_classes(pre, info, args.shards, args.ignore_class_names)
     if warning:
         accelerator.print(warning)

@@ -29,6 +29,7 @@ from vit_mpp.accelerator import prepare_model
 from vit_mpp.checkpoint import Checkpointer, resume_run
 from vit_mpp.config import ConfigError, ModelConfig, parse_args, replaced, to_dict
 from vit_mpp.data_stream import build_eval_loader, build_train_loader, to_device
+from vit_mpp.manifest import check_every_sample_labelled
 from vit_mpp.models import count_params
 from vit_mpp.optimizer import build_optimizer
 from vit_mpp.preemption import StepBoundary, StopSignals
@@ -176,19 +177,8 @@ def classes_of(cfg: FinetuneConfig, data: TrainingData) -> tuple[int, list[str] 
     read = [(loc, man, cfg.data.train_split) for loc, man in zip(data.locations, data.manifests)]
     for location, manifest, split in read + ([(data.val_location, data.val_manifest, cfg.data.val_split)]
                                              if data.val_manifest is not None else []):
-        _check_every_sample_labelled(location, manifest, split)
+        check_every_sample_labelled(location, manifest, split)
     return num_classes, names[0]
-
-
-def _check_every_sample_labelled(location: str, manifest: dict, split: str) -> None:
-    """Refuse, before the run starts, a split whose manifest counts samples without a usable label (an indexed
-    set: `build-shards index` counts them per split); the stream would stop at the first of them, an epoch in."""
-    entry = manifest["splits"][split]
-    missing, bad = entry.get("num_unlabelled", 0), entry.get("num_bad_labels", 0)
-    if missing or bad:
-        raise ConfigError(f"split '{split}' of {location} has {max(missing, bad):,} sample(s) without a usable label "
-                          f"({bad:,} of them with a .cls that is not a class index; the manifest lists their keys): a "
-                          "classifier needs a label on every sample; pretraining accepts them")
 
 
 def summary(cfg: FinetuneConfig, model: torch.nn.Module, model_cfg: ModelConfig, num_classes: int,

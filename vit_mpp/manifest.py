@@ -141,6 +141,17 @@ def check_manifest(info: dict[str, Any], where: str) -> None:
         raise bad(f"'class_names' names {len(names)} classes but 'num_classes' is {info['num_classes']}")
 
 
+def check_every_sample_labelled(location: str | Path, info: dict[str, Any], split: str) -> None:
+    """Refuse a split whose manifest counts samples without a usable label (an indexed set: `build-shards index`
+    counts them per split), before anything starts: a classifier's stream would stop at the first of them."""
+    entry = info["splits"][split]
+    missing, bad = entry.get("num_unlabelled", 0), entry.get("num_bad_labels", 0)
+    if missing or bad:
+        raise ManifestError(f"split '{split}' of {location} has {max(missing, bad):,} sample(s) without a usable "
+                            f"label ({bad:,} of them with a .cls that is not a class index; the manifest lists their "
+                            "keys): a classifier needs a label on every sample; pretraining accepts them")
+
+
 def load_split(location: str | Path, split: str) -> tuple[Split, dict[str, Any]]:
     """The named split of the shard set at `location`, with shard URLs resolved, plus the whole manifest."""
     if not str(location).strip():

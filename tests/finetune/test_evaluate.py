@@ -90,11 +90,17 @@ def bad(shards, tmp_path_factory) -> dict[str, Path]:
     info = json.loads((unnamed / "_info.json").read_text())
     info.pop("class_names"), info.pop("num_classes")
     (unnamed / "_info.json").write_text(json.dumps(info))
+    unlabelled = root / "unlabelled_shards"  # an indexed set counting samples without a usable label
+    shutil.copytree(shards, unlabelled)
+    info = json.loads((unlabelled / "_info.json").read_text())
+    info["splits"]["val"].update(num_unlabelled=2, num_bad_labels=1)
+    (unlabelled / "_info.json").write_text(json.dumps(info))
     return {"encoder": write_encoder_export(root / "encoder", create_vit(ModelConfig(img_size=16, **SMALL)),
                                             ModelConfig(img_size=16, **SMALL)),
             "two": classifier(root / "two", 2, ["a", "b"]), "two_unnamed": classifier(root / "two_unnamed", 2, None),
             "renamed": classifier(root / "renamed", 3, ["a", "b", "x"]),
-            "reordered": classifier(root / "reordered", 3, ["c", "b", "a"]), "unnamed_shards": unnamed}
+            "reordered": classifier(root / "reordered", 3, ["c", "b", "a"]), "unnamed_shards": unnamed,
+            "unlabelled_shards": unlabelled}
 
 
 BAD_INPUTS = [  # (id, arguments, what the one line must say)
@@ -108,6 +114,8 @@ BAD_INPUTS = [  # (id, arguments, what the one line must say)
      "the classifier has 2 classes but the shards at"),
     ("labels outside the classes", ["--checkpoint", "{two_unnamed}", "--shards", "{unnamed_shards}", "--workers", "1"],
      "has label 2, outside the 2 classes"),
+    ("samples without labels", ["--checkpoint", "{renamed}", "--shards", "{unlabelled_shards}"],
+     "has 2 sample(s) without a usable label (1 of them with a .cls that is not a class index"),
     ("class names", ["--checkpoint", "{renamed}", "--shards", "{shards}"],
      "class 2 is 'x' in the classifier, 'c' in the shards"),
     ("class order", ["--checkpoint", "{reordered}", "--shards", "{shards}"], "the same names in another order"),
