@@ -36,6 +36,8 @@ _PAX = frozenset((tarfile.XHDTYPE[0], tarfile.SOLARIS_XHDTYPE[0]))
 _PAX_GLOBAL = tarfile.XGLTYPE[0]
 _EXTENDED = _PAX | {_PAX_GLOBAL, _LONGNAME, _LONGLINK, _SPARSE}  # headers that describe the next member
 _AREG, _REG = tarfile.AREGTYPE[0], tarfile.REGTYPE[0]
+# The magic numbers of compressed archives, to say why such a file is not read (a .tar.gz named .tar)
+_COMPRESSED = ((b"\x1f\x8b", "gzip"), (b"BZh", "bzip2"), (b"\xfd7zXZ\x00", "xz"), (b"\x28\xb5\x2f\xfd", "zstd"))
 
 
 @functools.cache
@@ -112,6 +114,13 @@ def _pax_records(data: bytes) -> dict[str, bytes]:
         records[key.decode("utf-8", "surrogateescape")] = value
         pos += length
     return records
+
+
+def _not_a_tar(head: bytes, why: str) -> TarDamaged:
+    """The error for a file that is no tar from its first byte: a compressed archive says so."""
+    packed = next((kind for magic, kind in _COMPRESSED if head.startswith(magic)), None)
+    return TarDamaged(f"not a tar: {packed}-compressed (shards are read as plain tars; decompress it)" if packed
+                      else f"not a tar ({why})")
 
 
 class TarReader:
@@ -244,15 +253,16 @@ class TarReader:
         came."""
         if len(self.buf) > self.off:
             if first:
-                raise TarDamaged(f"not a tar ({self.bytes_read} bytes, less than one 512-byte tar header)")
+                raise _not_a_tar(self.buf[self.off:], f"{self.bytes_read} bytes, less than one 512-byte tar header")
             raise TarDamaged(f"truncated: the file ends inside a header at byte {self.bytes_read}")
         if first:
             raise TarDamaged("empty file")
 
     def _bad_header(self, off: int, first: bool, why: str) -> TarDamaged:
+        if first:
+            return _not_a_tar(self.buf[off:], "no tar header at the start")
         at = self.bytes_read - (len(self.buf) - off)
-        return TarDamaged("not a tar (no tar header at the start)" if first else f"damaged tar header at byte {at} "
-                          f"({why})")
+        return TarDamaged(f"damaged tar header at byte {at} ({why})")
 
     def _numbers(self, header: bytes, off: int, first: bool) -> tuple[int, int]:
         """(checksum, size) of a header whose fields are not plain octal (base-256, or damaged)."""

@@ -4,7 +4,11 @@ tarfile would pass over in silence."""
 
 from __future__ import annotations
 
+import bz2
+import gzip
 import io
+import lzma
+import random
 import tarfile
 
 import pytest
@@ -106,12 +110,19 @@ def test_a_field_twice_in_a_sample_is_damage_as_webdataset_refuses_it():
         our_samples(out.getvalue())
 
 
+RANDOM = random.Random(0).randbytes(4000)
+
+
 @pytest.mark.parametrize("data, reason", [
     (b"", "empty file"),
     (b"PK\x03\x04" + bytes(2000), "not a tar"),
     (bytes(1024), "not a tar (starts with a zero block)"),
     (b"x" * 700, "not a tar"),
     (b"myhost\n", "not a tar (7 bytes, less than one 512-byte tar header)"),
+    # a .tar.gz named .tar: tarfile's "r|*" read it, this reader says why it does not
+    (gzip.compress(RANDOM), "not a tar: gzip-compressed (shards are read as plain tars; decompress it)"),
+    (bz2.compress(RANDOM), "not a tar: bzip2-compressed"), (lzma.compress(RANDOM), "not a tar: xz-compressed"),
+    (gzip.compress(b"x"), "not a tar: gzip-compressed"),  # shorter than a header
 ])
 def test_what_is_not_a_tar(data, reason):
     with pytest.raises(TarDamaged, match=reason.replace("(", r"\(").replace(")", r"\)")):
