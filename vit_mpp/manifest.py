@@ -145,7 +145,7 @@ def check_every_sample_labelled(location: str | Path, info: dict[str, Any], spli
     """Refuse a split whose manifest counts samples without a usable label (an indexed set: `build-shards index`
     counts them per split), before anything starts: a classifier's stream would stop at the first of them."""
     entry = info["splits"][split]
-    missing, bad = entry.get("num_unlabelled", 0), entry.get("num_bad_labels", 0)
+    missing, bad = (n if _is_count(n) else 0 for n in (entry.get("num_unlabelled"), entry.get("num_bad_labels")))
     if missing or bad:
         raise ManifestError(f"split '{split}' of {location} has {max(missing, bad):,} sample(s) without a usable "
                             f"label ({bad:,} of them with a .cls that is not a class index; the manifest lists their "
