@@ -60,7 +60,7 @@ def _train(cfg: FinetuneConfig, signals: StopSignals) -> None:
     # accelerator, checks, seed, data manifests (classes and labels checked), run directory, logs
     run = start_run(cfg, partial(classes_of, cfg))
     accelerator, gbatch, data, log, audit = run.accelerator, run.gbatch, run.data, run.log, run.audit
-    num_classes, class_names = classes_of(cfg, data)
+    num_classes, class_names = run.data_check
 
     # Model: encoder (pretrained or not) with position embeddings resized to model.img_size and a zero head.
     model, mean, std, model_cfg = build_classifier(cfg.init, cfg.model, num_classes, freeze=tc.mode == "linear_probe")
@@ -164,7 +164,8 @@ def _val_loader(accelerator: Accelerator, cfg: FinetuneConfig, data: TrainingDat
 
 def classes_of(cfg: FinetuneConfig, data: TrainingData) -> tuple[int, list[str] | None]:
     """(number of classes, class names): `num_classes`, or the manifests'; every set of a mixture must name the same
-    classes (labels are class indices)."""
+    classes (labels are class indices), and no split read (training, evaluation) may count samples without a usable
+    label. Run by `start_run` before the run directory is touched."""
     names = [m.get("class_names") or None for m in data.manifests]
     if any(n != names[0] for n in names[1:]):
         raise ConfigError("the sets of data.shards name different classes: a classifier's labels must mean the same "
@@ -174,10 +175,10 @@ def classes_of(cfg: FinetuneConfig, data: TrainingData) -> tuple[int, list[str] 
     if not num_classes:
         raise ConfigError("num_classes is not set and the manifest names no classes: the shards carry no labels, "
                           "which pretraining accepts but a classifier cannot learn from")
-    read = [(loc, man, cfg.data.train_split) for loc, man in zip(data.locations, data.manifests)]
-    for location, manifest, split in read + ([(data.val_location, data.val_manifest, cfg.data.val_split)]
-                                             if data.val_manifest is not None else []):
-        check_every_sample_labelled(location, manifest, split)
+    for location, manifest in zip(data.locations, data.manifests):
+        check_every_sample_labelled(location, manifest, cfg.data.train_split)
+    if data.val_manifest is not None:
+        check_every_sample_labelled(data.val_location, data.val_manifest, cfg.data.val_split)
     return num_classes, names[0]
 
 

@@ -32,23 +32,24 @@ class RunStart:
     log: MetricsLog
     audit: SampleAudit
     dry_run: bool
+    data_check: Any = None  # what the stage's `check_data` returned (fine-tuning: its classes)
 
 
 def start_run(cfg: Any, check_data: Callable[[TrainingData], object] | None = None) -> RunStart:
     """Start a run of a stage config (with `train`, `data` and `export` sections); see the module doc.
     `check_data`: the stage's own checks of the data (fine-tuning: classes and labels), run before the run
-    directory is touched."""
+    directory is touched; what it returns is kept as `data_check`."""
     tc, dry_run = cfg.train, is_dry_run(cfg)
     accelerator, gbatch = make_accelerator(tc)
     if accelerator.is_main_process:
         check_hub(cfg.export)  # a push at the end of a long run must not fail for want of a token
     set_seed(tc.seed, device_specific=True)  # a different corruption draw and dropout on every process
     data = load_training_data(cfg.data)
-    if check_data is not None:
-        check_data(data)
+    data_check = check_data(data) if check_data is not None else None
     with accelerator.main_process_first():
         changed = prepare_run_dir(tc.run_dir, cfg, accelerator.is_main_process, dry_run)
     layout = Layout(accelerator.num_processes, max(1, cfg.data.num_workers), gbatch.micro_batch, gbatch.accum_steps)
     is_main = accelerator.is_main_process and not dry_run
     audit = SampleAudit(tc.run_dir, accelerator.process_index, is_main, data.names, tc.record_samples and not dry_run)
-    return RunStart(accelerator, gbatch, layout, data, changed, MetricsLog(tc.run_dir, is_main), audit, dry_run)
+    return RunStart(accelerator, gbatch, layout, data, changed, MetricsLog(tc.run_dir, is_main), audit, dry_run,
+                    data_check)
