@@ -4,17 +4,17 @@
 
 Every shard is read once, as a stream (OUT may be a URL, or a manifest's `.json` file), and checked against the
 manifest: present, its size and sha256 (when the manifest has them), a readable tar (not empty, not truncated), its
-sample count, keys unique within and across shards, and each `.cls` an integer in 0..num_classes-1; with `--decode`
-also every sample's image, decoded as `build-shards index --verify` does (data_tools/decode_check.py). Each mismatch
-is reported as a problem, never a crash: exit status 0 when there is none, 1 otherwise. A missing or unusable
-`_info.json` is a one-line error (exit status 2).
+sample count, keys unique within and across shards, and each `.cls` a class index below num_classes (read as
+training reads labels, vit_mpp/labels.py: a negative `.cls` is no label); with `--decode` also every sample's image,
+decoded as `build-shards index --verify` does (data_tools/decode_check.py). Each mismatch is reported as a problem,
+never a crash: exit status 0 when there is none, 1 otherwise. A missing or unusable `_info.json` is a one-line
+error (exit status 2).
 """
 
 from __future__ import annotations
 
 import hashlib
 import io
-import json
 from pathlib import Path
 from typing import Any
 
@@ -26,10 +26,11 @@ from data_tools.decode_check import KeyTally
 from vit_mpp import tar_scan, urls
 from vit_mpp.errors import UserError
 from vit_mpp.image_formats import IMAGE_EXTENSIONS, image_member
+from vit_mpp.labels import BadLabel, cls_label, sample_label
 from vit_mpp.manifest import check_manifest, manifest_file, read_manifest, shard_base, shard_url
 
 THUMB = 96
-_THUMB_MEMBERS = frozenset((*IMAGE_EXTENSIONS, "cls", "json"))  # a thumbnail's image and its label
+_THUMB_MEMBERS = frozenset((*IMAGE_EXTENSIONS, "cls"))  # a thumbnail's image and its label
 
 
 class _Hashing(io.RawIOBase):
@@ -74,15 +75,14 @@ def check_shard(location: str, name: str, count: int, size: int | None, digest: 
                     ext = image_member(sample.data) if decode else None
                     if ext is not None:
                         undecodable.check(sample.key, sample.data[ext])
-                    if "cls" in sample.data:
-                        raw = sample.data["cls"]
-                        try:
-                            label = int(raw)
-                        except ValueError:
-                            bad_labels.append(f"{sample.key} ({raw[:20]!r} is not an integer)")
-                            continue
-                        if not 0 <= label < num_classes:
-                            bad_labels.append(f"{sample.key} ({label} not in 0..{num_classes - 1})")
+                    try:
+                        label = cls_label(sample.data.get("cls"))
+                    except BadLabel as e:
+                        bad_labels.append(f"{sample.key} ({e})")
+                        continue
+                    if label >= num_classes:
+                        bad_labels.append(f"{sample.key} ({label} not in 0..{num_classes - 1})" if num_classes else
+                                          f"{sample.key} ({label}: the manifest lists no classes)")
             except tar_scan.TarDamaged as e:
                 problems.append(f"{name}: {e}")
             while hashing.read(1 << 20):  # the rest of the file (tar end blocks, padding) for size and sha256
@@ -96,7 +96,7 @@ def check_shard(location: str, name: str, count: int, size: int | None, digest: 
     if len(keys) != count:
         problems.append(f"{name}: {len(keys)} samples, manifest says {count}")
     if bad_labels:
-        problems.append(f"{name}: {len(bad_labels)} label(s) out of range for num_classes {num_classes}, e.g. "
+        problems.append(f"{name}: {len(bad_labels)} bad label(s) for num_classes {num_classes}, e.g. "
                         f"{', '.join(bad_labels[:3])}")
     if undecodable.count:
         problems.append(f"{name}: undecodable image(s) in {undecodable.describe()}")
@@ -141,10 +141,9 @@ def _thumbnails(location: str, info: dict, count: int) -> list[tuple[Image.Image
             ext = image_member(files)
             try:
                 img = Image.open(io.BytesIO(files[ext])).convert("RGB") if ext else None
-                label = int(files["cls"]) if "cls" in files else int(json.loads(files.get("json", b"{}"))
-                                                                     .get("label", -1))
             except (OSError, ValueError, SyntaxError):
                 continue
+            label = sample_label(files)
             if img is None:
                 continue
             img.thumbnail((THUMB, THUMB))

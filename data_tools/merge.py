@@ -36,11 +36,16 @@ class NothingWritten(UserError):
 
 
 def split_entry(name: str, records: list[dict]) -> dict:
-    """The manifest's entry for one split (timm's schema plus shard_bytes and shard_sha256)."""
+    """The manifest's entry for one split (timm's schema plus shard_bytes and shard_sha256, and `num_unlabelled`
+    where samples were written without a label, so fine-tuning can refuse the split before it starts)."""
     shards = [s for r in records for s in r["shards"]]
-    return {"name": name, "num_samples": sum(s["count"] for s in shards), "filenames": [s["filename"] for s in shards],
-            "shard_lengths": [s["count"] for s in shards], "shard_bytes": [s["bytes"] for s in shards],
-            "shard_sha256": [s["sha256"] for s in shards]}
+    entry = {"name": name, "num_samples": sum(s["count"] for s in shards),
+             "filenames": [s["filename"] for s in shards], "shard_lengths": [s["count"] for s in shards],
+             "shard_bytes": [s["bytes"] for s in shards], "shard_sha256": [s["sha256"] for s in shards]}
+    unlabelled = [r.get("unlabelled") for r in records]
+    if all(isinstance(n, int) for n in unlabelled) and sum(unlabelled):  # ranges of older builds do not say
+        entry["num_unlabelled"] = sum(unlabelled)
+    return entry
 
 
 def manifest(base: dict, entries: dict, num_failures: int, reasons: dict, build_id: str) -> dict:

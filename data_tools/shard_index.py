@@ -19,7 +19,7 @@ from typing import Any, BinaryIO
 from data_tools.decode_check import KeyTally
 from vit_mpp import urls
 from vit_mpp.image_formats import IMAGE_EXTENSIONS, image_member
-from vit_mpp.manifest import MAX_CLASSES
+from vit_mpp.labels import BadLabel, cls_label
 from vit_mpp.tar_scan import ReadAhead, TarDamaged, TarReader, describe, samples
 
 IMAGES = frozenset(IMAGE_EXTENSIONS)
@@ -53,16 +53,13 @@ class ShardIndex:
     reason: str = ""
 
     def add_label(self, raw: bytes, key: str) -> None:
-        """Count a `.cls` as training reads it (vit_mpp.image_decoder.sample_label: int(); negative = none)."""
+        """Count a `.cls` as training reads it (vit_mpp/labels.py: negative is none, a bad one is recorded)."""
         try:
-            label = int(raw)
-        except ValueError:
-            self.bad_label.add(key, f"{raw[:20]!r} is not an integer")
+            label = cls_label(raw)
+        except BadLabel as e:
+            self.bad_label.add(key, str(e))
             return
         if label < 0:
-            return
-        if label >= MAX_CLASSES:
-            self.bad_label.add(key, f"{label} is above the largest class index, {MAX_CLASSES - 1}")
             return
         self.labelled += 1
         self.label_min = label if self.label_min is None else min(self.label_min, label)

@@ -99,6 +99,7 @@ def write_range(task: RangeTask, ctx: WorkContext, staging: Path, tick: Callable
     shards: list[dict] = []
     failures: list[dict] = []
     writer: ShardWriter | None = None
+    unlabelled = 0  # samples written without a label (--unlabelled-rows keep), for the split's count
     refs = [item.ref for item in task.items]
     for position, item, data in zip(range(task.start, task.end), task.items, ctx.reader.read_many(refs)):
         if stopped():
@@ -117,6 +118,7 @@ def write_range(task: RangeTask, ctx: WorkContext, staging: Path, tick: Callable
             piece = len(shards) if task.shard_bytes else None
             writer = ShardWriter(Path(staging) / shard_name(task.split, task.index, piece, task.group))
         writer.write(sample_key(task.split, position, task.group), sample_files(result, item))
+        unlabelled += item.label < 0
         if task.shard_bytes and writer.bytes_written >= task.shard_bytes and position + 1 < task.end:
             shards.append(_finish(writer))
             writer = None
@@ -124,7 +126,7 @@ def write_range(task: RangeTask, ctx: WorkContext, staging: Path, tick: Callable
         shards.append(_finish(writer))
     group = {} if task.group is None else {"group": task.group}
     return {"type": "range", **group, "split": task.split, "range": task.index, "start": task.start,
-            "end": task.end, "shards": shards, "failures": failures}
+            "end": task.end, "shards": shards, "unlabelled": unlabelled, "failures": failures}
 
 
 # ---------------------------------------------------------------- local worker processes

@@ -21,7 +21,7 @@ from vit_mpp.config import (
     opt,
     section,
 )
-from vit_mpp.manifest import MAX_CLASSES
+from vit_mpp.labels import MAX_CLASSES
 
 DESCRIPTION = "Fine-tuning a ViT encoder into a classifier (the paper's rule: zero head, resized position embeddings)."
 

@@ -504,6 +504,12 @@ class DataConfig:
         if self.weights is not None and len(self.weights) != len(locations):
             yield "weights", (f"gives {len(self.weights)} weight(s) for the {len(locations)} set(s) of data.shards: "
                               "one per set")
+        # A share below a double's resolution is no share: the set is never drawn, and an epoch (a pass over the set
+        # that runs out first) would be infinitely long
+        tiny = [w for w in self.weights or () if 0 < w < math.fsum(self.weights) * 2.0**-53]
+        if tiny:
+            yield "weights", (f"gives {tiny[0]!r} against a sum of {math.fsum(self.weights)!r}: a share too small "
+                              "to draw a sample from (below 1 in 2**53); give 0 to leave a set out")
 
     def shard_sets(self) -> list[str]:
         """The shard-set locations, as a list (one for a plain data.shards)."""

@@ -49,7 +49,8 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from vit_mpp import urls
 from vit_mpp.config import DataConfig
-from vit_mpp.image_decoder import ImageDecoder, image_bytes, sample_label
+from vit_mpp.image_decoder import ImageDecoder, image_bytes
+from vit_mpp.labels import sample_label
 from vit_mpp.launcher import die_with_parent
 from vit_mpp.manifest import Split
 from vit_mpp.shard_reader import DataError, ShardError, range_segments, read_segment, shuffled
@@ -224,8 +225,8 @@ class TrainStream(IterableDataset):
         if self.num_classes is None or 0 <= label < self.num_classes:
             return
         if label < 0:
-            raise ShardError(f"sample {key} has no label (no .cls, or a negative one): a classifier needs labelled "
-                             "shards")
+            raise ShardError(f"sample {key} has no usable label (no .cls, or one that is not a class index): a "
+                             "classifier needs labelled shards")
         raise ShardError(f"sample {key} has label {label}, outside the {self.num_classes} classes "
                          f"(0..{self.num_classes - 1}): num_classes is smaller than the shards' labels")
 

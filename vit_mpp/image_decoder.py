@@ -27,12 +27,6 @@ def image_bytes(sample: dict[str, Any]) -> bytes:
     return sample[ext]
 
 
-def sample_label(sample: dict[str, Any]) -> int:
-    """The integer label of a sample's `.cls` file, -1 without one (a `.cls` that is not an integer raises)."""
-    raw = sample.get("cls")
-    return int(raw) if raw is not None else -1
-
-
 class ImageDecoder:
     """Bytes -> augmented uint8 tensor (3, H, W). Train: RandomResizedCrop + flip (+ `augment`); eval: resize + center
     crop.

@@ -20,14 +20,10 @@ from typing import Any
 
 from vit_mpp.durable import write_atomic
 from vit_mpp.errors import UserError
+from vit_mpp.labels import MAX_CLASSES
 from vit_mpp.urls import is_local, join, local_path, read_url
 
 MANIFEST_NAME = "_info.json"
-# The most classes a manifest or a classifier takes (labels 0 .. MAX_CLASSES - 1), for build-shards, index and
-# fine-tuning alike: above the largest label spaces in use (ImageNet-21k has 21,841; face sets a few million
-# identities), and a bound on what a stray label can make (a head and class-name list sized by a label of 10**20
-# would exhaust memory).
-MAX_CLASSES = 10_000_000
 
 
 class ManifestError(UserError):
@@ -142,14 +138,16 @@ def check_manifest(info: dict[str, Any], where: str) -> None:
 
 
 def check_every_sample_labelled(location: str | Path, info: dict[str, Any], split: str) -> None:
-    """Refuse a split whose manifest counts samples without a usable label (an indexed set: `build-shards index`
-    counts them per split), before anything starts: a classifier's stream would stop at the first of them."""
+    """Refuse a split whose manifest counts samples without a usable label (`build-shards index` counts them per
+    split, and so does a build with `--unlabelled-rows keep`), before anything starts: a classifier's stream would
+    stop at the first of them."""
     entry = info["splits"][split]
     missing, bad = (n if _is_count(n) else 0 for n in (entry.get("num_unlabelled"), entry.get("num_bad_labels")))
     if missing or bad:
+        which = (f" ({bad:,} of them with a .cls that is not a class index; the manifest lists their keys)" if bad
+                 else "")
         raise ManifestError(f"split '{split}' of {location} has {max(missing, bad):,} sample(s) without a usable "
-                            f"label ({bad:,} of them with a .cls that is not a class index; the manifest lists their "
-                            "keys): a classifier needs a label on every sample; pretraining accepts them")
+                            f"label{which}: a classifier needs a label on every sample; pretraining accepts them")
 
 
 def load_split(location: str | Path, split: str) -> tuple[Split, dict[str, Any]]:

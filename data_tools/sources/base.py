@@ -26,7 +26,7 @@ import numpy as np
 from data_tools.catalog import EXCLUDED, Catalog, CatalogWriter
 from vit_mpp import urls
 from vit_mpp.errors import UserError
-from vit_mpp.manifest import MAX_CLASSES
+from vit_mpp.labels import MAX_CLASSES
 
 SPLIT_NAME = re.compile(r"^[A-Za-z0-9_]+$")  # split names end up in shard names and sample keys
 UNLABELLED_ROWS = ("error", "skip", "keep")

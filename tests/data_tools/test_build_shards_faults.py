@@ -28,7 +28,7 @@ from data_tools.writer import ShardWriter
 from tests.helpers.build import make_tree, one_line_error, result_files, samples, write_list
 from tests.helpers.processes import REPO, ctrl_c_enabled, interrupt_paused, subprocess_env
 from tests.helpers.shards import image_bytes
-from vit_mpp.manifest import load_split
+from vit_mpp.manifest import ManifestError, check_every_sample_labelled, load_split
 
 
 def failures(out: Path) -> list[dict]:
@@ -129,6 +129,11 @@ def test_a_list_mixing_labelled_and_unlabelled_rows(tmp_path, capsys, fmt):
     info = json.loads((tmp_path / "keep" / "_info.json").read_text())
     got = samples(tmp_path / "keep", "train")
     assert info["num_unlabelled"] == 2 and len(got) == 6 and sum("cls" not in s for s in got) == 2
+    # counted per split too, so fine-tuning refuses the split before it starts, not at its first unlabelled sample
+    assert info["splits"]["train"]["num_unlabelled"] == 2
+    with pytest.raises(ManifestError, match="split 'train' of .* has 2 sample.s. without a usable label: a "):
+        check_every_sample_labelled(tmp_path / "keep", info, "train")
+    assert "num_unlabelled" not in json.loads((tmp_path / "skip" / "_info.json").read_text())["splits"]["train"]
 
 
 def test_bad_label_values_are_recorded_not_guessed(tmp_path):
@@ -244,9 +249,10 @@ def test_inspect_reports_damaged_shards_as_problems(tmp_path, capsys):
     shards[2].write_text("this is not a tar file\n" * 40)  # not a tar
     shards[3].unlink()  # deleted
     _rewrite(shards[4], lambda k, f: [(k, {**f, "cls": b"7"})])  # labels out of range (2 classes)
-    _rewrite(shards[5], lambda k, f: [(k, {**f, "cls": b"-1"})])  # negative labels
+    _rewrite(shards[5], lambda k, f: [(k, {**f, "cls": b"99999999999999999999"})])  # beyond any class index
     _rewrite(shards[6], lambda k, f: [(k, f), (k + "x", f)])  # more samples than the manifest says
     _rewrite(shards[7], lambda k, f: [(k, {**f, "cls": b"cat"})])  # not an integer
+    _rewrite(shards[8], lambda k, f: [(k, {**f, "cls": b"-1"})])  # no label, as training reads it: not a problem
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_info:
         build_main(["inspect", str(out), "--grid", str(tmp_path / "grid.png")])
@@ -255,11 +261,12 @@ def test_inspect_reports_damaged_shards_as_problems(tmp_path, capsys):
     text = " ".join(captured.out.split())
     for expected in (f"{shards[0].name}: truncated: the file ends inside", f"{shards[1].name}: empty file",
                      f"{shards[2].name}: not a tar (no tar header at the start)", f"{shards[3].name}: missing",
-                     f"{shards[4].name}: 2 label(s) out of range for num_classes 2, e.g.",
-                     "(7 not in 0..1)", f"{shards[5].name}: 2 label(s) out of range", "(-1 not in 0..1)",
-                     f"{shards[6].name}: 4 samples, manifest says 2", f"{shards[7].name}: 2 label(s)",
+                     f"{shards[4].name}: 2 bad label(s) for num_classes 2, e.g.",
+                     "(7 not in 0..1)", f"{shards[5].name}: 2 bad label(s)", "is above the largest class index",
+                     f"{shards[6].name}: 4 samples, manifest says 2", f"{shards[7].name}: 2 bad label(s)",
                      "is not an integer"):
         assert expected in text, expected
+    assert f"{shards[8].name}: sha256 differs" in text and f"{shards[8].name}: 2 bad label" not in text
     assert Image.open(tmp_path / "grid.png").width > 0  # the grid is drawn from what is readable
 
 

@@ -136,6 +136,7 @@ def test_a_folder_of_lists_with_labels_in_one_part_only(tmp_path, capsys):
     build_main(["merge", str(tmp_path / "keep")])
     info = json.loads((tmp_path / "keep" / "_info.json").read_text())
     assert info["num_classes"] == 2 and info["num_unlabelled"] == 4
+    assert sum(split.get("num_unlabelled", 0) for split in info["splits"].values()) == 4  # summed over the parts
 
 
 def test_merge_names_the_part_that_has_not_run(data, tmp_path, capsys):

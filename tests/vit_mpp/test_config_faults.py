@@ -60,6 +60,8 @@ BAD_VALUES = [
     ("pretrain", ["data.shards=[a,,b]"], "override 'data.shards=[a,,b]': [a,,b] is not a valid YAML list"),
     ("pretrain", ["data.shards=[a,b]", "data.weights=[inf,1]"], "'data.weights[0]' expects a finite number"),
     ("pretrain", ["data.shards=[a,b]", "data.weights=[1e308,1e308]"], "at least one above 0, with a finite sum"),
+    # an OverflowError traceback, after the run directory was written (the epoch's length divided by the share)
+    ("pretrain", ["data.shards=[a,b]", "data.weights=[1e-320,1]"], "'data.weights' gives 1e-320 against a sum of"),
     ("finetune", ["data.shards=[a,b]", "data.weights=[1,nan]"], "'data.weights[1]' expects a finite number"),
     ("finetune", ["data.weights=[x]"], "'data.weights' expects"),
     # running on a cluster

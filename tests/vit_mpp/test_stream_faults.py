@@ -183,8 +183,8 @@ def test_a_broken_shard_read_by_a_loader_worker_is_one_line_too(tmp_path):
 
 @pytest.mark.parametrize("labels, overrides, message", [
     ([0, 1, 2] * 8, ["num_classes=2"], "has label 2, outside the 2 classes (0..1)"),
-    ([0, 1, -1, 2] * 6, [], "has no label"),
-    ([0, 1, None, 2] * 6, [], "has no label"),
+    ([0, 1, -1, 2] * 6, [], "has no usable label"),
+    ([0, 1, None, 2] * 6, [], "has no usable label"),
 ], ids=["num_classes_too_small", "negative", "missing"])
 def test_labels_that_do_not_fit_the_classifier_are_one_line(tmp_path, capsys, encoder_export, labels, overrides,
                                                             message):
