@@ -110,11 +110,13 @@ def main(argv: list[str] | None = None) -> None:
     check_device(args.device)
     if args.out:
         check_out_file(args.out)
+    paths = image_paths(args.images)
+    if args.out and Path(args.out).resolve() in {p.resolve() for p in paths}:
+        raise ConfigError(f"--out {args.out} is one of the images to label: the CSV would overwrite it")
     model, pre = load_classifier(args.checkpoint)
     names = pre.class_names or [str(i) for i in range(pre.num_classes)]
-    paths = image_paths(args.images)
-    header = ["path", "class_index", "class_name", "prob"]
-    header += [f"{h}_{r}" for r in range(2, args.top_k + 1) for h in header[1:]]
+    header = ["path", "class_index", "class_name", "prob"]  # and the next best, as many as a row holds
+    header += [f"{h}_{r}" for r in range(2, min(args.top_k, pre.num_classes) + 1) for h in header[1:]]
     skipped: list[tuple[Path, str]] = []
     count = 0
 

@@ -88,7 +88,9 @@ def test_the_readable_ones_are_written_and_the_others_reported(export, tmp_path)
     (["--out", "{tmp}/file.txt/preds.csv"], "error: --out {tmp}/file.txt/preds.csv: {tmp}/file.txt is a file, not a "
                                             "folder"),
     (["--device", "banana"], "error: --device banana: not a device (cpu, cuda, cuda:N, mps)"),
-], ids=["out is a folder", "out under a file", "no such device"])
+    # the CSV was written over the image (exit 0)
+    (["--out", "{tmp}/a.png"], "error: --out {tmp}/a.png is one of the images to label: the CSV would overwrite it"),
+], ids=["out is a folder", "out under a file", "no such device", "out is an input"])
 def test_a_bad_out_or_device_is_one_line_before_any_image_is_read(export, tmp_path, capsys, extra, message):
     # These were tracebacks (IsADirectoryError, NotADirectoryError, RuntimeError), the first two after labelling.
     (tmp_path / "file.txt").write_text("x")
@@ -98,6 +100,19 @@ def test_a_bad_out_or_device_is_one_line_before_any_image_is_read(export, tmp_pa
     code, out, err = in_process(predict_module.main, ["--checkpoint", str(export), "--images", str(image), *extra],
                                 capsys)
     assert code == 2 and err.strip() == message.format(tmp=tmp_path) and out == "", err
+    assert Image.open(image).size == (20, 20)
+
+
+def test_top_k_above_the_classes_gives_a_column_per_class(export, tmp_path, capsys):
+    # the header named --top-k classes while each row held one per class: a CSV whose rows are shorter than its header
+    image = tmp_path / "a.png"
+    Image.fromarray(np.zeros((20, 20, 3), dtype=np.uint8)).save(image)
+    out = tmp_path / "preds.csv"
+    predict_module.main(["--checkpoint", str(export), "--images", str(image), "--out", str(out), "--top-k", "1000"])
+    rows = list(csv.reader(out.open()))
+    num_classes = (len(rows[1]) - 1) // 3
+    assert len(rows) == 2 and len(rows[0]) == len(rows[1]) and 1 < num_classes < 1000
+    assert rows[0][-3:] == [f"class_index_{num_classes}", f"class_name_{num_classes}", f"prob_{num_classes}"]
 
 
 def test_out_in_a_folder_that_does_not_exist_yet_is_created(export, tmp_path):
