@@ -9,6 +9,7 @@ from pathlib import Path
 
 from vit_mpp.config import ConfigError
 from vit_mpp.export import is_export
+from vit_mpp.manifest import MANIFEST_NAME
 
 
 def check_device(name: str) -> str:
@@ -45,8 +46,9 @@ def check_out_file(path: str) -> Path:
 
 
 def check_out_folder(out: Path) -> Path:
-    """A folder for a tool's results: new, or an existing folder that is not an export (results never go into the
-    model's own folder)."""
-    if out.exists() and (not out.is_dir() or is_export(out)):
-        raise ConfigError(f"--out {out} is {'an export' if out.is_dir() else 'a file'}: give a folder for the results")
+    """A folder for a tool's results: new, or an existing folder that is neither an export nor a shard set (results
+    never go into the model's own folder, nor among a data set's shards)."""
+    if out.exists() and (not out.is_dir() or is_export(out) or (out / MANIFEST_NAME).exists()):
+        what = "a file" if not out.is_dir() else "an export" if is_export(out) else f"a shard set ({MANIFEST_NAME})"
+        raise ConfigError(f"--out {out} is {what}: give a folder for the results")
     return out

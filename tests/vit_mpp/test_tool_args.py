@@ -41,4 +41,9 @@ def test_out_folders(tmp_path):
         check_out_folder(tmp_path / "f")
     with pytest.raises(ConfigError, match="is an export: give a folder"):
         check_out_folder(export)
+    # evaluate wrote evaluation.json and its confusion matrix among a data set's shards
+    (tmp_path / "shards").mkdir()
+    (tmp_path / "shards" / "_info.json").write_text("{}")
+    with pytest.raises(ConfigError, match=r"is a shard set \(_info.json\): give a folder"):
+        check_out_folder(tmp_path / "shards")
     assert check_out_folder(tmp_path / "results") == tmp_path / "results"
