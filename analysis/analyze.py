@@ -35,7 +35,7 @@ from timm.models.vision_transformer import VisionTransformer
 
 from analysis import attention_stats as stats
 from analysis import paper_figures
-from data_tools.images import EncodeSettings, prepare_image
+from data_tools.images import BadImage, EncodeSettings, prepare_image
 from vit_mpp.config import ConfigError, ModelConfig
 from vit_mpp.data_stream import normalize
 from vit_mpp.image_decoder import ImageDecoder, image_bytes
@@ -95,6 +95,9 @@ def load_model(checkpoint: str, model_name: str | None, img_size: list[int] | No
         raise ConfigError(f"{checkpoint} does not name its architecture: give --model NAME and --img-size N")
     given = ModelConfig(name=model_name, img_size=size) if model_name else ModelConfig()
     pre = read_pretrained(checkpoint, given)
+    if model_name and pre.model is not None and pre.model.name.split(".")[0] != model_name.split(".")[0]:
+        raise ConfigError(f"--model {model_name}: {checkpoint} is a {pre.model.name} and names it itself; --model is "
+                          "for a state dict that names no architecture")
     cfg = pre.model or given
     if size is not None:
         cfg = dataclasses.replace(cfg, img_size=size)
@@ -112,14 +115,24 @@ def load_images(files: list[str], shards: str | None, split: str, count: int, hw
     for f in files:
         if not Path(f).is_file():
             raise ConfigError(f"image not found: {f}")
-        images.append(decode(prepare_image(Path(f).read_bytes(), settings)[0]))
+        try:
+            images.append(decode(prepare_image(Path(f).read_bytes(), settings)[0]))
+        except (BadImage, OSError) as e:  # an image the user named: they need to know, in one line
+            raise ConfigError(f"--images {f}: {' '.join(str(e).split())}") from None
         names.append(Path(f).stem)
     if shards:
         s, _ = load_split(shards, split)
+        skipped = []
         for seg in range_segments(s, list(range(len(s.urls))), 0, min(count, s.num_samples)):
             for sample in read_segment(seg):
-                images.append(decode(image_bytes(sample)))
+                try:
+                    images.append(decode(image_bytes(sample)))
+                except Exception:  # as training does: a bad sample is passed over, and said
+                    skipped.append(sample["__key__"])
+                    continue
                 names.append(sample["__key__"])
+        if skipped:
+            print(f"warning: {len(skipped)} undecodable sample(s) of {shards} passed over (first: {skipped[0]})")
     return (torch.stack(images) if images else torch.empty(0, 3, *hw, dtype=torch.uint8)), names
 
 
@@ -196,9 +209,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     out = check_out_folder(Path(args.out) if args.out else default_out(args.checkpoint))  # before the model loads
     model, mean, std, pre = load_model(args.checkpoint, args.model, args.img_size)
-    out.mkdir(parents=True, exist_ok=True)
     grid, p, pos_prefix = grid_size(model), patch_size(model), stats.num_pos_prefix(model)
     hw = (grid[0] * p, grid[1] * p)
+    settings = EncodeSettings.from_record((pre.record.get("data") or {}).get("encoder"))
+    # the images first: a bad one is one line before anything is written
+    images, names = load_images(args.images, args.shards, args.split, args.num_images, hw, settings)
+    out.mkdir(parents=True, exist_ok=True)
     rows = param_report(model, out)
     summary: dict[str, Any] = {
         "checkpoint": args.checkpoint, "model": model.pretrained_cfg.get("architecture", args.model),
@@ -220,8 +236,6 @@ def main(argv: list[str] | None = None) -> None:
     paper_figures.plot_filters(pcs, explained, out / "embedding_filters.png")
     summary["filter_pc_explained_variance"] = [round(float(v), 4) for v in explained]
 
-    settings = EncodeSettings.from_record((pre.record.get("data") or {}).get("encoder"))
-    images, names = load_images(args.images, args.shards, args.split, args.num_images, hw, settings)
     summary["images"] = names
     if len(images):
         model.to(args.device)

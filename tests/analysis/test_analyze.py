@@ -15,7 +15,9 @@ from safetensors.torch import save_file
 
 from analysis import attention_stats as stats
 from analysis.analyze import main as analyze_main
+from data_tools.cli import main as build_main
 from tests.helpers.models import write_encoder_export
+from tests.helpers.shards import img2dataset_folder
 from vit_mpp.cli import run_main
 from vit_mpp.config import ModelConfig
 from vit_mpp.models import create_vit
@@ -144,3 +146,29 @@ def test_cli_timm_state_dict(tmp_path, capsys):
     assert summary["grid"] == [3, 3] and summary["num_classes"] == 3 and "mean_attention_distance_px" not in summary
     assert sorted(p.name for p in (tmp_path / "a").glob("*.png")) == ["embedding_filters.png",
                                                                       "position_similarity.png"]
+
+
+def test_an_unreadable_image_or_another_model_is_one_line_and_writes_nothing(tiny_export, tmp_path, capsys):
+    # an undecodable --images file was a BadImage traceback, after the first figures were written; --model naming
+    # another architecture than the export's was silently ignored
+    bad = tmp_path / "bad.jpg"
+    bad.write_bytes(b"\xff\xd8\xff\xe0 not really a jpeg")
+    out = tmp_path / "analysis"
+    for extra, message in ((["--images", str(bad)], f"error: --images {bad}: undecodable: "),
+                           (["--model", "vit_base_patch16_224"], "error: --model vit_base_patch16_224: "
+                                                                 f"{tiny_export} is a vit_tiny_patch16_224 and names")):
+        with pytest.raises(SystemExit) as e:
+            run_main(analyze_main, [str(tiny_export), "--out", str(out), "--device", "cpu", *extra])
+        err = capsys.readouterr().err.strip()
+        assert e.value.code == 2 and err.startswith(message) and "\n" not in err, err
+        assert not out.exists()
+
+
+def test_an_undecodable_shard_sample_is_passed_over_and_said(tiny_export, tmp_path, capsys):
+    shards = img2dataset_folder(tmp_path / "shards", [4], corrupt="000000001")
+    build_main(["index", str(shards), "--workers", "1"])
+    out = tmp_path / "analysis"
+    analyze_main([str(tiny_export), "--shards", str(shards), "--split", "train", "--num-images", "4", "--num-maps",
+                  "1", "--out", str(out), "--device", "cpu"])
+    assert f"warning: 1 undecodable sample(s) of {shards} passed over (first: 000000001)" in capsys.readouterr().out
+    assert json.loads((out / "summary.json").read_text())["images"] == ["000000000", "000000002", "000000003"]
