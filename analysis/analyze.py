@@ -36,6 +36,7 @@ from timm.models.vision_transformer import VisionTransformer
 from analysis import attention_stats as stats
 from analysis import paper_figures
 from data_tools.images import BadImage, EncodeSettings, prepare_image
+from vit_mpp.cli import ArgumentParser
 from vit_mpp.config import ConfigError, ModelConfig
 from vit_mpp.data_stream import normalize
 from vit_mpp.image_decoder import ImageDecoder, image_bytes
@@ -48,7 +49,7 @@ from vit_mpp.tool_args import check_device, check_out_folder
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m analysis", description=__doc__,
+    parser = ArgumentParser(prog="python -m analysis", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="`python -m analysis plot RUN_DIR [RUN_DIR ...]` draws training curves.")
     parser.add_argument("checkpoint", help="an export folder or file, local-dir:/hf-hub: name, or a state dict")

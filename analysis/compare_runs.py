@@ -3,16 +3,16 @@ overlaid (e.g. a fine-tuning from scratch against one from a pretrained encoder)
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
+from vit_mpp.cli import ArgumentParser
 from vit_mpp.config import ConfigError
 from vit_mpp.tool_args import check_out_file
 from vit_mpp.training_curves import plot_curves, read_metrics
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m analysis plot", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="python -m analysis plot", description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dirs", nargs="+", help="run directories (each with its metrics.jsonl)")
     parser.add_argument("--out", default="curves.png", help="the PNG to write (default: %(default)s)")
     parser.add_argument("--labels", nargs="+", default=None, help="a legend label per run (default: their paths)")

@@ -10,7 +10,6 @@ config.yaml of either stage is not a run directory: one line `error: ...`.
 
 from __future__ import annotations
 
-import argparse
 import csv
 import dataclasses
 import io
@@ -20,6 +19,7 @@ from typing import Any
 
 import yaml
 
+from vit_mpp.cli import ArgumentParser
 from vit_mpp.config import ConfigError
 from vit_mpp.export import ExportError, is_export, read_export_config
 from vit_mpp.progress import format_duration
@@ -156,7 +156,7 @@ def write_csv(rows: list[dict[str, Any]], cols: list[str], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     """Print the table of the runs named (and write the CSV); returns the rows."""
-    parser = argparse.ArgumentParser(prog="python -m analysis summary", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="python -m analysis summary", description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dirs", nargs="+", help="run directories (train.run_dir of pretraining or fine-tuning)")
     parser.add_argument("--csv", default=None, metavar="FILE", help="also write the table as CSV to FILE")
     args = parser.parse_args(argv)

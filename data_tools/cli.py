@@ -42,21 +42,9 @@ from data_tools.shard_index import ReadSettings
 from data_tools.sources import KINDS, UNLABELLED_ROWS, SourceSpec
 from data_tools.store import open_store
 from vit_mpp import urls
-from vit_mpp.cli import run_main
-from vit_mpp.errors import UserError
+from vit_mpp.cli import ArgumentParser, run_main
 
 EXECUTORS = ("local", "ray")
-
-
-class UsageError(UserError):
-    """A bad command line (unknown flag, bad value); one line."""
-
-
-class Parser(argparse.ArgumentParser):
-    """argparse, but a bad command line is a one-line `error: ...` (exit 2) like every other user mistake."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise UsageError(f"{message} (see {self.prog} --help)")
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -74,7 +62,7 @@ def default_workers() -> int:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = Parser(prog="build-shards", description=__doc__.split("\n\n")[0],
+    p = ArgumentParser(prog="build-shards", description=__doc__.split("\n\n")[0],
                epilog="`build-shards merge --help`, `build-shards inspect --help` and `build-shards index --help` "
                       "describe the other commands; docs/build_shards.md has the details.",
                formatter_class=HelpFormatter)
@@ -160,14 +148,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def parse_merge_args(argv: list[str]) -> argparse.Namespace:
     """`build-shards merge OUT`."""
-    p = Parser(prog="build-shards merge", description=merge.__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="build-shards merge", description=merge.__doc__.split("\n\n")[0])
     p.add_argument("out_dir", help="the OUT of the parts (a folder or a URL)")
     return p.parse_args(argv)
 
 
 def parse_inspect_args(argv: list[str]) -> argparse.Namespace:
     """`build-shards inspect OUT [--grid PNG] [--samples N] [--no-verify] [--decode]`."""
-    p = Parser(prog="build-shards inspect", description=inspect_shards.__doc__.split("\n\n")[0],
+    p = ArgumentParser(prog="build-shards inspect", description=inspect_shards.__doc__.split("\n\n")[0],
                formatter_class=HelpFormatter)
     p.add_argument("out_dir", help="a build-shards output folder or URL")
     p.add_argument("--grid", default=None, help="PNG grid of sample images (default: OUT/_samples.png)")
@@ -186,7 +174,7 @@ def parse_inspect_args(argv: list[str]) -> argparse.Namespace:
 
 def parse_index_args(argv: list[str]) -> argparse.Namespace:
     """`build-shards index LOCATION [LOCATION ...] [--split NAME ...] [--out DIR] [--verify] [--skip-bad] ...`."""
-    p = Parser(prog="build-shards index", description=index_shards.__doc__.split("\n\n")[0],
+    p = ArgumentParser(prog="build-shards index", description=index_shards.__doc__.split("\n\n")[0],
                epilog="docs/build_shards.md (Indexing shards you already have) has the details.",
                formatter_class=HelpFormatter)
     p.add_argument("locations", nargs="+", metavar="LOCATION",

@@ -10,11 +10,12 @@ pretraining target (which depends on the colours) stays far from trivial.
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageFilter
+
+from vit_mpp.cli import ArgumentParser, run_main
 
 CLASSES = ("checks", "dots", "horizontal", "vertical")
 
@@ -63,15 +64,17 @@ def generate(out_dir: str | Path, per_class: int = 500, size: int = 48, seed: in
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m data_tools.demo_images", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="python -m data_tools.demo_images", description=__doc__.split("\n\n")[0])
     p.add_argument("out_dir")
     p.add_argument("--per-class", type=int, default=500)
     p.add_argument("--size", type=int, default=48)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    if args.per_class < 1 or args.size < 1:
+        p.error(f"--per-class and --size must be at least 1, got {args.per_class} and {args.size}")
     generate(args.out_dir, args.per_class, args.size, args.seed)
     print(f"wrote {args.per_class * len(CLASSES)} images in {len(CLASSES)} classes to {args.out_dir}")
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -25,7 +25,7 @@ from typing import Any
 
 from finetune.scoring import evaluate, per_class_accuracy, write_confusion
 from vit_mpp.accelerator import make_eval_accelerator
-from vit_mpp.cli import run_main
+from vit_mpp.cli import ArgumentParser, run_main
 from vit_mpp.config import ConfigError, DataConfig
 from vit_mpp.data_stream import build_eval_loader
 from vit_mpp.dry_run import probe
@@ -71,7 +71,7 @@ def check_classes(pre: Pretrained, info: dict[str, Any], shards: str, ignore_nam
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m finetune.evaluate", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="python -m finetune.evaluate", description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", required=True,
                         help="fine-tuning export folder (or its model.safetensors, local-dir:PATH, hf-hub:NAME)")
     parser.add_argument("--shards", required=True, help="build-shards output (folder or URL with _info.json)")

@@ -16,7 +16,6 @@ that is one line `error: ...` (exit 2) and nothing is written. Progress (rate, E
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import csv
 import sys
@@ -26,7 +25,7 @@ from pathlib import Path
 import torch
 
 from data_tools.images import BadImage, EncodeSettings, prepare_image
-from vit_mpp.cli import run_main
+from vit_mpp.cli import ArgumentParser, run_main
 from vit_mpp.config import ConfigError
 from vit_mpp.data_stream import normalize
 from vit_mpp.image_decoder import ImageDecoder
@@ -96,7 +95,7 @@ def predict(model: torch.nn.Module, pre: Pretrained, paths: list[Path], batch_si
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m finetune.predict", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="python -m finetune.predict", description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", required=True,
                         help="fine-tuning export folder (or its model.safetensors, local-dir:PATH, hf-hub:NAME)")
     parser.add_argument("--images", nargs="+", required=True, help="image files and/or folders (searched recursively)")

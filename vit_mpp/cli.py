@@ -12,6 +12,7 @@ own.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
@@ -23,6 +24,18 @@ from vit_mpp.launcher import is_peer_error, note_failure, peer_failure_line, pro
 from vit_mpp.preemption import EXIT_PREEMPTED, Preempted
 
 QUIET_WAIT_S = 10.0
+
+
+class UsageError(UserError):
+    """A bad command line (unknown flag, missing argument, bad value); one line."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, but a bad command line is a one-line `error: ...` (exit 2) like every other user mistake, printed
+    once under a launcher (argparse prints its usage block and exits on every rank)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UsageError(f"{message} (see {self.prog} --help)")
 
 
 def error_line(error: BaseException) -> str:

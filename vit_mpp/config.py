@@ -30,6 +30,7 @@ from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 import yaml
 
 from vit_mpp import urls
+from vit_mpp.cli import ArgumentParser
 from vit_mpp.errors import UserError
 
 T = TypeVar("T")
@@ -392,7 +393,7 @@ def describe(cls: type, prefix: str = "") -> list[str]:
 
 def parse_args(cls: type[T], argv: list[str] | None, prog: str, description: str) -> T:
     """Parse `--config FILE key=value ...` into `cls`; `--help` lists every key with its type and default."""
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog=prog,
         description=description,
         formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -48,3 +48,43 @@ def test_under_a_launcher_the_main_rank_prints_and_a_silent_rank_speaks_only_if_
     with pytest.raises(SystemExit) as e:
         cli.run_main(main, [])
     assert e.value.code == 2 and capsys.readouterr().err.strip() == expected
+
+
+def _entry_points():
+    from analysis.analyze import main as analyze
+    from analysis.compare_runs import main as plot
+    from analysis.run_table import main as summary
+    from data_tools.cli import main as build_shards
+    from data_tools.demo_images import main as demo_images
+    from finetune.evaluate import main as evaluate
+    from finetune.predict import main as predict
+    from finetune.train import main as finetune
+    from pretrain.train import main as pretrain
+
+    return {"pretrain": pretrain, "finetune": finetune, "python -m finetune.evaluate": evaluate,
+            "python -m finetune.predict": predict, "python -m analysis": analyze, "python -m analysis plot": plot,
+            "python -m analysis summary": summary, "python -m data_tools.demo_images": demo_images,
+            "build-shards": build_shards}
+
+
+@pytest.mark.parametrize("prog", list(_entry_points()))
+def test_a_bad_command_line_is_one_line_in_every_tool(prog, capsys):
+    # argparse printed its usage block and `PROG: error: ...` (and under a launcher, once per rank); build-shards
+    # alone said it in one line
+    from vit_mpp.cli import run_main
+
+    for argv in (["--bogus", "x"], ["--batch-size", "many"]):  # an unknown flag, a bad value or a missing one
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as e:
+            run_main(_entry_points()[prog], argv)
+        err = capsys.readouterr().err.strip()
+        assert e.value.code == 2 and err.startswith("error: ") and "\n" not in err, err
+        assert err.endswith(f"(see {prog} --help)") and ("--bogus" in argv) <= ("--bogus" in err or "required" in err)
+
+
+def test_help_still_prints_and_exits_0(capsys):
+    from vit_mpp.cli import run_main
+
+    with pytest.raises(SystemExit) as e:
+        run_main(_entry_points()["python -m analysis summary"], ["--help"])
+    assert e.value.code == 0 and "usage: python -m analysis summary" in capsys.readouterr().out
