@@ -45,7 +45,7 @@ from vit_mpp.models import grid_size, img_hw, norm_stats, patch_size
 from vit_mpp.pretrained import Pretrained, build_model, checkpoint_kind, read_pretrained, results_folder
 from vit_mpp.progress import progress
 from vit_mpp.shard_reader import range_segments, read_segment
-from vit_mpp.tool_args import check_device, check_out_folder
+from vit_mpp.tool_args import check_device, check_out_folder, make_out_folder
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> None:
     settings = EncodeSettings.from_record((pre.record.get("data") or {}).get("encoder"))
     # the images first: a bad one is one line before anything is written
     images, names = load_images(args.images, args.shards, args.split, args.num_images, hw, settings)
-    out.mkdir(parents=True, exist_ok=True)
+    make_out_folder(out)
     rows = param_report(model, out)
     summary: dict[str, Any] = {
         "checkpoint": args.checkpoint, "model": model.pretrained_cfg.get("architecture", args.model),

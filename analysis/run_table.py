@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import csv
 import dataclasses
-import io
 import sys
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from vit_mpp.config import ConfigError
 from vit_mpp.export import ExportError, is_export, read_export_config
 from vit_mpp.progress import format_duration
 from vit_mpp.run_metrics import BEST_OF, best_metrics, final_metrics, wall_time_s
+from vit_mpp.tool_args import check_out_file, open_out_file
 from vit_mpp.training_curves import read_metrics
 
 # Metrics shown, in this order: the final value of each, and the best of those that have one (vit_mpp/run_metrics).
@@ -147,11 +147,10 @@ def terminal_table(rows: list[dict[str, Any]], cols: list[str], console: Any = N
 
 def write_csv(rows: list[dict[str, Any]], cols: list[str], path: Path) -> None:
     """The rows as CSV, values unrounded (wall time in seconds)."""
-    buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=cols, extrasaction="ignore", lineterminator="\n")
-    writer.writeheader()
-    writer.writerows(rows)
-    path.write_text(buffer.getvalue())
+    with open_out_file(path, "--csv") as f:
+        writer = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore", lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(rows)
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
@@ -160,6 +159,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("run_dirs", nargs="+", help="run directories (train.run_dir of pretraining or fine-tuning)")
     parser.add_argument("--csv", default=None, metavar="FILE", help="also write the table as CSV to FILE")
     args = parser.parse_args(argv)
+    if args.csv:
+        check_out_file(args.csv, "--csv")
     rows = [run_row(Path(d)) for d in args.run_dirs]  # every folder checked before anything is written
     cols = columns(rows)
     text = markdown(rows, cols)

@@ -33,7 +33,7 @@ from vit_mpp.manifest import check_every_sample_labelled, load_split
 from vit_mpp.pretrained import Pretrained, load_classifier, results_folder
 from vit_mpp.progress import progress
 from vit_mpp.step_meter import with_unread
-from vit_mpp.tool_args import check_out_folder
+from vit_mpp.tool_args import check_out_folder, make_out_folder
 
 MAX_ROWS = 20  # per-class rows printed; evaluation.json has them all
 
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               "per_class_acc": per_class_accuracy(confusion).tolist(), "per_class_count": confusion.sum(1).tolist(),
               "confusion": confusion.tolist()}
     if accelerator.is_main_process:
-        out.mkdir(parents=True, exist_ok=True)
+        make_out_folder(out)
         (out / "evaluation.json").write_text(json.dumps(report, indent=1) + "\n")
         write_confusion(confusion, names, out, title=f"{args.split}: top-1 {metrics['val_top1']:.4f} on "
                                                      f"{metrics['val_samples']} images")

@@ -32,7 +32,7 @@ from vit_mpp.image_decoder import ImageDecoder
 from vit_mpp.image_formats import IMAGE_EXTENSIONS, is_image_file
 from vit_mpp.pretrained import Pretrained, load_classifier
 from vit_mpp.progress import progress
-from vit_mpp.tool_args import check_device, check_out_file
+from vit_mpp.tool_args import check_device, check_out_file, open_out_file
 
 
 class NothingLabelled(ConfigError):
@@ -129,9 +129,7 @@ def main(argv: list[str] | None = None) -> None:
         for path, top in predict(model, pre, paths, args.batch_size, args.top_k, args.device, on_skip=skip,
                                  advance=advance):
             if writer is None:  # opened at the first label: when no image can be read, nothing is written
-                if args.out:
-                    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-                out = stack.enter_context(open(args.out, "w", newline="")) if args.out else sys.stdout
+                out = stack.enter_context(open_out_file(args.out)) if args.out else sys.stdout
                 writer = csv.writer(out)
                 writer.writerow(header)
                 for held in skipped:

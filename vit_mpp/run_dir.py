@@ -110,8 +110,8 @@ def prepare_run_dir(run_dir: str | Path, cfg: Any, is_main: bool, dry_run: bool 
             run_dir.mkdir(parents=True, exist_ok=True)
         except (FileExistsError, NotADirectoryError):
             raise ConfigError(f"train.run_dir {run_dir} is (or lies under) a file, not a folder") from None
-        except PermissionError:
-            raise ConfigError(f"train.run_dir {run_dir} cannot be created: permission denied") from None
+        except OSError as e:  # no permission, a read-only or special file system (/proc), no space
+            raise ConfigError(f"train.run_dir {run_dir} cannot be created: {(e.strerror or str(e)).lower()}") from None
         if not os.access(run_dir, os.W_OK):
             raise ConfigError(f"train.run_dir {run_dir} is not writable")
         lock_run_dir(run_dir)

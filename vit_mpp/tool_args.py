@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TextIO
 
 from vit_mpp.config import ConfigError
 from vit_mpp.export import is_export
@@ -29,26 +30,53 @@ def check_device(name: str) -> str:
     return name
 
 
-def check_out_file(path: str) -> Path:
+def _writable_place(flag: str, path: Path, folder: Path) -> None:
+    """`folder`, where output `path` goes, or the nearest of its parents that exists, must be a writable folder
+    (the rest is created when the output is written)."""
+    place = folder.absolute()
+    while not place.exists():
+        place = place.parent
+    if not place.is_dir():
+        raise ConfigError(f"{flag} {path}: {place} is a file, not a folder")
+    if not os.access(place, os.W_OK | os.X_OK):  # also a read-only file system, for root too
+        raise ConfigError(f"{flag} {path}: {place} is not writable")
+
+
+def check_out_file(path: str, flag: str = "--out") -> Path:
     """An output file written when the work is done: not a folder, and its folder, or the nearest one of its parents
-    that exists (the rest is created when the file is written), a writable folder."""
+    that exists, a writable folder."""
     out = Path(path)
     if out.is_dir():
-        raise ConfigError(f"--out {path} is a folder: give a file name")
-    parent = out.absolute().parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        raise ConfigError(f"--out {path}: {parent} is a file, not a folder")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ConfigError(f"--out {path}: {parent} is not writable")
+        raise ConfigError(f"{flag} {path} is a folder: give a file name")
+    _writable_place(flag, out, out.absolute().parent)
     return out
 
 
 def check_out_folder(out: Path) -> Path:
-    """A folder for a tool's results: new, or an existing folder that is neither an export nor a shard set (results
-    never go into the model's own folder, nor among a data set's shards)."""
+    """A folder for a tool's results: new (in a writable place), or an existing, writable folder that is neither an
+    export nor a shard set (results never go into the model's own folder, nor among a data set's shards)."""
     if out.exists() and (not out.is_dir() or is_export(out) or (out / MANIFEST_NAME).exists()):
         what = "a file" if not out.is_dir() else "an export" if is_export(out) else f"a shard set ({MANIFEST_NAME})"
         raise ConfigError(f"--out {out} is {what}: give a folder for the results")
+    _writable_place("--out", out, out)
     return out
+
+
+def make_out_folder(out: Path) -> Path:
+    """Create the (checked) output folder; what the checks cannot foresee (a special file system, no space left) is
+    one line too."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"--out {out} cannot be created: {(e.strerror or str(e)).lower()}") from None
+    return out
+
+
+def open_out_file(path: str | Path, flag: str = "--out") -> TextIO:
+    """Open a (checked) output file for writing text, creating its folder; what the checks cannot foresee is one
+    line too."""
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        return open(path, "w", newline="")
+    except OSError as e:
+        raise ConfigError(f"{flag} {path} cannot be written: {(e.strerror or str(e)).lower()}") from None

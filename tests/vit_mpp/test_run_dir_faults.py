@@ -144,6 +144,14 @@ def test_a_run_dir_under_a_file_is_one_line(demo_shards, tmp_path, capsys):
                                     "not a folder"
 
 
+def test_a_run_dir_that_cannot_be_made_is_one_line(demo_shards, capsys):
+    # under /proc (tests run as root, so permissions stop nothing): a FileNotFoundError traceback
+    result = run(pretrain(demo_shards, Path("/proc/no-such-run"), "train.steps=2"), capsys)
+    assert result.returncode == 2
+    assert result.stderr.strip() == "error: train.run_dir /proc/no-such-run cannot be created: no such file or " \
+                                    "directory"
+
+
 def test_a_shard_folder_is_refused_as_a_run_dir_before_anything_is_written(demo_shards, capsys):
     # train.run_dir=data.shards: a run would write its lock, config, logs and checkpoints among the shards.
     before = sorted(os.listdir(demo_shards))

@@ -3,13 +3,15 @@ before any work, one ConfigError each."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from tests.helpers.models import SMALL_MODEL, write_encoder_export
 from vit_mpp.config import ConfigError
 from vit_mpp.models import create_vit
-from vit_mpp.tool_args import check_device, check_out_file, check_out_folder
+from vit_mpp.tool_args import check_device, check_out_file, check_out_folder, make_out_folder, open_out_file
 
 
 def test_devices():
@@ -47,3 +49,40 @@ def test_out_folders(tmp_path):
     with pytest.raises(ConfigError, match=r"is a shard set \(_info.json\): give a folder"):
         check_out_folder(tmp_path / "shards")
     assert check_out_folder(tmp_path / "results") == tmp_path / "results"
+
+
+def test_an_output_in_a_place_that_cannot_be_written_is_one_line(tmp_path, monkeypatch):
+    # a read-only place (a read-only mount: root cannot write there either) for --out of evaluate or analysis was an
+    # OSError traceback, evaluate's after the whole evaluation; summary --csv did not check its file at all
+    import os
+
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if str(p) == str(locked) else real_access(p, mode))
+    with pytest.raises(ConfigError, match=f"--out {locked / 'results'}: {locked} is not writable"):
+        check_out_folder(locked / "results")
+    with pytest.raises(ConfigError, match=f"--out {locked}: {locked} is not writable"):
+        check_out_folder(locked)
+    with pytest.raises(ConfigError, match=f"--csv {locked / 'a' / 'b.csv'}: {locked} is not writable"):
+        check_out_file(str(locked / "a" / "b.csv"), "--csv")
+
+
+def test_what_the_checks_cannot_foresee_is_one_line_too():
+    # under /proc nothing can be created, whatever the permissions say
+    with pytest.raises(ConfigError, match="--out /proc/no-such/results cannot be created: no such file or directory"):
+        make_out_folder(Path("/proc/no-such/results"))
+    with pytest.raises(ConfigError, match="--csv /proc/no-such/a.csv cannot be written: no such file or directory"):
+        open_out_file("/proc/no-such/a.csv", "--csv")
+
+
+def test_summary_checks_its_csv_before_reading_the_runs(tmp_path, capsys):
+    from analysis.run_table import main as summary
+    from vit_mpp.cli import run_main
+
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(SystemExit) as e:
+        run_main(summary, [str(tmp_path / "not-a-run"), "--csv", str(tmp_path / "file" / "t.csv")])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip() == f"error: --csv {tmp_path / 'file' / 't.csv'}: {tmp_path / 'file'} " \
+                                              "is a file, not a folder"
