@@ -24,6 +24,7 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from data_tools.build_shards import Interrupted
@@ -45,6 +46,7 @@ from vit_mpp.errors import UserError
 from vit_mpp.image_formats import IMAGE_EXTENSIONS
 from vit_mpp.manifest import manifest_file, write_manifest_url
 from vit_mpp.progress import progress
+from vit_mpp.tool_args import check_writable_place
 
 POOLS = ("process", "thread")
 SHOWN = 10  # problem lines printed per kind; the manifest has them all
@@ -72,13 +74,8 @@ def check_output(place: Placement, overwrite: bool) -> None:
     target = manifest_file(place.out)
     local = urls.is_local(place.out)
     if local:
-        path = os.path.dirname(place.out) if place.out.endswith(".json") else place.out
-        while not os.path.exists(path):
-            path = os.path.dirname(path)
-        if not os.path.isdir(path):
-            raise IndexInputError(f"--out {place.out}: {path} is a file, not a folder")
-        if not os.access(path, os.W_OK | os.X_OK):
-            raise IndexInputError(f"cannot write the manifest to {place.out}: permission denied")
+        check_writable_place("--out", Path(place.out), Path(place.out).parent if place.out.endswith(".json")
+                             else Path(place.out))
     try:
         text = urls.read_url(target).decode("utf-8")
     except (FileNotFoundError, NotADirectoryError):

@@ -30,7 +30,7 @@ def check_device(name: str) -> str:
     return name
 
 
-def _writable_place(flag: str, path: Path, folder: Path) -> None:
+def check_writable_place(flag: str, path: Path, folder: Path) -> None:
     """`folder`, where output `path` goes, or the nearest of its parents that exists, must be a writable folder
     (the rest is created when the output is written)."""
     place = folder.absolute()
@@ -48,7 +48,7 @@ def check_out_file(path: str, flag: str = "--out") -> Path:
     out = Path(path)
     if out.is_dir():
         raise ConfigError(f"{flag} {path} is a folder: give a file name")
-    _writable_place(flag, out, out.absolute().parent)
+    check_writable_place(flag, out, out.absolute().parent)
     return out
 
 
@@ -58,7 +58,7 @@ def check_out_folder(out: Path) -> Path:
     if out.exists() and (not out.is_dir() or is_export(out) or (out / MANIFEST_NAME).exists()):
         what = "a file" if not out.is_dir() else "an export" if is_export(out) else f"a shard set ({MANIFEST_NAME})"
         raise ConfigError(f"--out {out} is {what}: give a folder for the results")
-    _writable_place("--out", out, out)
+    check_writable_place("--out", out, out)
     return out
 
 

@@ -139,6 +139,7 @@ def test_a_missing_shard_of_a_pattern_is_one_line(laion, tmp_path, capsys):
     (["{laion}/{{00000..00002.tar"], "unbalanced braces"),
     (["{laion}", "--read-timeout", "inf"], "--read-timeout must be > 0 and finite"),
     (["{laion}", "--workers", "0"], "--workers must be >= 1"),
+    (["{laion}", "--out", "{laion}/00000.tar/m"], "00000.tar is a file, not a folder"),
 ])
 def test_mistakes_are_one_line_and_write_nothing(laion, tmp_path, capsys, argv, expected):
     (tmp_path / "empty").mkdir()
