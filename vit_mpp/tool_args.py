@@ -1,6 +1,7 @@
-"""Checks of the command-line values the tools share (predict, evaluate, analysis): `--device` and `--out`, made
-before any model is loaded or image read, so that a mistake is one line at the start, not a traceback at the end
-of the work."""
+"""Checks of the command-line values the tools share (predict, evaluate, analysis, `build-shards index --out`):
+`--device` and the outputs (`--out`, `--csv`), made before any model is loaded or image read, so that a mistake is
+one line at the start, not a traceback at the end of the work; and the writing of those outputs, where what no
+check can foresee is one line too."""
 
 from __future__ import annotations
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from PIL import Image
 from safetensors.torch import save_file
 
 from analysis.analyze import main as analyze_main
@@ -99,7 +100,8 @@ def test_fine_tuning_from_a_broken_checkpoint_is_one_line(tmp_path, encoder_expo
 @pytest.mark.parametrize("kind", ["truncated_export", "garbage_config"])
 def test_predict_and_analysis_of_a_broken_export_are_one_line(tmp_path, encoder_export, capsys, kind):
     ckpt = broken(tmp_path, encoder_export, kind)
-    for main, argv in ((predict_main, ["--checkpoint", str(ckpt), "--images", str(tmp_path)]),
+    Image.new("RGB", (20, 20)).save(tmp_path / "a.png")  # predict lists its images before it loads the model
+    for main, argv in ((predict_main, ["--checkpoint", str(ckpt), "--images", str(tmp_path / "a.png")]),
                        (analyze_main, [str(ckpt), "--out", str(tmp_path / "a")])):
         with pytest.raises(SystemExit) as e:
             run_main(main, argv)
