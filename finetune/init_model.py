@@ -14,7 +14,7 @@ from finetune.config import InitConfig
 from finetune.modes import freeze_encoder
 from vit_mpp.config import ARCH_KEYS, ConfigError, ModelConfig, given_keys, replaced
 from vit_mpp.models import architecture, create_vit, norm_stats
-from vit_mpp.pretrained import build_model, describe_checkpoint, read_pretrained
+from vit_mpp.pretrained import build_model, describe_checkpoint, look_at_weights_file, read_pretrained
 
 
 def attach_zero_head(model: VisionTransformer, num_classes: int) -> None:
@@ -53,10 +53,11 @@ def build_classifier(init: InitConfig, model_cfg: ModelConfig, num_classes: int,
 def resolve_architecture(init: InitConfig, model_cfg: ModelConfig) -> ModelConfig:
     """`model_cfg` with the architecture `init.checkpoint` names (an export, a Hub model: read from its config, not
     its weights), so that the run's config.yaml records the model it trains; `model_cfg` itself when the checkpoint
-    names none (timm and npz weights) or there is none. Called before a run writes anything: an architecture key
-    the user set that differs from the checkpoint's is a ConfigError. `build_classifier` checks the same on the
-    weights it loads."""
+    names none (timm and npz weights, whose file is looked at now: vit_mpp.pretrained.look_at_weights_file) or there
+    is none. Called before a run writes anything: an architecture key the user set that differs from the
+    checkpoint's is a ConfigError. `build_classifier` checks the same on the weights it loads."""
     if init.checkpoint:
+        look_at_weights_file(init.checkpoint, init.kind)
         named, _ = describe_checkpoint(init.checkpoint, init.kind)
         if named is not None:
             return _with_architecture(model_cfg, named)

@@ -163,14 +163,48 @@ def _json(path: Path) -> dict[str, Any]:
     return data
 
 
-def _weights(path: Path, export_id: str | None) -> dict[str, torch.Tensor]:
-    """The tensors of `path`; with `export_id`, those of the write that config.json belongs to."""
+def _weights_file(path: Path, export_id: str | None, finish: bool) -> Path:
+    """The weights file that config.json (`export_id`) belongs to: `path`, or after a kill between the two renames
+    of write_export its `.new` (renamed into place when `finish` and the folder is writable)."""
     new = path.with_name(path.name + ".new")
     if export_id is not None and _export_id(path) != export_id and _export_id(new) == export_id:
+        if not finish:
+            return new
         try:  # a kill between the two renames of write_export: finish it
             os.replace(new, path)
         except OSError:  # a read-only export: read the new weights where they are
-            path = new
+            return new
+    return path
+
+
+def check_export_weights(path: str | Path) -> None:
+    """Whether the weights of the export at `path` can be read, from their header (safetensors checks it against the
+    file's size, so a truncated file fails here), without reading the tensors: a check before a run writes
+    anything."""
+    files = _files(Path(path))
+    if files is None:
+        return  # not an export: _read says so
+    weights_path, meta_path = files
+    ours = _json(meta_path).get(RECORD) if meta_path.name == CONFIG else None
+    weights_path = _weights_file(weights_path, ours.get("export_id") if isinstance(ours, dict) else None, False)
+    problem = safetensors_problem(weights_path)
+    if problem:
+        raise ExportError(problem)
+
+
+def safetensors_problem(path: Path) -> str | None:
+    """Why `path` cannot be read as safetensors, from its header alone (checked against the file's size, so a
+    truncated file has a problem); None when it can."""
+    try:
+        with safe_open(str(path), "pt"):
+            return None
+    except (SafetensorError, OSError, ValueError) as e:  # truncated, empty or not a safetensors file
+        return f"cannot read {path} as safetensors: {' '.join(str(e).split())}"
+
+
+def _weights(path: Path, export_id: str | None) -> dict[str, torch.Tensor]:
+    """The tensors of `path`; with `export_id`, those of the write that config.json belongs to."""
+    path = _weights_file(path, export_id, True)
     try:
         state = load_file(str(path))
     except (SafetensorError, OSError, ValueError) as e:  # truncated, empty or not a safetensors file

@@ -28,6 +28,8 @@ import math
 import os
 import pickle
 import re
+import zipfile
+import zlib
 from pathlib import Path
 from typing import Any, Literal
 
@@ -40,7 +42,14 @@ from timm.models.vision_transformer import VisionTransformer, _load_weights
 
 from vit_mpp.checkpoint import CheckpointError
 from vit_mpp.config import ModelConfig
-from vit_mpp.export import ExportError, is_export, read_export, read_export_config
+from vit_mpp.export import (
+    ExportError,
+    check_export_weights,
+    is_export,
+    read_export,
+    read_export_config,
+    safetensors_problem,
+)
 from vit_mpp.models import create_vit, norm_stats, patch_size
 
 TORCH_SUFFIXES = (".pth", ".pt", ".bin")
@@ -139,6 +148,32 @@ def describe_checkpoint(checkpoint: str, kind: str = "auto") -> tuple[ModelConfi
     return None, {}
 
 
+def look_at_weights_file(checkpoint: str, kind: str = "auto") -> None:
+    """A look at the weights of `checkpoint` before a run writes anything, so that a wrong or damaged file is one line
+    then, without reading the tensors where the format allows it: the header of an export's or a safetensors file
+    (checked against the file's size), the two arrays of an .npz that give its layout, a format this reads. A torch
+    file has no index to look at: it is read whole (once more later), which also refuses a pickled object now."""
+    kind = checkpoint_kind(checkpoint) if kind == "auto" else kind
+    if kind == "export":
+        check_export_weights(checkpoint.removeprefix(LOCAL_DIR))
+    if kind not in ("timm", "npz"):
+        return
+    path = Path(checkpoint)
+    if path.suffix == ".npz":
+        _npz_layout(path)
+    elif path.suffix == ".safetensors":
+        problem = safetensors_problem(path)
+        if problem:
+            raise CheckpointError(problem)
+    else:
+        read_state_dict(path)
+
+
+def _unknown_format(path: Path) -> CheckpointError:
+    return CheckpointError(f"unknown checkpoint format {path.suffix!r} for {path} "
+                           f"(.safetensors, {', '.join(TORCH_SUFFIXES)}, .npz or an export folder)")
+
+
 def results_folder(checkpoint: str, suffix: str) -> Path:
     """Where a tool writes what it finds out about `checkpoint` (evaluation, analysis figures) unless told: never into
     an export, whose folder is the model as trained and uploaded.
@@ -213,8 +248,7 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
         except (SafetensorError, OSError, ValueError) as e:
             raise CheckpointError(f"cannot read {path} as safetensors: {' '.join(str(e).split())}") from None
     if path.suffix not in TORCH_SUFFIXES:
-        raise CheckpointError(f"unknown checkpoint format {path.suffix!r} for {path} "
-                              f"(.safetensors, {', '.join(TORCH_SUFFIXES)}, .npz or an export folder)")
+        raise _unknown_format(path)
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
@@ -268,19 +302,21 @@ def state_dict_grid(state: dict[str, torch.Tensor], model: VisionTransformer,
     return infer_grid(int(posemb.shape[1]) - prefix, given)
 
 
-def read_npz(path: str | Path, model_cfg: ModelConfig, given: list[int] | None,
-             ) -> tuple[dict[str, torch.Tensor], tuple[int, int]]:
-    """An original ViT .npz as a timm state dict at the checkpoint's own grid, and that grid.
-
-    timm's converter (`_load_weights`) does the key mapping; the model it fills is built at the checkpoint's grid
-    so that it resizes nothing itself: the resize to the size asked is ours (`build_model`).
-    """
+def _open_npz(path: str | Path) -> np.lib.npyio.NpzFile:
+    """An .npz archive of named arrays, opened (its zip directory read); CheckpointError for anything else."""
     try:
         npz = np.load(path, allow_pickle=False)  # allow_pickle=False: arrays only, nothing is unpickled
-    except (OSError, ValueError, EOFError) as e:
-        raise CheckpointError(f"cannot read {path} as an .npz archive: {' '.join(str(e).split())}") from None
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+        raise _unreadable_npz(path, e) from None
     if not isinstance(npz, np.lib.npyio.NpzFile):
         raise CheckpointError(f"{path} holds a single array, not an .npz archive of named arrays")
+    return npz
+
+
+def _npz_layout(path: str | Path) -> tuple[tuple[int, int], int]:
+    """(patch kernel height and width, number of position embeddings) of an original ViT .npz, read from its two
+    arrays that say so; CheckpointError for an archive that is not one, or damaged, or holding Python objects."""
+    npz = _open_npz(path)
     try:
         with npz:
             files = set(npz.files)
@@ -289,10 +325,26 @@ def read_npz(path: str | Path, model_cfg: ModelConfig, given: list[int] | None,
                 raise CheckpointError(f"{path} is not an original ViT checkpoint (no embedding/kernel and "
                                       f"{NPZ_POSEMB})")
             kernel_hw = tuple(npz[f"{prefix}embedding/kernel"].shape[:2])  # HWIO
-            num_tokens = int(npz[f"{prefix}{NPZ_POSEMB}"].shape[1])
+            return kernel_hw, int(npz[f"{prefix}{NPZ_POSEMB}"].shape[1])
     except ValueError as e:  # an array of Python objects: refused, since reading it would unpickle
         raise CheckpointError(f"{path}: cannot read its arrays without unpickling objects (refused): "
                               f"{' '.join(str(e).split())}") from None
+    except (OSError, EOFError, zipfile.BadZipFile, zlib.error) as e:  # an archive damaged inside
+        raise _unreadable_npz(path, e) from None
+
+
+def _unreadable_npz(path: str | Path, e: Exception) -> CheckpointError:
+    return CheckpointError(f"cannot read {path} as an .npz archive: {' '.join(str(e).split()) or type(e).__name__}")
+
+
+def read_npz(path: str | Path, model_cfg: ModelConfig, given: list[int] | None,
+             ) -> tuple[dict[str, torch.Tensor], tuple[int, int]]:
+    """An original ViT .npz as a timm state dict at the checkpoint's own grid, and that grid.
+
+    timm's converter (`_load_weights`) does the key mapping; the model it fills is built at the checkpoint's grid
+    so that it resizes nothing itself: the resize to the size asked is ours (`build_model`).
+    """
+    kernel_hw, num_tokens = _npz_layout(path)
     probe = create_vit(model_cfg)
     p = patch_size(probe)
     if kernel_hw != (p, p):

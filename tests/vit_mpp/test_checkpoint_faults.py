@@ -45,16 +45,18 @@ def broken(tmp_path: Path, good: Path, kind: str) -> Path:
             config.write_text(json.dumps(data))
         return out
     path = tmp_path / {"truncated_safetensors": "w.safetensors", "empty_safetensors": "w.safetensors",
-                       "empty_pth": "w.pth", "text_pth": "w.pth", "object_npz": "w.npz",
-                       "garbage_encoder_json": "encoder.safetensors"}[kind]
+                       "empty_pth": "w.pth", "text_pth": "w.pth", "object_npz": "w.npz", "text_npz": "w.npz",
+                       "manifest": "_info.json", "garbage_encoder_json": "encoder.safetensors"}[kind]
     state = create_vit(SMALL_MODEL).state_dict()
     if kind == "truncated_safetensors":
         save_file(state, str(path))
         path.write_bytes(path.read_bytes()[:500])
     elif kind in ("empty_safetensors", "empty_pth"):
         path.write_bytes(b"")
-    elif kind == "text_pth":
+    elif kind in ("text_pth", "manifest"):
         path.write_text("not a checkpoint")
+    elif kind == "text_npz":
+        path.write_bytes(b"PK\x03\x04 not a zip archive after all")
     elif kind == "object_npz":
         np.savez(path, **{"embedding/kernel": np.array([{"a": 1}], dtype=object),
                           "Transformer/posembed_input/pos_embedding": np.array([{"b": 2}], dtype=object)})
@@ -75,6 +77,8 @@ CASES = {
     "empty_pth": "cannot read",
     "text_pth": "cannot read",
     "object_npz": "unpickling",
+    "text_npz": "as an .npz archive: File is not a zip file",  # a BadZipFile traceback
+    "manifest": "unknown checkpoint format '.json'",
     "garbage_encoder_json": "is not readable JSON",
 }
 
@@ -95,6 +99,9 @@ def test_fine_tuning_from_a_broken_checkpoint_is_one_line(tmp_path, encoder_expo
                                  "model.patch_size=4", "model.embed_dim=32", "model.depth=1", "model.num_heads=2"])
     assert e.value.code == 2
     assert CASES[kind] in one_line(capsys)
+    # found before the run directory is written (a file of an unknown format, a damaged .npz, safetensors file or
+    # export, a bad .pth were found after it, with config.yaml written)
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("kind", ["truncated_export", "garbage_config"])
