@@ -50,8 +50,8 @@ from vit_mpp.tool_args import check_device, check_out_folder, make_out_folder
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = ArgumentParser(prog="python -m analysis", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="`python -m analysis plot RUN_DIR [RUN_DIR ...]` draws training curves.")
+                            formatter_class=argparse.RawDescriptionHelpFormatter,
+                            epilog="`python -m analysis plot RUN_DIR [RUN_DIR ...]` draws training curves.")
     parser.add_argument("checkpoint", help="an export folder or file, local-dir:/hf-hub: name, or a state dict")
     parser.add_argument("--out", default=None, help="output folder (default: PATH-analysis beside the export folder "
                                                     "PATH, never inside it)")

@@ -30,7 +30,10 @@ import os
 import signal
 import sys
 import threading
+from pathlib import Path
 from typing import Any
+
+from PIL import Image
 
 from data_tools import index_shards, inspect_shards, merge
 from data_tools.build_shards import Interrupted, build
@@ -43,6 +46,7 @@ from data_tools.sources import KINDS, UNLABELLED_ROWS, SourceSpec
 from data_tools.store import open_store
 from vit_mpp import urls
 from vit_mpp.cli import ArgumentParser, run_main
+from vit_mpp.tool_args import check_out_file
 
 EXECUTORS = ("local", "ray")
 
@@ -63,9 +67,9 @@ def default_workers() -> int:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = ArgumentParser(prog="build-shards", description=__doc__.split("\n\n")[0],
-               epilog="`build-shards merge --help`, `build-shards inspect --help` and `build-shards index --help` "
-                      "describe the other commands; docs/build_shards.md has the details.",
-               formatter_class=HelpFormatter)
+                       epilog="`build-shards merge --help`, `build-shards inspect --help` and `build-shards index "
+                              "--help` describe the other commands; docs/build_shards.md has the details.",
+                       formatter_class=HelpFormatter)
     p.add_argument("source", help="class-folder tree, image tree, .csv/.jsonl/.parquet list of paths (a path or a "
                                   "URL), or Hugging Face dataset (save_to_disk folder, parquet, image folder, hub "
                                   "name)")
@@ -156,7 +160,7 @@ def parse_merge_args(argv: list[str]) -> argparse.Namespace:
 def parse_inspect_args(argv: list[str]) -> argparse.Namespace:
     """`build-shards inspect OUT [--grid PNG] [--samples N] [--no-verify] [--decode]`."""
     p = ArgumentParser(prog="build-shards inspect", description=inspect_shards.__doc__.split("\n\n")[0],
-               formatter_class=HelpFormatter)
+                       formatter_class=HelpFormatter)
     p.add_argument("out_dir", help="a build-shards output folder or URL")
     p.add_argument("--grid", default=None, help="PNG grid of sample images (default: OUT/_samples.png)")
     p.add_argument("--samples", type=int, default=32, help="images in the grid (0: no grid)")
@@ -169,14 +173,18 @@ def parse_inspect_args(argv: list[str]) -> argparse.Namespace:
         p.error("--samples must be >= 0")
     if args.decode and args.no_verify:
         p.error("--decode reads every shard: it excludes --no-verify")
+    if args.grid and args.samples:  # checked now: the grid is drawn after every shard is read
+        check_out_file(args.grid, "--grid")
+        if Path(args.grid).suffix.lower() not in Image.registered_extensions():
+            p.error(f"--grid {args.grid}: give an image file name (.png, .jpg, ...)")
     return args
 
 
 def parse_index_args(argv: list[str]) -> argparse.Namespace:
     """`build-shards index LOCATION [LOCATION ...] [--split NAME ...] [--out DIR] [--verify] [--skip-bad] ...`."""
     p = ArgumentParser(prog="build-shards index", description=index_shards.__doc__.split("\n\n")[0],
-               epilog="docs/build_shards.md (Indexing shards you already have) has the details.",
-               formatter_class=HelpFormatter)
+                       epilog="docs/build_shards.md (Indexing shards you already have) has the details.",
+                       formatter_class=HelpFormatter)
     p.add_argument("locations", nargs="+", metavar="LOCATION",
                    help="a folder of .tar shards (local, or a URL: s3://, gs://, hf://datasets/..., http(s)://), one "
                         ".tar, or a brace pattern such as 's3://bucket/laion/{00000..01023}.tar' (quote it)")

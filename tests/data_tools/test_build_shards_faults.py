@@ -270,6 +270,22 @@ def test_inspect_reports_damaged_shards_as_problems(tmp_path, capsys):
     assert Image.open(tmp_path / "grid.png").width > 0  # the grid is drawn from what is readable
 
 
+def test_a_grid_that_cannot_be_written_is_one_line_before_the_shards_are_read(tmp_path, capsys):
+    # a folder or a name without an image extension was a ValueError traceback from PIL, after every shard was read
+    make_tree(tmp_path / "src", {"a": 2, "b": 2})
+    build_main([str(tmp_path / "src"), str(tmp_path / "out"), "--shard-size", "4", "--val-fraction", "0"])
+    (tmp_path / "file").write_text("x")
+    for grid, message in ((tmp_path, f"--grid {tmp_path} is a folder: give a file name"),
+                          (tmp_path / "grid.txt", "give an image file name (.png, .jpg, ...)"),
+                          (tmp_path / "file" / "g.png", f"{tmp_path / 'file'} is a file, not a folder")):
+        capsys.readouterr()
+        line = one_line_error(capsys, "inspect", str(tmp_path / "out"), "--grid", str(grid))
+        assert message in line, line
+    capsys.readouterr()
+    build_main(["inspect", str(tmp_path / "out"), "--grid", str(tmp_path / "grid.JPG"), "--samples", "2"])
+    assert Image.open(tmp_path / "grid.JPG").format == "JPEG"
+
+
 def test_inspect_counts_samples_as_training_reads_them(tmp_path, capsys):
     # inspect grouped members by their name's first dot: a folder member or webdataset's `__meta__` members were
     # counted as samples, and a healthy shard reported as holding more samples than its manifest says
