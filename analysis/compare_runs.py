@@ -19,9 +19,14 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.labels is not None and len(args.labels) != len(args.run_dirs):
         raise ConfigError(f"--labels gives {len(args.labels)} labels for {len(args.run_dirs)} runs")
+    labels = args.labels or args.run_dirs
+    twice = next((label for label in labels if labels.count(label) > 1), None)
+    if twice is not None:  # one curve would silently replace the other
+        raise ConfigError(f"{'--labels names' if args.labels else 'the run directories name'} {twice!r} twice: a "
+                          "curve per run needs a label per run")
     check_out_file(args.out)
     runs = {}
-    for label, run_dir in zip(args.labels or args.run_dirs, args.run_dirs):
+    for label, run_dir in zip(labels, args.run_dirs):
         records = read_metrics(run_dir)
         if not records:
             raise ConfigError(f"{run_dir} has no metrics.jsonl with records: not a run directory of this tool")

@@ -70,7 +70,10 @@ def test_every_run_draws_its_curves_and_plot_overlays_runs(watched, demo_shards,
     with Image.open(tmp_path / "both.png") as im:
         assert im.width > 800
     for argv, message in (([str(watched), str(tmp_path / "pixels"), "--labels", "one"], "--labels gives"),
-                          ([str(tmp_path / "nowhere")], "has no metrics.jsonl")):
+                          ([str(tmp_path / "nowhere")], "has no metrics.jsonl"),
+                          # one curve silently replaced the other (a plot of 1 run)
+                          ([str(watched), str(tmp_path / "pixels"), "--labels", "a", "a"], "--labels names 'a' twice"),
+                          ([str(watched), str(watched)], f"the run directories name {str(watched)!r} twice")):
         with pytest.raises(SystemExit) as e:
             run_main(plot_main, argv)
         assert e.value.code == 2 and message in capsys.readouterr().err
