@@ -138,9 +138,14 @@ def check_manifest(info: dict[str, Any], where: str) -> None:
 
 
 def check_every_sample_labelled(location: str | Path, info: dict[str, Any], split: str) -> None:
-    """Refuse a split whose manifest counts samples without a usable label (`build-shards index` counts them per
-    split, and so does a build with `--unlabelled-rows keep`), before anything starts: a classifier's stream would
-    stop at the first of them."""
+    """Refuse a split of a set whose manifest says it is unlabelled, or counts samples without a usable label
+    (`build-shards index` counts them per split, and so does a build with `--unlabelled-rows keep`), before anything
+    starts: a classifier's stream would stop at the first of them (for an evaluation split, after an epoch)."""
+    # A set the manifest says is unlabelled: a build with no labels (num_classes 0), or shards `index` found no
+    # label in (it writes num_classes only where labels exist). Other manifests (timm's) may not say.
+    if info.get("num_classes") == 0 or (info.get("indexed") is True and "num_classes" not in info):
+        raise ManifestError(f"split '{split}' of {location} carries no labels (its manifest counts no classes): a "
+                            "classifier needs a label on every sample; pretraining accepts them")
     entry = info["splits"][split]
     missing, bad = (n if _is_count(n) else 0 for n in (entry.get("num_unlabelled"), entry.get("num_bad_labels")))
     if missing or bad:

@@ -97,18 +97,30 @@ def test_one_set_named_two_ways_in_a_mixture_is_refused(demo_shards, other):
         load_training_data(DataConfig(shards=[str(demo_shards), second]))
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"class_names": ["x", "y", "z", "w"]}, "the sets of data.shards name different classes"),
-    ({"num_classes": 0, "class_names": []}, "num_classes is not set and the manifest names no classes"),
+UNLABELLED = {"num_classes": 0, "class_names": []}  # an unlabelled build
+
+
+@pytest.mark.parametrize("change, overrides, message", [
+    ({"class_names": ["x", "y", "z", "w"]}, ["data.shards=[{demo},{other}]"],
+     "the sets of data.shards name different classes"),
+    (UNLABELLED, ["data.shards={other}"], "num_classes is not set and the manifest names no classes"),
+    # num_classes given, or the unlabelled set only evaluated on: it ran an epoch, then stopped at evaluation
+    (UNLABELLED, ["data.shards={other}", "num_classes=4"],
+     "split 'train' of {other} carries no labels (its manifest counts no classes)"),
+    (UNLABELLED, ["data.shards={demo}", "data.val_shards={other}"], "split 'val' of {other} carries no labels"),
+    ({"indexed": True, "num_classes": None, "class_names": None}, ["data.shards={demo}", "data.val_shards={other}"],
+     "split 'val' of {other} carries no labels"),
 ])
 def test_fine_tuning_checks_the_classes_before_its_run_directory(tmp_path, demo_shards, encoder_export, capsys,
-                                                                 change, message):
+                                                                 change, overrides, message):
     other = tmp_path / "other"
     shutil.copytree(demo_shards, other)
-    info = json.loads((other / "_info.json").read_text())
-    (other / "_info.json").write_text(json.dumps({**info, **change, "name": "other"}))
-    shards = f"data.shards=[{demo_shards},{other}]" if "different" in message else f"data.shards={other}"
-    argv = ["--config", "configs/finetune/tiny.yaml", shards, f"train.run_dir={tmp_path / 'run'}",
+    info = {**json.loads((other / "_info.json").read_text()), **change, "name": "other"}
+    info = {k: v for k, v in info.items() if v is not None}  # an index manifest has no num_classes without labels
+    (other / "_info.json").write_text(json.dumps(info))
+    message = message.format(other=other)
+    overrides = [o.format(demo=demo_shards, other=other) for o in overrides]
+    argv = ["--config", "configs/finetune/tiny.yaml", *overrides, f"train.run_dir={tmp_path / 'run'}",
             f"init.checkpoint={encoder_export}"]
     with pytest.raises(SystemExit) as e:
         run_main(finetune_main, argv)
