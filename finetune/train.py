@@ -175,10 +175,15 @@ def classes_of(cfg: FinetuneConfig, data: TrainingData) -> tuple[int, list[str] 
     if not num_classes:
         raise ConfigError("num_classes is not set and the manifest names no classes: the shards carry no labels, "
                           "which pretraining accepts but a classifier cannot learn from")
-    for location, manifest in zip(data.locations, data.manifests):
-        check_every_sample_labelled(location, manifest, cfg.data.train_split)
+    checked = [(location, manifest, cfg.data.train_split) for location, manifest in zip(data.locations, data.manifests)]
     if data.val_manifest is not None:
-        check_every_sample_labelled(data.val_location, data.val_manifest, cfg.data.val_split)
+        checked.append((data.val_location, data.val_manifest, cfg.data.val_split))
+    for location, manifest, split in checked:
+        check_every_sample_labelled(location, manifest, split)
+        has = manifest.get("num_classes")
+        if isinstance(has, int) and has > num_classes:  # the stream would stop at the first label beyond them
+            raise ConfigError(f"num_classes={num_classes} is below the {has} classes of {location} (labels up to "
+                              f"{has - 1}): a classifier needs a class for every label")
     return num_classes, names[0]
 
 

@@ -108,6 +108,8 @@ UNLABELLED = {"num_classes": 0, "class_names": []}  # an unlabelled build
     (UNLABELLED, ["data.shards={other}", "num_classes=4"],
      "split 'train' of {other} carries no labels (its manifest counts no classes)"),
     (UNLABELLED, ["data.shards={demo}", "data.val_shards={other}"], "split 'val' of {other} carries no labels"),
+    # stopped at the first sample with a label beyond them, with the run directory written
+    ({}, ["data.shards={other}", "num_classes=2"], "num_classes=2 is below the 4 classes of {other} (labels up to 3)"),
     ({"indexed": True, "num_classes": None, "class_names": None}, ["data.shards={demo}", "data.val_shards={other}"],
      "split 'val' of {other} carries no labels"),
 ])
