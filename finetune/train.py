@@ -163,15 +163,17 @@ def _val_loader(accelerator: Accelerator, cfg: FinetuneConfig, data: TrainingDat
 
 
 def classes_of(cfg: FinetuneConfig, data: TrainingData) -> tuple[int, list[str] | None]:
-    """(number of classes, class names): `num_classes`, or the manifests'; every set of a mixture must name the same
-    classes (labels are class indices), and no split read (training, evaluation) may count samples without a usable
-    label. Run by `start_run` before the run directory is touched."""
+    """(number of classes, class names): `num_classes`, or the most the training sets' manifests count; every set of
+    a mixture must name the same classes (labels are class indices), and no set read (training, evaluation) may have
+    more classes, be unlabelled or count samples without a usable label. Run by `start_run` before the run
+    directory is touched."""
     names = [m.get("class_names") or None for m in data.manifests]
     if any(n != names[0] for n in names[1:]):
         raise ConfigError("the sets of data.shards name different classes: a classifier's labels must mean the same "
                           "class in every set")
-    info = data.manifests[0]
-    num_classes = cfg.num_classes or info.get("num_classes") or len(names[0] or [])
+    # the training sets' classes: with indexed sets (no class names) a mixture's sets may count different numbers
+    num_classes = cfg.num_classes or max(m.get("num_classes") or len(m.get("class_names") or [])
+                                         for m in data.manifests)
     if not num_classes:
         raise ConfigError("num_classes is not set and the manifest names no classes: the shards carry no labels, "
                           "which pretraining accepts but a classifier cannot learn from")
@@ -182,8 +184,9 @@ def classes_of(cfg: FinetuneConfig, data: TrainingData) -> tuple[int, list[str] 
         check_every_sample_labelled(location, manifest, split)
         has = manifest.get("num_classes")
         if isinstance(has, int) and has > num_classes:  # the stream would stop at the first label beyond them
-            raise ConfigError(f"num_classes={num_classes} is below the {has} classes of {location} (labels up to "
-                              f"{has - 1}): a classifier needs a class for every label")
+            given = "" if cfg.num_classes else " (from the training sets' manifests)"
+            raise ConfigError(f"num_classes={num_classes}{given} is below the {has} classes of {location} (labels "
+                              f"up to {has - 1}): a classifier needs a class for every label")
     return num_classes, names[0]
 
 

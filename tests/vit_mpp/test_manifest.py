@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import json
 import shutil
+from types import SimpleNamespace
 
 import pytest
 
 from finetune.__main__ import main as finetune_main
+from finetune.config import FinetuneConfig
+from finetune.train import classes_of
 from pretrain.__main__ import main as pretrain_main
 from vit_mpp.cli import run_main
-from vit_mpp.config import ConfigError, DataConfig
+from vit_mpp.config import ConfigError, DataConfig, load_config
 from vit_mpp.manifest import ManifestError, load_split
 from vit_mpp.training_data import load_training_data
 
@@ -129,3 +132,19 @@ def test_fine_tuning_checks_the_classes_before_its_run_directory(tmp_path, demo_
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1 and message in err[0], err
     assert not (tmp_path / "run").exists()  # it was written before the check
+
+
+def test_a_mixture_of_indexed_sets_takes_the_most_classes_and_the_evaluation_set_must_fit():
+    # indexed sets name no classes, and count those their labels reach: the first set's count was taken, and the
+    # stream stopped at the first label of the other set beyond it
+    def indexed(num_classes: int) -> dict:
+        return {"indexed": True, "num_classes": num_classes, "splits": {"train": {}, "val": {}}}
+
+    data = SimpleNamespace(locations=["a", "b"], manifests=[indexed(3), indexed(7)], val_location="c",
+                           val_manifest=indexed(5))
+    cfg = load_config(FinetuneConfig, None, [])
+    assert classes_of(cfg, data) == (7, None)
+    data.val_manifest = indexed(9)
+    with pytest.raises(ConfigError, match=r"num_classes=7 \(from the training sets' manifests\) is below the 9 "
+                                          r"classes of c \(labels up to 8\)"):
+        classes_of(cfg, data)
