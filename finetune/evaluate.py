@@ -29,7 +29,7 @@ from vit_mpp.cli import ArgumentParser, run_main
 from vit_mpp.config import ConfigError, DataConfig
 from vit_mpp.data_stream import build_eval_loader
 from vit_mpp.dry_run import probe
-from vit_mpp.manifest import check_every_sample_labelled, load_split
+from vit_mpp.manifest import check_every_sample_labelled, load_split, manifest_classes
 from vit_mpp.pretrained import Pretrained, load_classifier, results_folder
 from vit_mpp.progress import progress
 from vit_mpp.step_meter import with_unread
@@ -53,7 +53,7 @@ def check_classes(pre: Pretrained, info: dict[str, Any], shards: str, ignore_nam
     Shards that name no classes are checked label by label as they are read.
     """
     names = list(info.get("class_names") or [])
-    count = info.get("num_classes") or len(names)
+    count = manifest_classes(info)
     if count and count != pre.num_classes:
         raise ConfigError(f"the classifier has {pre.num_classes} classes but the shards at {shards} have {count}: "
                           "evaluate it on shards of the classes it was trained on")

@@ -29,7 +29,7 @@ from vit_mpp.accelerator import prepare_model
 from vit_mpp.checkpoint import Checkpointer, resume_run
 from vit_mpp.config import ConfigError, ModelConfig, parse_args, replaced, to_dict
 from vit_mpp.data_stream import build_eval_loader, build_train_loader, to_device
-from vit_mpp.manifest import check_every_sample_labelled
+from vit_mpp.manifest import check_every_sample_labelled, manifest_classes
 from vit_mpp.models import count_params
 from vit_mpp.optimizer import build_optimizer
 from vit_mpp.preemption import StepBoundary, StopSignals
@@ -172,8 +172,7 @@ def classes_of(cfg: FinetuneConfig, data: TrainingData) -> tuple[int, list[str] 
         raise ConfigError("the sets of data.shards name different classes: a classifier's labels must mean the same "
                           "class in every set")
     # the training sets' classes: with indexed sets (no class names) a mixture's sets may count different numbers
-    num_classes = cfg.num_classes or max(m.get("num_classes") or len(m.get("class_names") or [])
-                                         for m in data.manifests)
+    num_classes = cfg.num_classes or max(manifest_classes(m) for m in data.manifests)
     if not num_classes:
         raise ConfigError("num_classes is not set and the manifest names no classes: the shards carry no labels, "
                           "which pretraining accepts but a classifier cannot learn from")
@@ -182,8 +181,8 @@ def classes_of(cfg: FinetuneConfig, data: TrainingData) -> tuple[int, list[str] 
         checked.append((data.val_location, data.val_manifest, cfg.data.val_split))
     for location, manifest, split in checked:
         check_every_sample_labelled(location, manifest, split)
-        has = manifest.get("num_classes")
-        if isinstance(has, int) and has > num_classes:  # the stream would stop at the first label beyond them
+        has = manifest_classes(manifest)
+        if has > num_classes:  # the stream would stop at the first label beyond them
             given = "" if cfg.num_classes else " (from the training sets' manifests)"
             raise ConfigError(f"num_classes={num_classes}{given} is below the {has} classes of {location} (labels "
                               f"up to {has - 1}): a classifier needs a class for every label")

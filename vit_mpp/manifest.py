@@ -137,6 +137,11 @@ def check_manifest(info: dict[str, Any], where: str) -> None:
         raise bad(f"'class_names' names {len(names)} classes but 'num_classes' is {info['num_classes']}")
 
 
+def manifest_classes(info: dict[str, Any]) -> int:
+    """How many classes a (checked) manifest counts: its `num_classes`, or the length of its `class_names`."""
+    return info.get("num_classes") or len(info.get("class_names") or [])
+
+
 def check_every_sample_labelled(location: str | Path, info: dict[str, Any], split: str) -> None:
     """Refuse a split of a set whose manifest says it is unlabelled, or counts samples without a usable label
     (`build-shards index` counts them per split, and so does a build with `--unlabelled-rows keep`), before anything

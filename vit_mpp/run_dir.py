@@ -24,6 +24,7 @@ from vit_mpp.config import ConfigError, flatten, save_config, to_dict
 from vit_mpp.durable import write_atomic
 from vit_mpp.errors import UserError
 from vit_mpp.manifest import MANIFEST_NAME
+from vit_mpp.tool_args import make_out_folder
 
 LOCK_NAME = ".lock"
 _held: dict[str, int] = {}  # run dir -> descriptor of its lock, kept open (so held) until this process ends
@@ -106,12 +107,7 @@ def prepare_run_dir(run_dir: str | Path, cfg: Any, is_main: bool, dry_run: bool 
             raise RunDirBusy(f"{run_dir} is in use by another run ({busy}): wait for it to end, or use another "
                              "train.run_dir")
     elif is_main:
-        try:
-            run_dir.mkdir(parents=True, exist_ok=True)
-        except (FileExistsError, NotADirectoryError):
-            raise ConfigError(f"train.run_dir {run_dir} is (or lies under) a file, not a folder") from None
-        except OSError as e:  # no permission, a read-only or special file system (/proc), no space
-            raise ConfigError(f"train.run_dir {run_dir} cannot be created: {(e.strerror or str(e)).lower()}") from None
+        make_out_folder(run_dir, "train.run_dir")
         if not os.access(run_dir, os.W_OK):
             raise ConfigError(f"train.run_dir {run_dir} is not writable")
         lock_run_dir(run_dir)

@@ -63,13 +63,15 @@ def check_out_folder(out: Path) -> Path:
     return out
 
 
-def make_out_folder(out: Path) -> Path:
-    """Create the (checked) output folder; what the checks cannot foresee (a special file system, no space left) is
-    one line too."""
+def make_out_folder(out: Path, flag: str = "--out") -> Path:
+    """Create an output folder (a tool's `--out`, a run directory); what no check foresees (a file in the way, a
+    special file system, no space left) is one line too."""
     try:
         out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f"--out {out} cannot be created: {(e.strerror or str(e)).lower()}") from None
+    except (FileExistsError, NotADirectoryError):
+        raise ConfigError(f"{flag} {out} is (or lies under) a file, not a folder") from None
+    except OSError as e:  # no permission, a read-only or special file system (/proc), no space
+        raise ConfigError(f"{flag} {out} cannot be created: {(e.strerror or str(e)).lower()}") from None
     return out
 
 
