@@ -23,7 +23,7 @@ from vit_mpp.config import ConfigError
 from vit_mpp.export import ExportError, is_export, read_export_config
 from vit_mpp.progress import format_duration
 from vit_mpp.run_metrics import BEST_OF, best_metrics, final_metrics, wall_time_s
-from vit_mpp.tool_args import check_out_file, open_out_file
+from vit_mpp.tool_args import check_distinct_runs, check_out_file, open_out_file
 from vit_mpp.training_curves import read_metrics
 
 # Metrics shown, in this order: the final value of each, and the best of those that have one (vit_mpp/run_metrics).
@@ -159,6 +159,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("run_dirs", nargs="+", help="run directories (train.run_dir of pretraining or fine-tuning)")
     parser.add_argument("--csv", default=None, metavar="FILE", help="also write the table as CSV to FILE")
     args = parser.parse_args(argv)
+    check_distinct_runs(args.run_dirs)
     if args.csv:
         check_out_file(args.csv, "--csv")
     rows = [run_row(Path(d)) for d in args.run_dirs]  # every folder checked before anything is written

@@ -52,6 +52,8 @@ def image_paths(items: list[str]) -> list[Path]:
             paths.extend(sorted(f for f in p.rglob("*") if f.is_file() and is_image_file(f)))
         elif p.is_file():
             paths.append(p)
+        elif p.exists():  # a device, a pipe, a socket: nothing to decode as an image
+            raise ConfigError(f"{p} is neither an image file nor a folder")
         else:
             raise ConfigError(f"no such image or folder: {p}")
     if not paths:

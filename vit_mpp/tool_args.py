@@ -43,6 +43,18 @@ def check_writable_place(flag: str, path: Path, folder: Path) -> None:
         raise ConfigError(f"{flag} {path}: {place} is not writable")
 
 
+def check_distinct_runs(run_dirs: list[str]) -> None:
+    """No run directory named twice (`runs/a` and `runs/a/` are the same run): a table or a figure would show it
+    twice, or one curve would hide the other."""
+    seen: dict[Path, str] = {}
+    for run_dir in run_dirs:
+        where = Path(run_dir).resolve()
+        if where in seen:
+            same = "" if seen[where] == run_dir else f" (as {seen[where]} and {run_dir})"
+            raise ConfigError(f"run directory {run_dir} is named twice{same}: name each run once")
+        seen[where] = run_dir
+
+
 def check_out_file(path: str, flag: str = "--out") -> Path:
     """An output file written when the work is done: not a folder, and its folder, or the nearest one of its parents
     that exists, a writable folder."""

@@ -16,6 +16,7 @@ from finetune.config import FinetuneConfig
 from pretrain.config import PretrainConfig
 from pretrain.train import main as pretrain_main
 from tests.helpers.processes import run_module
+from vit_mpp.cli import run_main
 from vit_mpp.config import load_config, save_config
 from vit_mpp.run_metrics import wall_time_s
 from vit_mpp.training_curves import read_metrics
@@ -108,3 +109,11 @@ def test_a_folder_that_is_not_a_run_directory_is_one_line(runs, tmp_path):
         f"error: {tmp_path / 'notes'} is not a run directory of this tool (no config.yaml of a pretraining or "
         "fine-tuning run)"]
     assert not (tmp_path / "out.csv").exists()  # nothing written before the mistake was found
+
+
+def test_a_run_named_twice_is_one_line(runs, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:  # the table listed the run twice
+        run_main(summary_main, [str(runs[0]), str(runs[1]), f"{runs[0]}/."])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: run directory {runs[0]}/. is named twice (as {runs[0]} and {runs[0]}/.): name each run once"]

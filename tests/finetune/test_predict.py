@@ -5,6 +5,7 @@ it cannot read, the unreadable are skipped with a warning and the others labelle
 from __future__ import annotations
 
 import csv
+import os
 import subprocess
 import sys
 
@@ -101,6 +102,18 @@ def test_a_bad_out_or_device_is_one_line_before_any_image_is_read(export, tmp_pa
                                 capsys)
     assert code == 2 and err.strip() == message.format(tmp=tmp_path) and out == "", err
     assert Image.open(image).size == (20, 20)
+
+
+@pytest.mark.parametrize("name, message", [
+    ("nowhere.png", "no such image or folder: {p}"),
+    ("fifo", "{p} is neither an image file nor a folder"),  # said "no such image or folder", though it is there
+])
+def test_an_images_argument_that_is_no_file_or_folder_is_one_line(export, tmp_path, capsys, name, message):
+    path = tmp_path / name
+    if name == "fifo":
+        os.mkfifo(path)
+    code, out, err = in_process(predict_module.main, ["--checkpoint", str(export), "--images", str(path)], capsys)
+    assert code == 2 and err.strip() == "error: " + message.format(p=path) and out == ""
 
 
 def test_top_k_above_the_classes_gives_a_column_per_class(export, tmp_path, capsys):

@@ -16,6 +16,8 @@ from tests.helpers.processes import in_process
 from tests.helpers.runs import read_metrics, run_tiny_pretrain
 from tests.helpers.shards import write_shard_set
 from vit_mpp.cli import run_main
+from vit_mpp.config import ConfigError
+from vit_mpp.figure_files import plt, save_figure
 
 
 def tiny_pretrain(shards: Path, run_dir: Path, *overrides: str) -> None:
@@ -73,10 +75,25 @@ def test_every_run_draws_its_curves_and_plot_overlays_runs(watched, demo_shards,
                           ([str(tmp_path / "nowhere")], "has no metrics.jsonl"),
                           # one curve silently replaced the other (a plot of 1 run)
                           ([str(watched), str(tmp_path / "pixels"), "--labels", "a", "a"], "--labels names 'a' twice"),
-                          ([str(watched), str(watched)], f"the run directories name {str(watched)!r} twice")):
+                          ([str(watched), str(watched) + "/"],
+                           f"run directory {watched}/ is named twice (as {watched} and {watched}/)"),
+                          # matplotlib wrote a PDF, or failed with a traceback, whatever the suffix said
+                          ([str(watched), "--out", str(tmp_path / "curves.txt")], "a figure is written as"),
+                          # matplotlib's traceback after the metrics were read
+                          ([str(watched), "--out", "/proc/curves.png"], "cannot write /proc/curves.png: ")):
         with pytest.raises(SystemExit) as e:
             run_main(plot_main, argv)
         assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (a file whose every write fails)")
+def test_a_figure_that_cannot_be_written_is_one_error_not_a_truncated_file(tmp_path):
+    full = tmp_path / "full.png"
+    full.symlink_to("/dev/full")  # a disk with no space left
+    fig = plt.figure()
+    plt.plot([1, 2])
+    with pytest.raises(ConfigError, match=f"^cannot write {full}: no space left on device$"):
+        save_figure(fig, full)  # matplotlib's own writing let the failed write pass
 
 
 def test_knn_top1_on_separable_and_on_random_features():
