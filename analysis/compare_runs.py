@@ -15,7 +15,8 @@ from vit_mpp.training_curves import plot_curves, read_metrics
 def main(argv: list[str] | None = None) -> None:
     parser = ArgumentParser(prog="python -m analysis plot", description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dirs", nargs="+", help="run directories (each with its metrics.jsonl)")
-    parser.add_argument("--out", default="curves.png", help="the figure to write; its suffix gives the format (.png, .pdf, .svg, ...; default: "
+    parser.add_argument("--out", default="curves.png",
+                        help="the figure to write; its suffix gives the format (.png, .pdf, .svg, ...; default: "
                         "%(default)s)")
     parser.add_argument("--labels", nargs="+", default=None, help="a legend label per run (default: their paths)")
     args = parser.parse_args(argv)
