@@ -108,14 +108,7 @@ def _open_raw(url: str, timeout: float) -> Any:
         return urllib.request.urlopen(url, timeout=timeout)
     if scheme == "pipe":
         return _Command(url[len("pipe:"):])
-    try:
-        import fsspec
-
-        return fsspec.open(url, "rb").open()
-    except ImportError as e:
-        raise RemoteError(f"cannot read {url}: {e}") from None
-    except ValueError as e:  # fsspec: unknown protocol
-        raise RemoteError(f"cannot read {url}: {e}") from None
+    return _open_fsspec(url, timeout)
 
 
 def _open_local(url: str, timeout: float) -> Any:
@@ -225,9 +218,7 @@ def _open_fsspec(url: str, timeout: float) -> Any:
         import fsspec
 
         return fsspec.open(url, "rb").open()
-    except ImportError as e:
-        raise RemoteError(f"cannot read {url}: {e}") from None
-    except ValueError as e:  # fsspec: unknown protocol
+    except (ImportError, ValueError) as e:  # fsspec missing; fsspec's unknown protocol
         raise RemoteError(f"cannot read {url}: {e}") from None
 
 
