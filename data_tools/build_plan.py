@@ -39,7 +39,8 @@ class BuildPlan:
                      "encoder": encode.to_dict(), "num_unlabelled": source.num_unlabelled,
                      "tool_version": __version__}
         self.fingerprint = fingerprint(source.catalog.digest,
-                                       {**self.base, "unlabelled_rows": spec.unlabelled_rows})
+                                       {**self.base, "unlabelled_rows": spec.unlabelled_rows,
+                                        "repeated_rows": spec.repeated_rows})
 
     def ranges(self, parts: Parts) -> list[RangeRef]:
         """The ranges part `parts` builds, in order."""

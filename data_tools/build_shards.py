@@ -58,10 +58,17 @@ def list_source(spec: SourceSpec, workdir: Path, seed: int) -> Source:
             shown.update(completed=done if size else rows, description=f"listing: {rows:,} inputs")
 
         source = open_source(spec, workdir, seed, show)
-    failed = source.failures.count
-    note = f" ({failed:,} not usable, see {FAILURES_NAME} at the end)" if failed else ""
+    note = listing_note(source.failures.count, source.num_repeated)
     print(f"listed {source.num_inputs:,} inputs{note} in {time.perf_counter() - start:.1f} s")
     return source
+
+
+def listing_note(failed: int, repeated: int) -> str:
+    """What the `listed ...` line adds: inputs not usable, and rows kept although they repeat a path."""
+    notes = [f"{failed:,} not usable, see {FAILURES_NAME} at the end"] if failed else []
+    if repeated:
+        notes.append(f"{repeated:,} repeating an earlier row's path, kept by --repeated-rows keep")
+    return f" ({'; '.join(notes)})" if notes else ""
 
 
 def list_plan_parts(spec: SourceSpec, layout: Layout, encode: EncodeSettings, parts: Parts,
@@ -74,8 +81,7 @@ def list_plan_parts(spec: SourceSpec, layout: Layout, encode: EncodeSettings, pa
             shown.update(completed=rows, description=f"listing: {rows:,} inputs")
 
         plan = PlannedBuild(spec, layout, encode, parts, workdir, show)
-    failed = plan.listing_failure_count
-    note = f" ({failed:,} not usable, see {FAILURES_NAME} at the end)" if failed else ""
+    note = listing_note(plan.listing_failure_count, sum(p.source.num_repeated for p in plan.owned.values()))
     files = sum(len(plan.files[g]) for g in plan.owned)
     print(f"listed {plan.num_inputs:,} inputs{note} from {files:,} of {sum(map(len, plan.files)):,} list files "
           f"({len(plan.owned)} of {layout.plan_parts} plan parts) in {time.perf_counter() - start:.1f} s")

@@ -4,6 +4,10 @@ SOURCE is listed once into a catalog before any image is read (data_tools/source
 local disk, read back by offset when a range is written; the labels, split codes and id offsets are numpy arrays
 (13 bytes per input, no Python object per input), so lists of many millions of inputs fit. The catalog's digest
 covers every id, label and split: it is part of the build's fingerprint (data_tools/journal.py).
+
+Rows of a list that name a path listed before (`repeats`) are found when its catalog is finished: an 8-byte hash
+per row, sorted, and the ids of rows whose hashes meet read back and compared, so the answer is exact (a hash
+collision is checked away) and does not depend on the process's hash seed.
 """
 
 from __future__ import annotations
@@ -11,11 +15,21 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import posixpath
 from pathlib import Path
 
 import numpy as np
 
 EXCLUDED = -1  # split code of a listed input that goes to no split (an unlabelled row left out)
+NO_REPEATS = np.zeros((0, 2), dtype=np.int64)
+
+
+def same_path(source_id: str) -> str:
+    """The form of a listed path under which two spellings of one file meet (`./a/b.jpg`, `a//b.jpg`: `a/b.jpg`);
+    URLs are taken as written."""
+    if ("./" in source_id or "//" in source_id) and "://" not in source_id:
+        return posixpath.normpath(source_id)
+    return source_id
 
 
 class Catalog:
@@ -25,6 +39,7 @@ class Catalog:
                  digest: str) -> None:
         self.path, self.ends, self.labels, self.splits = path, ends, labels, splits
         self.split_names, self.digest = split_names, digest
+        self.repeats = NO_REPEATS  # (row, the earlier row naming the same path), by row; see `find_repeats`
         self._fd: int | None = None
 
     def __len__(self) -> int:
@@ -45,6 +60,30 @@ class Catalog:
             out[i] = os.pread(fd, size, start).decode("utf-8", "surrogateescape")
         return out
 
+    def find_repeats(self, keys: np.ndarray) -> None:
+        """Set `repeats`: each row whose path (`same_path`) an earlier row names, with the first such row. `keys`
+        holds a hash of each row's `same_path`; only rows whose hashes meet are read back and compared."""
+        ordered = np.sort(keys)  # a plain sort, ten times an argsort's speed: rows are found below only if need be
+        met = ordered[1:][ordered[1:] == ordered[:-1]]
+        del ordered
+        if not len(met):
+            self.repeats = NO_REPEATS
+            return
+        met = np.unique(met)
+        at = np.searchsorted(met, keys)
+        np.minimum(at, len(met) - 1, out=at)
+        candidates = np.flatnonzero(met[at] == keys)  # every row whose hash another row has, in listing order
+        del at
+        first: dict[str, int] = {}
+        pairs: list[tuple[int, int]] = []
+        for start in range(0, len(candidates), 65536):
+            rows = candidates[start:start + 65536]
+            for row, source_id in zip(rows.tolist(), self.ids(rows)):
+                earlier = first.setdefault(same_path(source_id), row)
+                if earlier != row:
+                    pairs.append((row, earlier))
+        self.repeats = np.array(pairs, dtype=np.int64).reshape(-1, 2)
+
     def close(self) -> None:
         if self._fd is not None:
             os.close(self._fd)
@@ -56,7 +95,8 @@ class CatalogWriter:
 
     CHUNK = 1 << 16
 
-    def __init__(self, folder: Path, split_names: list[str] | None = None) -> None:
+    def __init__(self, folder: Path, split_names: list[str] | None = None, repeats: bool = False) -> None:
+        """`repeats`: find the rows that repeat a path (lists; a folder walk or a dataset cannot repeat one)."""
         self.path = Path(folder) / "catalog_ids.bin"
         self.file = open(self.path, "wb", buffering=1 << 20)
         self.size = 0
@@ -64,7 +104,9 @@ class CatalogWriter:
         self._ends: list[int] = []
         self._labels: list[int] = []
         self._splits: list[int] = []
-        self._chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        self.repeats = repeats
+        self._keys: list[int] = []  # a hash of each row's same_path, for Catalog.find_repeats (not in the digest)
+        self._chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
         self._hash = hashlib.sha256()
 
     def split_code(self, name: str) -> int:
@@ -83,6 +125,9 @@ class CatalogWriter:
         self._ends.append(self.size)
         self._labels.append(label)
         self._splits.append(split)
+        if self.repeats:
+            self._keys.append(hash(source_id if "./" not in source_id and "//" not in source_id
+                                   else same_path(source_id)))  # same_path, inlined for its common case
         if len(self._ends) >= self.CHUNK:
             self._flush()
 
@@ -92,27 +137,30 @@ class CatalogWriter:
     def _flush(self) -> None:
         if self._ends:
             self._chunks.append((np.array(self._ends, dtype=np.int64), np.array(self._labels, dtype=np.int32),
-                                 np.array(self._splits, dtype=np.int16)))
-            self._ends, self._labels, self._splits = [], [], []
+                                 np.array(self._splits, dtype=np.int16), np.array(self._keys, dtype=np.int64)))
+            self._ends, self._labels, self._splits, self._keys = [], [], [], []
 
     def finish(self, label_map: np.ndarray | None = None) -> Catalog:
         """Close the spill file; labels added as codes become `label_map[code]`. The catalog's `digest` covers every
-        id, label and split."""
+        id, label and split; its `repeats` are found."""
         self._flush()
         self.file.close()
         # One field at a time, each field's chunks dropped once joined: the peak is the chunks plus the largest
-        # field (22 bytes an input), not the chunks plus all fields (28).
-        fields = [list(f) for f in zip(*self._chunks)] or [[], [], []]
+        # field, not the chunks plus all fields.
+        fields = [list(f) for f in zip(*self._chunks)] or [[], [], [], []]
         self._chunks = []
         joined = []
-        for dtype in (np.int64, np.int32, np.int16):
+        for dtype in (np.int64, np.int32, np.int16, np.int64):
             parts = fields.pop(0)
             joined.append(np.concatenate(parts) if parts else np.zeros(0, dtype=dtype))
             del parts
-        ends, labels, splits = joined
+        ends, labels, splits = joined[:3]
         if label_map is not None:  # codes -> class indices; -1 (unlabelled) indexes the -1 put at the end
             labels = np.append(label_map, -1).astype(np.int32)[labels]
         for array in (ends, labels, splits):  # the little-endian bytes, hashed in place (no copy on such machines)
             self._hash.update(np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).view(np.uint8))
         self._hash.update(json.dumps(self.split_names).encode())
-        return Catalog(self.path, ends, labels, splits, self.split_names, self._hash.hexdigest())
+        catalog = Catalog(self.path, ends, labels, splits, self.split_names, self._hash.hexdigest())
+        if self.repeats:
+            catalog.find_repeats(joined.pop())
+        return catalog

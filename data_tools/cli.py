@@ -42,7 +42,7 @@ from data_tools.images import EncodeSettings
 from data_tools.index_shards import IndexOptions
 from data_tools.layout import Layout, Parts
 from data_tools.shard_index import ReadSettings
-from data_tools.sources import KINDS, UNLABELLED_ROWS, SourceSpec
+from data_tools.sources import KINDS, REPEATED_ROWS, UNLABELLED_ROWS, SourceSpec
 from data_tools.store import open_store
 from vit_mpp import urls
 from vit_mpp.cli import ArgumentParser, run_main
@@ -93,6 +93,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--unlabelled-rows", choices=UNLABELLED_ROWS, default="error",
                    help="a labelled list or HF dataset with some rows unlabelled: error (refuse), skip (leave them "
                         "out, listed in failures.jsonl) or keep (write them without .cls: for pretraining only)")
+    g.add_argument("--repeated-rows", choices=REPEATED_ROWS, default="error",
+                   help="list rows naming a path an earlier row names (also spelled otherwise, ./a or a//b): error "
+                        "(refuse), skip (write each path once, with its first row's label; the others in "
+                        "failures.jsonl) or keep (write every row; a repeated image can land in train and val)")
     g.add_argument("--allow-outside-paths", action="store_true",
                    help="let list rows name absolute paths, URLs or paths above the list's folder (refused by "
                         "default: a list reads files inside its own folder)")
@@ -263,7 +267,8 @@ def _main(argv: list[str] | None) -> None:
         return
     args = parse_args(argv)
     spec = SourceSpec(args.source, args.source_kind, args.existing_splits, args.split, args.image_column,
-                      args.label_column, args.streaming, args.unlabelled_rows, args.allow_outside_paths)
+                      args.label_column, args.streaming, unlabelled_rows=args.unlabelled_rows,
+                      repeated_rows=args.repeated_rows, allow_outside_paths=args.allow_outside_paths)
     val_fraction = None if args.existing_splits else (0.1 if args.val_fraction is None else args.val_fraction)
     layout = Layout(args.seed, val_fraction, args.shard_size, args.shard_bytes, args.plan_parts)
     encode = EncodeSettings(max_side=args.max_side, min_side=args.min_side, quality=args.quality, format=args.format,

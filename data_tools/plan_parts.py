@@ -46,6 +46,7 @@ from data_tools.sources.base import (
     Source,
     SourceError,
     SourceSpec,
+    apply_repeated_rows,
     apply_unlabelled_rows,
 )
 from data_tools.sources.list_files import ListFile, ListSource, resolve_list_files, source_name
@@ -82,7 +83,7 @@ def list_plan_part(spec: SourceSpec, layout: Layout, index: int, files: list[Lis
     """List plan part `index` (its `files`) into its own catalog under `workdir` and plan its splits."""
     folder = Path(workdir) / f"p{index:05d}"
     folder.mkdir()
-    writer = CatalogWriter(folder, None if layout.existing_splits else list(HashSplit.NAMES))
+    writer = CatalogWriter(folder, None if layout.existing_splits else list(HashSplit.NAMES), repeats=True)
     failures = FailureLog(folder / "listing_failures.jsonl")
     labels = LabelTable()
     split_of = None if layout.val_fraction is None else HashSplit(layout.seed, layout.val_fraction)
@@ -96,6 +97,7 @@ def list_plan_part(spec: SourceSpec, layout: Layout, index: int, files: list[Lis
     catalog = writer.finish(label_map)
     failures.file.flush()
     source = Source("list", f"{spec.path} (plan part {index})", catalog, class_names, reader, failures)
+    apply_repeated_rows(source, spec.repeated_rows)
     apply_unlabelled_rows(source, spec.unlabelled_rows, every_row=spec.unlabelled_rows == "skip")
     failures.close()
     splits = {s.name: s for s in split_plan_part(catalog, layout, index)}
@@ -136,7 +138,8 @@ class PlannedBuild:
                      "tool_version": __version__}  # the zeros: summed over the plan parts by merge
         plan = json.dumps([[f.name, f.size] for f in listed.files]).encode()
         self.fingerprint = fingerprint(hashlib.sha256(plan).hexdigest(),
-                                       {**self.base, "unlabelled_rows": spec.unlabelled_rows})
+                                       {**self.base, "unlabelled_rows": spec.unlabelled_rows,
+                                        "repeated_rows": spec.repeated_rows})
         self.owned: dict[int, PlanPart] = {}
         for g in (g for g in range(count) if parts.owns(g)):
             self.owned[g] = list_plan_part(spec, layout, g, self.files[g], self.reader, workdir, progress)

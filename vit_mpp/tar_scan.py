@@ -203,7 +203,8 @@ class TarReader:
                 self.buf, self.off = buf, off
                 if header == _ZERO:
                     if first:
-                        raise TarDamaged("no members: an empty tar, or not a tar (it starts with a zero block)") from None
+                        raise TarDamaged("no members: an empty tar, or not a tar (it starts with a zero "
+                                         "block)") from None
                     return
                 stored, size = self._numbers(header, start, first)
             if ((adler32(header) & 0xFFFF) - 1 - sum(header[148:156]) + 256 - stored) % 65521 and (

@@ -17,6 +17,7 @@ This package re-exports the names its callers use.
 """
 
 from data_tools.sources.base import (
+    REPEATED_ROWS,
     UNLABELLED_ROWS,
     BadLabel,
     FailureLog,
@@ -32,6 +33,7 @@ from data_tools.sources.base import (
 from data_tools.sources.registry import KINDS, LISTERS, STREAMING_LISTERS, detect_kind, open_source
 
 __all__ = [
-    "KINDS", "LISTERS", "STREAMING_LISTERS", "UNLABELLED_ROWS", "BadLabel", "FailureLog", "FileReader", "Item",
-    "LabelTable", "Listing", "Reader", "Source", "SourceError", "SourceSpec", "detect_kind", "open_source",
+    "KINDS", "LISTERS", "REPEATED_ROWS", "STREAMING_LISTERS", "UNLABELLED_ROWS", "BadLabel", "FailureLog",
+    "FileReader", "Item", "LabelTable", "Listing", "Reader", "Source", "SourceError", "SourceSpec", "detect_kind",
+    "open_source",
 ]

@@ -30,6 +30,7 @@ from vit_mpp.labels import MAX_CLASSES
 
 SPLIT_NAME = re.compile(r"^[A-Za-z0-9_]+$")  # split names end up in shard names and sample keys
 UNLABELLED_ROWS = ("error", "skip", "keep")
+REPEATED_ROWS = ("error", "skip", "keep")
 MAX_LABEL_NAMES = 1_000_000  # distinct label names held while listing
 
 
@@ -49,6 +50,7 @@ class SourceSpec:
     label_column: str = "label"  # hf: '' means unlabelled
     streaming: bool = False  # hf: read parquet files where they are instead of loading the dataset
     unlabelled_rows: str = "error"  # a labelled list or dataset with some rows unlabelled: error, skip or keep
+    repeated_rows: str = "error"  # list rows naming a path an earlier row names: error, skip or keep
     allow_outside_paths: bool = False  # list rows may name absolute paths, URLs or paths above the list's folder
 
 
@@ -165,6 +167,7 @@ class Source:
     ordered: bool = False  # the catalog already is in its final order (no shuffle of single inputs)
     refs_are_rows: bool = False  # an item's ref is its catalog row (datasets) rather than its id (paths)
     num_unlabelled: int = 0  # labelled source, unlabelled inputs kept (--unlabelled-rows keep)
+    num_repeated: int = 0  # rows naming a path an earlier row names, kept (--repeated-rows keep)
 
     @property
     def num_inputs(self) -> int:
@@ -286,6 +289,34 @@ def labelled_listing(reader: Reader, labels: LabelTable, **fields: Any) -> Listi
     """A `Listing` whose labels were added as codes of `labels`."""
     label_map, class_names = labels.finish()
     return Listing(reader, class_names, label_map, **fields)
+
+
+def apply_repeated_rows(source: Source, mode: str) -> None:
+    """Rows that name a path an earlier row names (the catalog's `repeats`): refuse (error), leave them out and
+    record them (skip: each path is written once, with its first row's label), or keep them (written as often as
+    listed). Left in, a repeated image can land in both train and val."""
+    catalog = source.catalog
+    repeats = catalog.repeats
+    if not len(repeats):
+        return
+    rows, earlier = repeats[:, 0], repeats[:, 1]
+    relabelled = int(np.count_nonzero(catalog.labels[rows] != catalog.labels[earlier]))
+    if mode == "error":
+        example = catalog.ids(rows[:1])[0]
+        other = f", {relabelled:,} of them with another label" if relabelled else ""
+        raise SourceError(f"{len(rows):,} of the {len(catalog):,} rows of {source.path} name a path an earlier row "
+                          f"names (first: {example!r}{other}); pass --repeated-rows skip to write each path once "
+                          "(its first row), or --repeated-rows keep to write every row")
+    if mode == "skip":
+        for start in range(0, len(rows), 65536):
+            chunk = slice(start, start + 65536)
+            same_label = (catalog.labels[rows[chunk]] == catalog.labels[earlier[chunk]]).tolist()
+            for source_id, first_id, same in zip(catalog.ids(rows[chunk]), catalog.ids(earlier[chunk]), same_label):
+                source.failures.add(source_id, "repeated", f"names the path of an earlier row ({first_id})"
+                                    f"{'' if same else ', with another label'}; written once, as that row")
+        catalog.splits[rows] = EXCLUDED
+    else:
+        source.num_repeated = len(rows)
 
 
 def apply_unlabelled_rows(source: Source, mode: str, every_row: bool = False) -> None:

@@ -13,6 +13,7 @@ from urllib.parse import urlparse
 from data_tools.catalog import CatalogWriter
 from data_tools.sources import folders, hf_datasets, hf_stream, list_files, lists
 from data_tools.sources.base import (
+    REPEATED_ROWS,
     UNLABELLED_ROWS,
     FailureLog,
     Lister,
@@ -20,6 +21,7 @@ from data_tools.sources.base import (
     Source,
     SourceError,
     SourceSpec,
+    apply_repeated_rows,
     apply_unlabelled_rows,
     is_url,
 )
@@ -75,6 +77,8 @@ def _choose_lister(spec: SourceSpec) -> tuple[str, Lister]:
         raise SourceError(f"--streaming reads Hugging Face datasets; {spec.path} is a {kind} source")
     if spec.unlabelled_rows not in UNLABELLED_ROWS:
         raise SourceError(f"--unlabelled-rows must be one of {', '.join(UNLABELLED_ROWS)}")
+    if spec.repeated_rows not in REPEATED_ROWS:
+        raise SourceError(f"--repeated-rows must be one of {', '.join(REPEATED_ROWS)}")
     return kind, (STREAMING_LISTERS if spec.streaming else LISTERS)[kind]
 
 
@@ -83,13 +87,14 @@ def open_source(spec: SourceSpec, workdir: Path, seed: int = 0,
     """List SOURCE as its kind (--source-kind, or `detect_kind`) into a catalog under `workdir` (local scratch
     space). `seed` orders the files of a streaming dataset. The caller closes the returned source."""
     kind, lister = _choose_lister(spec)
-    writer = CatalogWriter(workdir)
+    writer = CatalogWriter(workdir, repeats=kind == "list")
     failures = FailureLog(Path(workdir) / "listing_failures.jsonl")
     listing = lister(spec, writer, failures, seed, progress)
     catalog = writer.finish(listing.label_map)
     failures.file.flush()
     source = Source(kind, spec.path, catalog, listing.class_names, listing.reader, failures, listing.details,
                     listing.ordered, listing.refs_are_rows)
+    apply_repeated_rows(source, spec.repeated_rows)
     apply_unlabelled_rows(source, spec.unlabelled_rows)
     failures.close()
     return source

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from data_tools.catalog import CatalogWriter
 from data_tools.cli import main as build_main
 from data_tools.inspect_shards import verify
 from data_tools.writer import ShardWriter
@@ -134,6 +135,51 @@ def test_a_list_mixing_labelled_and_unlabelled_rows(tmp_path, capsys, fmt):
     with pytest.raises(ManifestError, match="split 'train' of .* has 2 sample.s. without a usable label: a "):
         check_every_sample_labelled(tmp_path / "keep", info, "train")
     assert "num_unlabelled" not in json.loads((tmp_path / "skip" / "_info.json").read_text())["splits"]["train"]
+
+
+# ---------------------------------------------------------------- 5b: rows that repeat a path
+
+def test_a_list_naming_a_path_twice(tmp_path, capsys):
+    # Each row was written: an image listed twice was two samples, possibly one in train and one in val, and a
+    # path listed with two labels gave the model both.
+    files = make_tree(tmp_path / "imgs", {"x": 4})
+    a, b, c, d = (f"imgs/{p}" for p in sorted(files))
+    rows = [{"path": a, "label": "cat"}, {"path": b, "label": "cat"}, {"path": a, "label": "cat"},
+            {"path": "./" + b, "label": "dog"}, {"path": c.replace("/", "//", 1), "label": "cat"},
+            {"path": d, "label": "dog"}]
+    lst = write_list(tmp_path / "list.csv", rows)
+    message = one_line_error(capsys, str(lst), str(tmp_path / "out"))
+    assert message == (f"error: 2 of the 6 rows of {lst} name a path an earlier row names (first: {a!r}, 1 of them "
+                       "with another label); pass --repeated-rows skip to write each path once (its first row), or "
+                       "--repeated-rows keep to write every row")
+    assert not (tmp_path / "out").exists()
+
+    build_main([str(lst), str(tmp_path / "skip"), "--repeated-rows", "skip", "--val-fraction", "0.5"])
+    assert [(f["source"], f["reason"], f["detail"]) for f in failures(tmp_path / "skip")] == [
+        (a, "repeated", f"names the path of an earlier row ({a}); written once, as that row"),
+        ("./" + b, "repeated", f"names the path of an earlier row ({b}), with another label; written once, as that "
+                               "row")]
+    written = [(json.loads(s["json"])["source"], int(s["cls"])) for split in ("train", "val")
+               for s in samples(tmp_path / "skip", split)]
+    assert sorted(written) == sorted([(a, 0), (b, 0), (c.replace("/", "//", 1), 0), (d, 1)])  # each image once
+
+    build_main([str(lst), str(tmp_path / "keep"), "--repeated-rows", "keep", "--val-fraction", "0"])
+    assert len(samples(tmp_path / "keep", "train")) == 6
+    assert "(2 repeating an earlier row's path, kept by --repeated-rows keep)" in capsys.readouterr().out
+
+
+def test_repeats_are_found_exactly_whatever_the_hashes(tmp_path):
+    writer = CatalogWriter(tmp_path, repeats=True)
+    for source_id in ["a.jpg", "b.jpg", "./a.jpg", "http://h//x.jpg", "http://h/x.jpg", "c//d.jpg", "c/d.jpg"]:
+        writer.add(source_id)
+    catalog = writer.finish()
+    expected = [[2, 0], [6, 5]]  # URLs are taken as written
+    assert catalog.repeats.tolist() == expected
+    catalog.find_repeats(np.zeros(len(catalog), dtype=np.int64))  # every hash the same: the ids decide
+    assert catalog.repeats.tolist() == expected
+    catalog.find_repeats(np.arange(len(catalog), dtype=np.int64))  # hashes all differ: no row is read
+    assert catalog.repeats.tolist() == []
+    catalog.close()
 
 
 def test_bad_label_values_are_recorded_not_guessed(tmp_path):

@@ -104,6 +104,28 @@ def test_each_part_lists_only_its_files_and_parts_plus_merge_are_the_one_machine
     assert all(n.split("-")[1].startswith("p") for n in names)  # shards carry their plan part
 
 
+def test_a_repeated_row_is_found_in_its_plan_part_and_parts_plus_merge_stay_the_one_machine_build(data, tmp_path,
+                                                                                                 capsys):
+    first = json.loads((data / "part-1.jsonl").read_text().splitlines()[0])
+    with open(data / "part-1.jsonl", "a") as f:  # the first row again, spelled otherwise
+        f.write(json.dumps({"path": "./" + first["path"], "label": first["label"]}) + "\n")
+    source = str(data / "part-*")
+    common = ["--shard-size", "4", "--max-side", "16", "--seed", "5", "--plan-parts", "3"]
+    message = one_line_error(capsys, source, str(tmp_path / "refused"), *common)
+    assert "error: 1 of the " in message and " (plan part " in message
+    assert f"(first: {'./' + first['path']!r})" in message
+    build_main([source, str(tmp_path / "one"), *common, "--repeated-rows", "skip"])
+    for part in range(3):
+        build_main([source, str(tmp_path / "parts"), *common, "--repeated-rows", "skip", "--num-parts", "3",
+                    "--part", str(part)])
+    build_main(["merge", str(tmp_path / "parts")])
+    one = result_files(tmp_path / "one")
+    assert one == result_files(tmp_path / "parts")
+    info = json.loads(one["_info.json"])
+    assert info["failure_reasons"] == {"bad_row": 1, "repeated": 1, "unreadable": 1}
+    assert sum(e["num_samples"] for e in info["splits"].values()) == 60  # each image once
+
+
 def test_files_are_dealt_by_size_and_every_row_keeps_its_split_whatever_the_plan(data, tmp_path):
     files = [ListFile(f"x/{n}", n, size) for n, size in [("a", 50), ("b", 40), ("c", 30), ("d", 20), ("e", 10)]]
     assert [[f.name for f in g] for g in assign_files(files, 2)] == [["a", "d", "e"], ["b", "c"]]  # 80 / 70 bytes
