@@ -152,7 +152,8 @@ def look_at_weights_file(checkpoint: str, kind: str = "auto") -> None:
     """A look at the weights of `checkpoint` before a run writes anything, so that a wrong or damaged file is one line
     then, without reading the tensors where the format allows it: the header of an export's or a safetensors file
     (checked against the file's size), the two arrays of an .npz that give its layout, a format this reads. A torch
-    file has no index to look at: it is read whole (once more later), which also refuses a pickled object now."""
+    file is loaded with its tensors mapped, not read (a legacy, non-zip one is read whole, once more later), which
+    also refuses a pickled object now."""
     kind = checkpoint_kind(checkpoint) if kind == "auto" else kind
     if kind == "export":
         check_export_weights(checkpoint.removeprefix(LOCAL_DIR))
@@ -239,6 +240,16 @@ def _read_hub(name: str) -> Pretrained:
                       model.pretrained_cfg.get("crop_pct"), None, {"source": name})
 
 
+def _torch_load(path: Path) -> Any:
+    """A weights-only torch file, its tensors mapped from the file rather than read (the zip format of every
+    `torch.save` since 1.6: the look before the run costs milliseconds, not a read of the whole file); a legacy
+    file, or one where mapping fails, is read whole."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except (RuntimeError, OSError):  # a legacy file, a file system without mmap (some FUSE mounts), or damage,
+        return torch.load(path, map_location="cpu", weights_only=True)  # which the plain read then reports
+
+
 def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     """A timm-format state dict from .safetensors or a weights-only torch file, unwrapped and checked."""
     path = Path(path)
@@ -250,7 +261,7 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     if path.suffix not in TORCH_SUFFIXES:
         raise _unknown_format(path)
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
+        obj = _torch_load(path)
     except pickle.UnpicklingError as e:
         refused = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
         if refused:  # a pickled object: reading it would run code

@@ -109,6 +109,20 @@ def test_pickled_object_is_refused(tmp_path, encoder):
         read_state_dict(tmp_path / "odd.pth")
 
 
+def test_a_torch_file_is_mapped_not_read_and_a_legacy_one_still_loads(tmp_path, encoder, monkeypatch):
+    torch.save({"model": encoder.state_dict()}, tmp_path / "zip.pth")
+    torch.save(encoder.state_dict(), tmp_path / "legacy.pth", _use_new_zipfile_serialization=False)
+    calls = []
+    real = torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **k: calls.append(k.get("mmap", False)) or real(*a, **k))
+    for name in ("zip.pth", "legacy.pth"):
+        state = read_state_dict(tmp_path / name)
+        assert state.keys() == encoder.state_dict().keys()
+        assert all(torch.equal(state[k], v) for k, v in encoder.state_dict().items())
+    # the look before a run read every tensor of a torch file: now only a legacy file is read whole
+    assert calls == [True, True, False]
+
+
 def test_original_vit_npz(tmp_path, encoder):
     vit_npz(encoder, tmp_path / "ViT-tiny.npz")
     assert checkpoint_kind(str(tmp_path / "ViT-tiny.npz")) == "npz"
