@@ -235,8 +235,10 @@ def _planned(store: LocalStore | RemoteStore, journals: dict[str, tuple], header
     labelled = sum(i["num_labelled"] for i in infos.values())
     inputs = sum(i["num_inputs"] for i in infos.values())
     classes = max(i["max_label"] for i in infos.values()) + 1 if labelled else 0
+    repeated = sum(i.get("num_repeated", 0) for i in infos.values())  # absent in journals from before the count
     base.update(num_classes=classes, class_names=[str(c) for c in range(classes)],
-                source={**base["source"], "num_inputs": inputs}, num_unlabelled=inputs - labelled if labelled else 0)
+                source={**base["source"], "num_inputs": inputs, **({"num_repeated": repeated} if repeated else {})},
+                num_unlabelled=inputs - labelled if labelled else 0)
     names = {n for i in infos.values() for n in i["splits"]}
     order = [n for n in ("train", "val") if n in names] if not base["existing_splits"] else sorted(names)
     records: dict[str, list[dict]] = {name: [] for name in order}

@@ -105,7 +105,7 @@ def list_plan_part(spec: SourceSpec, layout: Layout, index: int, files: list[Lis
     labelled = included & (catalog.labels >= 0)
     info = {"files": [f.name for f in files], "digest": catalog.digest,
             "splits": {name: s.size for name, s in splits.items()}, "num_inputs": int(np.count_nonzero(included)),
-            "num_labelled": int(np.count_nonzero(labelled)),
+            "num_labelled": int(np.count_nonzero(labelled)), "num_repeated": source.num_repeated,
             "max_label": int(catalog.labels.max(where=labelled, initial=-1)),  # no copy of the labels
             "listing_failures": {"count": failures.count, "sha256": failures.hash.hexdigest()}}
     return PlanPart(index, source, splits, info)

@@ -175,7 +175,8 @@ class Source:
 
     def describe(self) -> dict[str, Any]:
         """The manifest's `source` record."""
-        return {"kind": self.kind, "path": self.path, "num_inputs": self.num_inputs, **self.details}
+        repeated = {"num_repeated": self.num_repeated} if self.num_repeated else {}  # --repeated-rows keep
+        return {"kind": self.kind, "path": self.path, "num_inputs": self.num_inputs, **repeated, **self.details}
 
     def items(self, rows: np.ndarray) -> list[Item]:
         """The items of catalog `rows`, in that order."""

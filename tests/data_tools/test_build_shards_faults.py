@@ -165,6 +165,8 @@ def test_a_list_naming_a_path_twice(tmp_path, capsys):
 
     build_main([str(lst), str(tmp_path / "keep"), "--repeated-rows", "keep", "--val-fraction", "0"])
     assert len(samples(tmp_path / "keep", "train")) == 6
+    assert json.loads((tmp_path / "keep" / "_info.json").read_text())["source"]["num_repeated"] == 2
+    assert "num_repeated" not in json.loads((tmp_path / "skip" / "_info.json").read_text())["source"]
     assert "(2 repeating an earlier row's path, kept by --repeated-rows keep)" in capsys.readouterr().out
 
 

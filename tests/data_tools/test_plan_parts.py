@@ -124,6 +124,10 @@ def test_a_repeated_row_is_found_in_its_plan_part_and_parts_plus_merge_stay_the_
     info = json.loads(one["_info.json"])
     assert info["failure_reasons"] == {"bad_row": 1, "repeated": 1, "unreadable": 1}
     assert sum(e["num_samples"] for e in info["splits"].values()) == 60  # each image once
+    assert "num_repeated" not in info["source"]
+    build_main([source, str(tmp_path / "keep"), *common, "--repeated-rows", "keep"])
+    info = json.loads((tmp_path / "keep" / "_info.json").read_text())
+    assert info["source"]["num_repeated"] == 1 and sum(e["num_samples"] for e in info["splits"].values()) == 61
 
 
 def test_files_are_dealt_by_size_and_every_row_keeps_its_split_whatever_the_plan(data, tmp_path):
