@@ -14,6 +14,7 @@ import matplotlib.pyplot as plt  # noqa: E402 - the backend must be chosen first
 from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
 
 from vit_mpp.config import ConfigError  # noqa: E402
+from vit_mpp.tool_args import write_out_bytes  # noqa: E402
 
 __all__ = ["check_figure_name", "plt", "save_figure"]
 
@@ -38,9 +39,5 @@ def save_figure(fig: plt.Figure, path: str | Path, dpi: int = 100) -> Path:
         fig.savefig(buffer, format=check_figure_name(path), dpi=dpi, bbox_inches="tight")
     finally:
         plt.close(fig)
-    try:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_bytes(buffer.getvalue())
-    except OSError as e:  # a special or full file system, a file in the way of its folder
-        raise ConfigError(f"cannot write {path}: {(e.strerror or str(e)).lower()}") from None
+    write_out_bytes(path, buffer.getvalue())
     return Path(path)

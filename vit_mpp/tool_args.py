@@ -87,6 +87,11 @@ def make_out_folder(out: Path, flag: str = "--out") -> Path:
     return out
 
 
+def _cannot_write(path: str | Path, flag: str, error: OSError) -> ConfigError:
+    named = f"{flag} {path}" if flag else str(path)
+    return ConfigError(f"{named} cannot be written: {(error.strerror or str(error)).lower()}")
+
+
 def open_out_file(path: str | Path, flag: str = "--out") -> TextIO:
     """Open a (checked) output file for writing text, creating its folder; what the checks cannot foresee is one
     line too."""
@@ -94,4 +99,14 @@ def open_out_file(path: str | Path, flag: str = "--out") -> TextIO:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         return open(path, "w", newline="")
     except OSError as e:
-        raise ConfigError(f"{flag} {path} cannot be written: {(e.strerror or str(e)).lower()}") from None
+        raise _cannot_write(path, flag, e) from None
+
+
+def write_out_bytes(path: str | Path, data: bytes, flag: str = "") -> None:
+    """Write an output file whole, creating its folder; a write that fails (no space, a special file system) is one
+    line, naming `flag` where the user gave the path."""
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_bytes(data)
+    except OSError as e:
+        raise _cannot_write(path, flag, e) from None

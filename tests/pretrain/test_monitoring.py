@@ -80,7 +80,7 @@ def test_every_run_draws_its_curves_and_plot_overlays_runs(watched, demo_shards,
                           # matplotlib wrote a PDF, or failed with a traceback, whatever the suffix said
                           ([str(watched), "--out", str(tmp_path / "curves.txt")], "a figure is written as"),
                           # matplotlib's traceback after the metrics were read
-                          ([str(watched), "--out", "/proc/curves.png"], "cannot write /proc/curves.png: ")):
+                          ([str(watched), "--out", "/proc/curves.png"], "/proc/curves.png cannot be written: ")):
         with pytest.raises(SystemExit) as e:
             run_main(plot_main, argv)
         assert e.value.code == 2 and message in capsys.readouterr().err
@@ -92,7 +92,7 @@ def test_a_figure_that_cannot_be_written_is_one_error_not_a_truncated_file(tmp_p
     full.symlink_to("/dev/full")  # a disk with no space left
     fig = plt.figure()
     plt.plot([1, 2])
-    with pytest.raises(ConfigError, match=f"^cannot write {full}: no space left on device$"):
+    with pytest.raises(ConfigError, match=f"^{full} cannot be written: no space left on device$"):
         save_figure(fig, full)  # matplotlib's own writing let the failed write pass
 
 
