@@ -35,7 +35,7 @@ adds, finishes = [], []
 for _ in range(runs):
     with tempfile.TemporaryDirectory() as folder:
         try:
-            writer = CatalogWriter(Path(folder), repeats=True)  # a list's catalog
+            writer = CatalogWriter(Path(folder), check_repeats=True)  # a list's catalog
         except TypeError:  # a checkout from before repeats were found
             writer = CatalogWriter(Path(folder))
         fresh = [s[:-1] + s[-1] for s in ids]

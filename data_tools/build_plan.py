@@ -38,9 +38,7 @@ class BuildPlan:
                      "class_names": source.class_names, "source": source.describe(), **layout.to_dict(),
                      "encoder": encode.to_dict(), "num_unlabelled": source.num_unlabelled,
                      "tool_version": __version__}
-        self.fingerprint = fingerprint(source.catalog.digest,
-                                       {**self.base, "unlabelled_rows": spec.unlabelled_rows,
-                                        "repeated_rows": spec.repeated_rows})
+        self.fingerprint = fingerprint(source.catalog.digest, {**self.base, **spec.row_rules()})
 
     def ranges(self, parts: Parts) -> list[RangeRef]:
         """The ranges part `parts` builds, in order."""

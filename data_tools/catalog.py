@@ -95,8 +95,8 @@ class CatalogWriter:
 
     CHUNK = 1 << 16
 
-    def __init__(self, folder: Path, split_names: list[str] | None = None, repeats: bool = False) -> None:
-        """`repeats`: find the rows that repeat a path (lists; a folder walk or a dataset cannot repeat one)."""
+    def __init__(self, folder: Path, split_names: list[str] | None = None, check_repeats: bool = False) -> None:
+        """`check_repeats`: find the rows that repeat a path (lists; a folder walk or a dataset cannot repeat one)."""
         self.path = Path(folder) / "catalog_ids.bin"
         self.file = open(self.path, "wb", buffering=1 << 20)
         self.size = 0
@@ -104,7 +104,7 @@ class CatalogWriter:
         self._ends: list[int] = []
         self._labels: list[int] = []
         self._splits: list[int] = []
-        self.repeats = repeats
+        self.check_repeats = check_repeats
         self._keys: list[int] = []  # a hash of each row's same_path, for Catalog.find_repeats (not in the digest)
         self._chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
         self._hash = hashlib.sha256()
@@ -125,7 +125,7 @@ class CatalogWriter:
         self._ends.append(self.size)
         self._labels.append(label)
         self._splits.append(split)
-        if self.repeats:
+        if self.check_repeats:
             self._keys.append(hash(source_id if "./" not in source_id and "//" not in source_id
                                    else same_path(source_id)))  # same_path, inlined for its common case
         if len(self._ends) >= self.CHUNK:
@@ -161,6 +161,6 @@ class CatalogWriter:
             self._hash.update(np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).view(np.uint8))
         self._hash.update(json.dumps(self.split_names).encode())
         catalog = Catalog(self.path, ends, labels, splits, self.split_names, self._hash.hexdigest())
-        if self.repeats:
+        if self.check_repeats:
             catalog.find_repeats(joined.pop())
         return catalog

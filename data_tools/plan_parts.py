@@ -83,7 +83,7 @@ def list_plan_part(spec: SourceSpec, layout: Layout, index: int, files: list[Lis
     """List plan part `index` (its `files`) into its own catalog under `workdir` and plan its splits."""
     folder = Path(workdir) / f"p{index:05d}"
     folder.mkdir()
-    writer = CatalogWriter(folder, None if layout.existing_splits else list(HashSplit.NAMES), repeats=True)
+    writer = CatalogWriter(folder, None if layout.existing_splits else list(HashSplit.NAMES), check_repeats=True)
     failures = FailureLog(folder / "listing_failures.jsonl")
     labels = LabelTable()
     split_of = None if layout.val_fraction is None else HashSplit(layout.seed, layout.val_fraction)
@@ -137,9 +137,7 @@ class PlannedBuild:
                      **layout.to_dict(), "encoder": encode.to_dict(), "num_unlabelled": 0,
                      "tool_version": __version__}  # the zeros: summed over the plan parts by merge
         plan = json.dumps([[f.name, f.size] for f in listed.files]).encode()
-        self.fingerprint = fingerprint(hashlib.sha256(plan).hexdigest(),
-                                       {**self.base, "unlabelled_rows": spec.unlabelled_rows,
-                                        "repeated_rows": spec.repeated_rows})
+        self.fingerprint = fingerprint(hashlib.sha256(plan).hexdigest(), {**self.base, **spec.row_rules()})
         self.owned: dict[int, PlanPart] = {}
         for g in (g for g in range(count) if parts.owns(g)):
             self.owned[g] = list_plan_part(spec, layout, g, self.files[g], self.reader, workdir, progress)

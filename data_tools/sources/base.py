@@ -53,6 +53,11 @@ class SourceSpec:
     repeated_rows: str = "error"  # list rows naming a path an earlier row names: error, skip or keep
     allow_outside_paths: bool = False  # list rows may name absolute paths, URLs or paths above the list's folder
 
+    def row_rules(self) -> dict[str, str]:
+        """What is done with unlabelled and repeated rows: part of a build's fingerprint (data_tools/journal.py),
+        since it changes which inputs are written."""
+        return {"unlabelled_rows": self.unlabelled_rows, "repeated_rows": self.repeated_rows}
+
 
 @dataclass(frozen=True, slots=True)
 class Item:

@@ -87,7 +87,7 @@ def open_source(spec: SourceSpec, workdir: Path, seed: int = 0,
     """List SOURCE as its kind (--source-kind, or `detect_kind`) into a catalog under `workdir` (local scratch
     space). `seed` orders the files of a streaming dataset. The caller closes the returned source."""
     kind, lister = _choose_lister(spec)
-    writer = CatalogWriter(workdir, repeats=kind == "list")
+    writer = CatalogWriter(workdir, check_repeats=kind == "list")
     failures = FailureLog(Path(workdir) / "listing_failures.jsonl")
     listing = lister(spec, writer, failures, seed, progress)
     catalog = writer.finish(listing.label_map)

@@ -171,7 +171,7 @@ def test_a_list_naming_a_path_twice(tmp_path, capsys):
 
 
 def test_repeats_are_found_exactly_whatever_the_hashes(tmp_path):
-    writer = CatalogWriter(tmp_path, repeats=True)
+    writer = CatalogWriter(tmp_path, check_repeats=True)
     for source_id in ["a.jpg", "b.jpg", "./a.jpg", "http://h//x.jpg", "http://h/x.jpg", "c//d.jpg", "c/d.jpg"]:
         writer.add(source_id)
     catalog = writer.finish()
