@@ -3,12 +3,13 @@ the same number of workers of the same kind, measured in the same run.
 
     python -m benchmarks.index_bench [--shards 16] [--samples 2000] [--image-kib 20] [--workers 1 2 4]
                                      [--pools process thread] [--modes cold warm http capped] [--capped-mbps 100]
-                                     [--runs 3]                      (from the repository root)
+                                     [--runs 3] [--readers compiled python]   (from the repository root)
 
 Writes img2dataset-style shards (`KEY.jpg` of about `--image-kib` KiB, `KEY.txt`, `KEY.json`; no labels), then for
 each mode, pool kind and worker count runs the plain loop and the index's reading of every shard
 (`data_tools.index_shards.read_shards`: read, group into samples as webdataset does, tally extensions and labels)
-`--runs` times, interleaved. Prints MB/s and shards/s (median) of both and their ratio. Modes:
+with each of `--readers` (the compiled walker of data_tools/tar_count.py, which needs numba, and the Python reader)
+`--runs` times, interleaved. Prints MB/s and shards/s (median) of each and its ratio to the plain loop. Modes:
 
 * `cold`: local files dropped from this machine's page cache before every pass (`posix_fadvise(DONTNEED)`), as
   when indexing a set larger than memory; the disk (here a virtual one) sets the pace;
@@ -47,6 +48,7 @@ import numpy as np
 from PIL import Image
 
 from data_tools.index_shards import IndexOptions, read_shards
+from data_tools.shard_index import compiled_available
 from data_tools.shard_list import ShardRef
 from data_tools.writer import ShardWriter
 from vit_mpp import urls
@@ -105,10 +107,10 @@ def plain(shard_urls: list[str], kind: str, workers: int) -> int:
         return sum(pool.map(read_all, shard_urls))
 
 
-def indexed(shard_urls: list[str], kind: str, workers: int) -> int:
+def indexed(shard_urls: list[str], kind: str, workers: int, reader: str) -> int:
     refs = [ShardRef("train", u, None) for u in shard_urls]
-    results = read_shards(refs, IndexOptions(workers=workers, pool=kind), lambda *_: None)
-    assert all(not r.problem for r in results), [r.reason for r in results if r.problem]
+    results = read_shards(refs, IndexOptions(workers=workers, pool=kind, reader=reader), lambda *_: None)
+    assert all(not r.problem and not r.read_again for r in results), [r.reason or r.read_again for r in results]
     return sum(r.bytes for r in results)
 
 
@@ -187,15 +189,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def measure(shard_urls: list[str], kind: str, workers: int, runs: int, before: Callable[[], None]) -> dict:
-    """Median seconds of the plain loop and of the index over `runs` interleaved passes."""
-    times: dict[str, list[float]] = {"plain": [], "index": []}
+def measure(shard_urls: list[str], kind: str, workers: int, runs: int, before: Callable[[], None],
+            readers: list[str]) -> dict:
+    """Median seconds of the plain loop and of the index with each reader over `runs` interleaved passes."""
+    passes: dict[str, Callable[[], int]] = {"plain": lambda: plain(shard_urls, kind, workers)}
+    for reader in readers:
+        passes[reader] = functools.partial(indexed, shard_urls, kind, workers, reader)
+    times: dict[str, list[float]] = {name: [] for name in passes}
     size = 0
     for _ in range(runs):
-        for name, fn in (("plain", plain), ("index", indexed)):
+        for name, fn in passes.items():
             before()
             start = time.perf_counter()
-            size = fn(shard_urls, kind, workers)
+            size = fn()
             times[name].append(time.perf_counter() - start)
     return {"bytes": size, **{k: statistics.median(v) for k, v in times.items()}}
 
@@ -211,6 +217,9 @@ def main() -> None:
                         default=["cold", "warm", "http", "capped"])
     parser.add_argument("--capped-mbps", type=float, default=100.0, help="per connection, in the capped mode")
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--readers", nargs="+", choices=["compiled", "python"],
+                        default=["compiled", "python"] if compiled_available() else ["python"],
+                        help="the index's readers to measure (compiled: needs numba)")
     parser.add_argument("--serve", nargs=3, help=argparse.SUPPRESS)  # ROOT PORT MBPS: the server process
     args = parser.parse_args()
     if args.serve:
@@ -222,8 +231,8 @@ def main() -> None:
         total = sum(p.stat().st_size for p in paths)
         print(f"{args.shards} shards x {args.samples} samples (jpg ~{args.image_kib} KiB, txt, json): "
               f"{total / 1e6:,.0f} MB; {os.cpu_count()} cores; median of {args.runs} interleaved runs")
-        print(f"{'mode':5s} {'pool':8s} {'workers':>7s} {'plain MB/s':>11s} {'index MB/s':>11s} {'index shards/s':>15s}"
-              f" {'ratio':>6s}")
+        print(f"{'mode':5s} {'pool':8s} {'workers':>7s} {'reader':>8s} {'plain MB/s':>11s} {'index MB/s':>11s} "
+              f"{'index shards/s':>15s} {'ratio':>6s}")
         servers = {mode: start_server(root, args.capped_mbps if mode == "capped" else 0)
                    for mode in args.modes if mode in ("http", "capped")}
         try:
@@ -235,10 +244,12 @@ def main() -> None:
                     plain(shard_urls, "thread", 1)  # into the page cache
                 for kind in args.pools:
                     for workers in args.workers:
-                        m = measure(shard_urls, kind, workers, args.runs, before)
+                        m = measure(shard_urls, kind, workers, args.runs, before, args.readers)
                         mb = m["bytes"] / 1e6
-                        print(f"{mode:5s} {kind:8s} {workers:7d} {mb / m['plain']:11.0f} {mb / m['index']:11.0f} "
-                              f"{len(paths) / m['index']:15.1f} {m['plain'] / m['index']:5.2f}x", flush=True)
+                        for reader in args.readers:
+                            print(f"{mode:5s} {kind:8s} {workers:7d} {reader:>8s} {mb / m['plain']:11.0f} "
+                                  f"{mb / m[reader]:11.0f} {len(paths) / m[reader]:15.1f} "
+                                  f"{m['plain'] / m[reader]:5.2f}x", flush=True)
         finally:
             for proc, _ in servers.values():
                 proc.terminate()

@@ -1,5 +1,7 @@
 """One shard of `build-shards index`, read in a worker: its samples counted (as webdataset groups them), their
-image extensions and labels tallied, and with `verify` every image decoded (data_tools/decode_check.py).
+image extensions and labels tallied, and with `verify` every image decoded (data_tools/decode_check.py). Counting
+uses the compiled walker (data_tools/tar_count.py) when numba is installed, and the Python reader for what the
+walker leaves to it; both give the same result.
 
 The result is a small `ShardIndex` (sent back to the main process): the counts, or the problem that makes the
 shard unusable (`damaged`: not a complete tar; `missing`; `unreadable`: every read attempt failed or stalled).
@@ -9,6 +11,8 @@ stalled shard costs bounded time and ends as one line naming it. The tar is only
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import signal
 import threading
 import urllib.error
@@ -24,6 +28,18 @@ from vit_mpp.tar_scan import ReadAhead, TarDamaged, TarReader, describe, samples
 
 IMAGES = frozenset(IMAGE_EXTENSIONS)
 DAMAGED, MISSING, UNREADABLE = "damaged", "missing", "unreadable"
+READERS = ("auto", "compiled", "python")  # --reader: the compiled walker (data_tools/tar_count.py) or Python's
+
+
+@functools.cache
+def compiled_available() -> bool:
+    """Whether numba, which the compiled walker needs, is installed (`pip install '.[fast-index]'`)."""
+    return importlib.util.find_spec("numba") is not None
+
+
+def use_compiled(reader: str) -> bool:
+    """Whether `--reader` (auto, compiled, python) counts with the compiled walker here."""
+    return reader == "compiled" or (reader == "auto" and compiled_available())
 
 
 @dataclass(frozen=True)
@@ -51,6 +67,7 @@ class ShardIndex:
     undecodable: KeyTally | None = None  # with verify only
     problem: str = ""
     reason: str = ""
+    read_again: str = ""  # why the compiled walker left this shard to the Python reader, if it did
 
     def add_label(self, raw: bytes, key: str) -> None:
         """Count a `.cls` as training reads it (vit_mpp/labels.py: negative is none, a bad one is recorded)."""
@@ -96,18 +113,27 @@ def _progress(n: int) -> None:
         raise Abandoned
 
 
-def _scan(stream: BinaryIO, url: str, verify: bool) -> ShardIndex:
-    """Count one shard's samples from its stream (one attempt)."""
-    result = ShardIndex(url, undecodable=KeyTally() if verify else None)
-    read = 0
+class _Attempt:
+    """The bytes one attempt at a shard has read, counted into the shared counter as they come, and taken back out
+    when the attempt fails (a retry, or the other reader, reads them again)."""
 
-    def progress(n: int) -> None:
-        nonlocal read
-        read += n
+    def __init__(self) -> None:
+        self.read = 0
+
+    def __call__(self, n: int) -> None:
+        self.read += n
         _progress(n)
 
+    def undo(self) -> None:
+        _count(-self.read)
+
+
+def _scan(stream: BinaryIO, url: str, verify: bool) -> ShardIndex:
+    """Count one shard's samples from its stream with the Python reader (one attempt)."""
+    result = ShardIndex(url, undecodable=KeyTally() if verify else None)
+    attempt = _Attempt()
     ahead = ReadAhead(stream)
-    reader = TarReader(ahead, progress)
+    reader = TarReader(ahead, attempt)
     wanted = IMAGES | {"cls"} if verify else frozenset({"cls"})
     try:
         for sample in samples(reader, wanted):
@@ -123,7 +149,7 @@ def _scan(stream: BinaryIO, url: str, verify: bool) -> ShardIndex:
                 result.add_label(sample.data["cls"], sample.key)
         reader.drain()
     except BaseException:
-        _count(-read)  # this attempt's bytes: a retry reads them again
+        attempt.undo()
         raise
     finally:
         ahead.close()
@@ -131,11 +157,46 @@ def _scan(stream: BinaryIO, url: str, verify: bool) -> ShardIndex:
     return result
 
 
-def index_shard(url: str, verify: bool = False, read: ReadSettings = ReadSettings()) -> ShardIndex:
-    """The `ShardIndex` of the shard at `url` (a path or URL); never raises for a bad shard, only when abandoned."""
+def _walk(stream: BinaryIO, url: str) -> ShardIndex:
+    """Count one shard's samples from its stream with the compiled walker (one attempt); NotSimple when the shard
+    needs the Python reader."""
+    from data_tools import tar_count  # numba: imported only where the walker is used
+
+    attempt = _Attempt()
     try:
-        return urls.read_stream(url, lambda stream: _scan(stream, url, verify), read.timeout, read.retries,
-                                read.wait_s)
+        counts = tar_count.count_stream(stream, attempt)
+    except BaseException:
+        attempt.undo()
+        raise
+    return ShardIndex(url, bytes=counts.bytes, samples=counts.samples, images=Counter(counts.images),
+                      labelled=counts.labelled, label_min=counts.label_min, label_max=counts.label_max,
+                      no_image=KeyTally(counts.no_image, counts.no_image_keys))
+
+
+def _read(url: str, verify: bool, read: ReadSettings, reader: str) -> ShardIndex:
+    """One shard read by the compiled walker where it is used (not for --verify, which decodes every image in
+    Python anyway), else, or where the walker leaves the shard to it, by the Python reader."""
+    why = ""
+    if not verify and use_compiled(reader):
+        from data_tools.tar_count import NotSimple
+
+        try:
+            return urls.read_stream(url, lambda stream: _walk(stream, url), read.timeout, read.retries,
+                                    read.wait_s, read_ahead=True)
+        except NotSimple as e:
+            why = str(e)
+    result = urls.read_stream(url, lambda stream: _scan(stream, url, verify), read.timeout, read.retries,
+                              read.wait_s)
+    result.read_again = why
+    return result
+
+
+def index_shard(url: str, verify: bool = False, read: ReadSettings = ReadSettings(),
+                reader: str = "auto") -> ShardIndex:
+    """The `ShardIndex` of the shard at `url` (a path or URL); never raises for a bad shard, only when abandoned.
+    `reader`: one of READERS (auto: the compiled walker when numba is installed)."""
+    try:
+        return _read(url, verify, read, reader)
     except TarDamaged as e:
         return ShardIndex(url, problem=DAMAGED, reason=describe(e))
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
