@@ -184,7 +184,7 @@ class Checkpointer:
             self.flush()  # the sample audit's buffered lines reach the disk before the checkpoint says they happened
             save_checkpoint(self.accelerator, self.run_dir, step, {**trainer_state(), "finished": step == self.total},
                             self.keep_last, rank_state() if rank_state is not None else None)
-            self.boundary.saved()
+            preempt = self.boundary.saved() or preempt  # a stop agreed while this save was due: it is the last
         if preempt:
             self.boundary.close()
             self.accelerator.end_training()

@@ -190,13 +190,19 @@ class StepBoundary:
         work.wait()
         return tensor.tolist()
 
-    def saved(self) -> None:
-        """A checkpoint was just written: the clock starts again, and the flags in flight (raised before it) are
-        dropped: a signal stays raised and is sent again, the clock's own decision is made anew."""
+    def saved(self) -> bool:
+        """A checkpoint was just written: the clock starts again, and the collective in flight is finished. Returns
+        whether it agreed to stop (a signal reached some rank before the save), the same answer on every rank: the
+        run then stops with the checkpoint just written. Its clock decision is dropped (the save was just made).
+
+        The stop must not be dropped with it: checkpoints closer together than two checks (frequent `ckpt_every`
+        steps, or a machine slowed down so that checks are spaced more steps apart) finished every collective here,
+        and a signal was then never acted upon: ranks orphaned by a killed launcher trained on."""
         agreed = self._wait()
         if agreed is not None:
             self.every, self.count = max(1, int(agreed[2])), 0
         self.last_save = self.last_check = time.monotonic()
+        return agreed is not None and agreed[0] > 0
 
     def close(self) -> None:
         """Finish the collective in flight (every rank calls it when the loop ends)."""
