@@ -1,6 +1,7 @@
 """The start of a training run, the same in both stages: the accelerator (trackers checked), the Hub checked, the
-seed, the data's manifests, the run directory (taken, its config written; in a dry run only checked), the metrics
-log and the sample audit. The data is read before the run directory is touched, so a wrong path changes nothing."""
+seed, the model's architecture (built in shapes only), the data's manifests, the run directory (taken, its config
+written; in a dry run only checked), the metrics log and the sample audit. The model and the data are checked
+before the run directory is touched, so a wrong setting or path changes nothing."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from accelerate.utils import set_seed
 from vit_mpp.accelerator import GlobalBatch, make_accelerator
 from vit_mpp.config import is_dry_run
 from vit_mpp.hub import check_hub
+from vit_mpp.models import architecture
 from vit_mpp.run_dir import MetricsLog, prepare_run_dir
 from vit_mpp.sample_audit import SampleAudit
 from vit_mpp.stream_plan import Layout
@@ -44,6 +46,9 @@ def start_run(cfg: Any, check_data: Callable[[TrainingData], object] | None = No
     if accelerator.is_main_process:
         check_hub(cfg.export)  # a push at the end of a long run must not fail for want of a token
     set_seed(tc.seed, device_specific=True)  # a different corruption draw and dropout on every process
+    # The model is built in shapes only (no memory): what only timm can tell (the patch size a model name implies,
+    # against model.img_size) is then found before the run directory is touched, not when the model is built.
+    architecture(cfg.model)
     data = load_training_data(cfg.data)
     data_check = check_data(data) if check_data is not None else None
     with accelerator.main_process_first():

@@ -44,6 +44,19 @@ def test_a_user_set_architecture_key_that_differs_is_one_line_before_anything_is
     assert not run_dir.exists()  # no config.yaml naming a model that was never trained
 
 
+def test_timm_weights_with_a_size_the_models_patch_does_not_divide_is_one_line_before_anything_is_written(
+        tmp_path, capsys):
+    # A .pth names no architecture: model.name's patch (16) meets model.img_size (24) only when timm builds it,
+    # which was after config.yaml had been written.
+    torch.save(create_vit(TINY).state_dict(), tmp_path / "w.pth")
+    with pytest.raises(SystemExit) as e:
+        run_main(finetune_main, ["--config", "configs/finetune/tiny.yaml", f"init.checkpoint={tmp_path / 'w.pth'}",
+                                 f"train.run_dir={tmp_path / 'run'}"])
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert e.value.code == 2 and err == ["error: model.img_size 24x24 is not divisible by the patch size 16x16"]
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_name_written_in_yaml_counts_and_one_that_agrees_or_is_left_out_is_fine(export, tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text(f"init:\n  checkpoint: {export}\nmodel:\n  name: vit_small_patch16_224\n  img_size: 24\n")

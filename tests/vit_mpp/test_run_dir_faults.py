@@ -152,6 +152,16 @@ def test_a_run_dir_that_cannot_be_made_is_one_line(demo_shards, capsys):
                                     "directory"
 
 
+def test_an_image_size_the_named_models_patch_does_not_divide_is_one_line_before_the_run_dir(demo_shards, tmp_path,
+                                                                                             capsys):
+    # The patch size comes from model.name (16), not from model.patch_size: only timm knows it. The run directory
+    # and its config.yaml were written before the model was built and refused.
+    result = run(pretrain(demo_shards, tmp_path / "run", "model.patch_size=null", "model.img_size=24"), capsys)
+    assert result.returncode == 2
+    assert result.stderr.strip() == "error: model.img_size 24x24 is not divisible by the patch size 16x16"
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_shard_folder_is_refused_as_a_run_dir_before_anything_is_written(demo_shards, capsys):
     # train.run_dir=data.shards: a run would write its lock, config, logs and checkpoints among the shards.
     before = sorted(os.listdir(demo_shards))
