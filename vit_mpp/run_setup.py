@@ -1,5 +1,5 @@
 """The start of a training run, the same in both stages: the accelerator (trackers checked), the Hub checked, the
-seed, the model's architecture (built in shapes only), the data's manifests, the run directory (taken, its config
+seed, the data's manifests, the model's architecture (built in shapes only), the run directory (taken, its config
 written; in a dry run only checked), the metrics log and the sample audit. The model and the data are checked
 before the run directory is touched, so a wrong setting or path changes nothing."""
 
@@ -46,11 +46,11 @@ def start_run(cfg: Any, check_data: Callable[[TrainingData], object] | None = No
     if accelerator.is_main_process:
         check_hub(cfg.export)  # a push at the end of a long run must not fail for want of a token
     set_seed(tc.seed, device_specific=True)  # a different corruption draw and dropout on every process
+    data = load_training_data(cfg.data)
+    data_check = check_data(data) if check_data is not None else None
     # The model is built in shapes only (no memory): what only timm can tell (the patch size a model name implies,
     # against model.img_size) is then found before the run directory is touched, not when the model is built.
     architecture(cfg.model)
-    data = load_training_data(cfg.data)
-    data_check = check_data(data) if check_data is not None else None
     with accelerator.main_process_first():
         changed = prepare_run_dir(tc.run_dir, cfg, accelerator.is_main_process, dry_run)
     layout = Layout(accelerator.num_processes, max(1, cfg.data.num_workers), gbatch.micro_batch, gbatch.accum_steps)

@@ -49,9 +49,10 @@ def test_timm_weights_with_a_size_the_models_patch_does_not_divide_is_one_line_b
     # A .pth names no architecture: model.name's patch (16) meets model.img_size (24) only when timm builds it,
     # which was after config.yaml had been written.
     torch.save(create_vit(TINY).state_dict(), tmp_path / "w.pth")
+    shards = write_shard_set(tmp_path / "s", {"train": [8], "val": [4]})
     with pytest.raises(SystemExit) as e:
         run_main(finetune_main, ["--config", "configs/finetune/tiny.yaml", f"init.checkpoint={tmp_path / 'w.pth'}",
-                                 f"train.run_dir={tmp_path / 'run'}"])
+                                 f"data.shards={shards}", f"train.run_dir={tmp_path / 'run'}"])
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
     assert e.value.code == 2 and err == ["error: model.img_size 24x24 is not divisible by the patch size 16x16"]
     assert not (tmp_path / "run").exists()
