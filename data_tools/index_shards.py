@@ -138,7 +138,7 @@ def read_shards(shards: list[ShardRef], options: IndexOptions, show: Callable[[i
     results: dict[str, ShardIndex] = {}
     todo = iter(shards)
     pending: dict[Future, ShardRef] = {}
-    if not options.verify and use_compiled(options.reader):
+    if use_compiled(options.reader, options.verify):
         from data_tools.tar_count import compile_walker  # numba: imported only where the walker is used
 
         compile_walker()  # here, once: forked workers and threads inherit it
@@ -252,7 +252,7 @@ def report(info: dict, shards: list[ShardRef], results: list[ShardIndex]) -> lis
 def chosen_reader(options: IndexOptions, shards: list[ShardRef]) -> str:
     """`compiled` or `python`: --reader as asked, `auto` resolved (the compiled walker when numba is installed and
     the shards are large enough for it to pay, see AUTO_COMPILED_BYTES); always `python` with --verify."""
-    if options.verify or not use_compiled(options.reader):
+    if not use_compiled(options.reader, options.verify):
         return "python"
     sizes = [s.size for s in shards]
     large = None in sizes or sum(sizes) >= AUTO_COMPILED_BYTES

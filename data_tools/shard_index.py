@@ -37,9 +37,10 @@ def compiled_available() -> bool:
     return importlib.util.find_spec("numba") is not None
 
 
-def use_compiled(reader: str) -> bool:
-    """Whether `--reader` (auto, compiled, python) counts with the compiled walker here."""
-    return reader == "compiled" or (reader == "auto" and compiled_available())
+def use_compiled(reader: str, verify: bool) -> bool:
+    """Whether shards are counted with the compiled walker: `--reader` (auto, compiled, python) asks for it where
+    numba is installed, and never with --verify, which decodes every image in Python anyway."""
+    return not verify and (reader == "compiled" or (reader == "auto" and compiled_available()))
 
 
 @dataclass(frozen=True)
@@ -174,10 +175,10 @@ def _walk(stream: BinaryIO, url: str) -> ShardIndex:
 
 
 def _read(url: str, verify: bool, read: ReadSettings, reader: str) -> ShardIndex:
-    """One shard read by the compiled walker where it is used (not for --verify, which decodes every image in
-    Python anyway), else, or where the walker leaves the shard to it, by the Python reader."""
+    """One shard read by the compiled walker where it is used (`use_compiled`), else, or where the walker leaves
+    the shard to it, by the Python reader."""
     why = ""
-    if not verify and use_compiled(reader):
+    if use_compiled(reader, verify):
         from data_tools.tar_count import NotSimple
 
         try:

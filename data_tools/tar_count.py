@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import io
+import tarfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
@@ -302,10 +303,10 @@ def compile_walker() -> None:
     """Compile (or load from numba's cache) the walker now, by walking a one-member tar: a process pool forked
     after this inherits the machine code instead of loading it again in every worker (about 0.7 s each, numba's
     import included)."""
-    header = bytearray(512)
-    header[:5], header[124:135], header[156] = b"k.cls", b"%011o" % 1, ord("0")
-    header[148:156] = b"%06o\0 " % (sum(header) + 256)
-    count_stream(io.BytesIO(bytes(header) + b"1".ljust(512, b"\0") + bytes(1024)), lambda n: None)
+    member = tarfile.TarInfo("k.cls")
+    member.size = 1
+    count_stream(io.BytesIO(member.tobuf(tarfile.USTAR_FORMAT) + b"1".ljust(512, b"\0") + bytes(1024)),
+                 lambda n: None)
 
 
 class _Walk:
