@@ -20,7 +20,8 @@ import yaml
 
 from vit_mpp.cli import ArgumentParser
 from vit_mpp.config import ConfigError
-from vit_mpp.export import ExportError, is_export, read_export_config
+from vit_mpp.export import ExportError, read_export_config
+from vit_mpp.export_layout import is_export
 from vit_mpp.progress import format_duration
 from vit_mpp.run_metrics import BEST_OF, best_metrics, final_metrics, wall_time_s
 from vit_mpp.tool_args import check_distinct_runs, check_out_file, open_out_file

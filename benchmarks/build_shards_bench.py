@@ -36,6 +36,7 @@ import contextlib
 import io
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -111,10 +112,12 @@ def timed_build(src: Path, out: Path, workers: int, max_side: int, shard_size: i
     from data_tools.cli import main as build_shards  # here: --serve imports the checkout --repo names
 
     count = sum(1 for _ in src.rglob("*.jpg"))
+    shutil.rmtree(out, ignore_errors=True)  # a first build into an empty OUT, as a user's is: deleting the last
+    # run's shards (--overwrite) is not work the bare loop does
     start = time.perf_counter()
     with contextlib.redirect_stdout(io.StringIO()) if "--serve" in sys.argv else contextlib.nullcontext():
         build_shards([str(src), str(out), "--workers", str(workers), "--max-side", str(max_side),
-                      "--shard-size", str(shard_size), "--val-fraction", "0", "--overwrite"])
+                      "--shard-size", str(shard_size), "--val-fraction", "0"])
     return count / (time.perf_counter() - start)
 
 

@@ -38,12 +38,10 @@ from vit_mpp import __version__
 from vit_mpp.config import ConfigError, ModelConfig, from_dict, to_dict
 from vit_mpp.durable import fsync, replace
 from vit_mpp.errors import UserError
+from vit_mpp.export_layout import CONFIG, WEIGHTS, export_files
 from vit_mpp.models import create_vit, img_hw
 
-WEIGHTS = "model.safetensors"
-CONFIG = "config.json"
 RECORD = "vit_mpp"  # our key in config.json
-LEGACY = (("encoder.safetensors", "encoder.json"), ("model.safetensors", "model.json"))
 # Preprocessing recorded for users of the export: evaluation resizes with antialiased bilinear, then centre-crops.
 INTERPOLATION = "bilinear"
 
@@ -132,27 +130,6 @@ def write_export(out_dir: str | Path, state: dict[str, torch.Tensor], model_cfg:
     return out_dir
 
 
-def is_export(path: str | Path) -> bool:
-    """Whether `path` is an export folder (or the weights file of one), in the current or the older format."""
-    return _files(Path(path)) is not None
-
-
-def _files(path: Path) -> tuple[Path, Path] | None:
-    """(weights, config) of the export at `path`: its folder, or its weights file."""
-    if path.is_dir():
-        if (path / CONFIG).is_file() and ((path / WEIGHTS).is_file() or (path / (WEIGHTS + ".new")).is_file()):
-            return path / WEIGHTS, path / CONFIG
-        for weights, meta in LEGACY:
-            if (path / weights).is_file() and (path / meta).is_file():
-                return path / weights, path / meta
-        return None
-    if path.suffix == ".safetensors" and path.is_file():
-        for meta in (path.with_name(CONFIG), path.with_suffix(".json")):
-            if meta.is_file() and (meta.name != CONFIG or path.name == WEIGHTS):
-                return path, meta
-    return None
-
-
 def _json(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text())
@@ -181,7 +158,7 @@ def check_export_weights(path: str | Path) -> None:
     """Whether the weights of the export at `path` can be read, from their header (safetensors checks it against the
     file's size, so a truncated file fails here), without reading the tensors: a check before a run writes
     anything."""
-    files = _files(Path(path))
+    files = export_files(Path(path))
     if files is None:
         return  # not an export: _read says so
     weights_path, meta_path = files
@@ -268,7 +245,7 @@ def read_export_config(path: str | Path) -> tuple[ModelConfig, dict[str, Any]]:
 
 def _read(path: Path, weights: bool) -> Export:
     """The export at `path`; its `state` is {} unless `weights`."""
-    files = _files(path)
+    files = export_files(path)
     if files is None:
         old = path.with_name(path.name + ".old")
         raise ExportError(f"not an export (config.json + model.safetensors, or an older .safetensors + .json): "

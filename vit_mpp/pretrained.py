@@ -45,11 +45,11 @@ from vit_mpp.config import ModelConfig
 from vit_mpp.export import (
     ExportError,
     check_export_weights,
-    is_export,
     read_export,
     read_export_config,
     safetensors_problem,
 )
+from vit_mpp.export_layout import is_export
 from vit_mpp.models import create_vit, norm_stats, patch_size
 
 TORCH_SUFFIXES = (".pth", ".pt", ".bin")

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TextIO
 
 from vit_mpp.config import ConfigError
-from vit_mpp.export import is_export
+from vit_mpp.export_layout import is_export
 from vit_mpp.manifest import MANIFEST_NAME
 
 

@@ -418,3 +418,14 @@ def test_only_the_scratch_folders_of_builds_no_longer_running_are_swept(tmp_path
         running.kill()
         running.wait()
     assert scratch.sweep_stale() == (1, 0) and not Path(alive).exists()  # its process is gone now
+
+
+def test_build_shards_does_not_import_torch():
+    # torch is 2 s of start-up and 600 MB a process: every worker forked from a main process holding it took
+    # 10 ms to fork and as long to join, on every build. build-shards needs none of it.
+    code = ("import sys, data_tools.cli, data_tools.build_shards, data_tools.index_shards, data_tools.inspect_shards; "
+            "print(sorted(m for m in ('torch', 'timm', 'safetensors') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=subprocess_env(), capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"

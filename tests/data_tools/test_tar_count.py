@@ -22,7 +22,7 @@ from data_tools.index_shards import AUTO_COMPILED_BYTES, IndexOptions, chosen_re
 from data_tools.shard_index import ShardIndex, _scan, index_shard
 from data_tools.shard_list import ShardRef
 from tests.helpers.servers import FaultyHandler, serve_faulty
-from tests.vit_mpp.test_tar_scan import make_tar
+from tests.helpers.shards import make_tar
 from vit_mpp import urls
 
 pytest.importorskip("numba")

@@ -133,3 +133,36 @@ def timm_style_folder(root: Path, train: list[int], val: list[int], classes: int
                     add(tar, f"{index:08d}.cls", str(index % classes).encode())
                     index += 1
     return root
+
+
+TAR_NAMES = [  # what webdataset tars out there hold, for the tar readers' tests
+    "000001.jpg", "000001.txt", "000001.json",  # img2dataset
+    "000002.JPG", "000002.Cls",  # upper case suffixes (webdataset lower-cases them)
+    "000003.seg.png", "000003.jpg",  # a suffix with a dot
+    "a/b.c/000004.jpg", "a/b.c/000004.cls",  # keys in folders whose names hold dots
+    "x" * 120 + ".jpg", "x" * 120 + ".json",  # long names (GNU long name, pax path, or a ustar prefix)
+    "deep/" * 30 + "k5.webp",  # a long path
+    "__meta__", "__key__.txt", "README", ".hidden.jpg", "dir/.x.jpg",  # members webdataset passes over or splits
+    "ключ.png", "ключ.json",  # non-ASCII
+    "000006.txt",  # a sample without an image
+    "000007.jpg",
+]
+
+
+def make_tar(fmt: int, big: int = 0, names: list[str] = TAR_NAMES) -> bytes:
+    """A tar of `names` (each with a little data; 000007.jpg `big` bytes more), a folder and a link, in tarfile's
+    format `fmt`."""
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=fmt) as tar:
+        folder = tarfile.TarInfo("a")
+        folder.type = tarfile.DIRTYPE
+        tar.addfile(folder)
+        for i, name in enumerate(names):
+            data = (b"%d" % i) * (1 + i * 37 + (big if name == "000007.jpg" else 0))
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+        link = tarfile.TarInfo("000007.link")
+        link.type, link.linkname = tarfile.SYMTYPE, "000007.jpg"
+        tar.addfile(link)
+    return out.getvalue()

@@ -14,37 +14,8 @@ import tarfile
 import pytest
 import webdataset as wds
 
+from tests.helpers.shards import TAR_NAMES, make_tar
 from vit_mpp.tar_scan import CHUNK, TarDamaged, TarReader, samples
-
-NAMES = [
-    "000001.jpg", "000001.txt", "000001.json",  # img2dataset
-    "000002.JPG", "000002.Cls",  # upper case suffixes (webdataset lower-cases them)
-    "000003.seg.png", "000003.jpg",  # a suffix with a dot
-    "a/b.c/000004.jpg", "a/b.c/000004.cls",  # keys in folders whose names hold dots
-    "x" * 120 + ".jpg", "x" * 120 + ".json",  # long names (GNU long name, pax path, or a ustar prefix)
-    "deep/" * 30 + "k5.webp",  # a long path
-    "__meta__", "__key__.txt", "README", ".hidden.jpg", "dir/.x.jpg",  # members webdataset passes over or splits
-    "ключ.png", "ключ.json",  # non-ASCII
-    "000006.txt",  # a sample without an image
-    "000007.jpg",
-]
-
-
-def make_tar(fmt: int, big: int = 0) -> bytes:
-    out = io.BytesIO()
-    with tarfile.open(fileobj=out, mode="w", format=fmt) as tar:
-        folder = tarfile.TarInfo("a")
-        folder.type = tarfile.DIRTYPE
-        tar.addfile(folder)
-        for i, name in enumerate(NAMES):
-            data = (b"%d" % i) * (1 + i * 37 + (big if name == "000007.jpg" else 0))
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-        link = tarfile.TarInfo("000007.link")
-        link.type, link.linkname = tarfile.SYMTYPE, "000007.jpg"
-        tar.addfile(link)
-    return out.getvalue()
 
 
 def webdataset_samples(data: bytes) -> list[tuple[str, list[str]]]:
@@ -59,18 +30,14 @@ def our_samples(data: bytes, wanted: frozenset[str] = frozenset()) -> list[tuple
 
 @pytest.mark.parametrize("fmt", [tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
 def test_the_samples_are_webdatasets(fmt):
+    names = TAR_NAMES
     if fmt == tarfile.USTAR_FORMAT:  # ustar cannot store a 120-character file name
-        names = [n for n in NAMES if not n.startswith("x" * 120)]
-        NAMES[:], saved = names, NAMES[:]
-    try:
-        data = make_tar(fmt, big=3 * CHUNK)  # one member spans chunks
-        expected = webdataset_samples(data)
-        assert our_samples(data) == expected
-        assert our_samples(data, frozenset({"jpg", "cls"})) == expected
-        assert any(k.startswith("x" * 120) for k, _ in expected) or fmt == tarfile.USTAR_FORMAT
-    finally:
-        if fmt == tarfile.USTAR_FORMAT:
-            NAMES[:] = saved
+        names = [n for n in TAR_NAMES if not n.startswith("x" * 120)]
+    data = make_tar(fmt, big=3 * CHUNK, names=names)  # one member spans chunks
+    expected = webdataset_samples(data)
+    assert our_samples(data) == expected
+    assert our_samples(data, frozenset({"jpg", "cls"})) == expected
+    assert any(k.startswith("x" * 120) for k, _ in expected) or fmt == tarfile.USTAR_FORMAT
 
 
 def test_the_bytes_asked_for_are_whole_and_the_size_is_the_files():
@@ -135,6 +102,6 @@ def test_a_damaged_header_after_the_first_is_reported_where_tarfile_stops_quietl
         offset = tar.getmember("000003.jpg").offset
     data[offset + 130] ^= 0x01  # one bit of the size field: the checksum no longer matches
     with tarfile.open(fileobj=io.BytesIO(bytes(data))) as tar:
-        assert len(tar.getmembers()) < len(NAMES)  # tarfile (so webdataset) ends the archive there, no error
+        assert len(tar.getmembers()) < len(TAR_NAMES)  # tarfile (so webdataset) ends the archive there, no error
     with pytest.raises(TarDamaged, match=f"damaged tar header at byte {offset} \\(bad checksum\\)"):
         our_samples(bytes(data))
