@@ -11,12 +11,17 @@ from typing import Any
 
 import torch
 from PIL import Image
-from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms import v2 as T
 from torchvision.transforms.v2.functional import pil_to_tensor
 
 from vit_mpp.image_formats import IMAGE_EXTENSIONS, image_member
 from vit_mpp.models import img_hw
+
+try:  # deprecated since torchvision 0.29 (for TorchCodec, which needs FFmpeg) and to be removed: where it is gone,
+    # PIL decodes those JPEGs (the same libjpeg-turbo, the same pixels; tests/vit_mpp/test_image_decoder.py)
+    from torchvision.io import ImageReadMode, decode_jpeg
+except ImportError:  # pragma: no cover - a torchvision without it
+    decode_jpeg = None
 
 
 def image_bytes(sample: dict[str, Any]) -> bytes:
@@ -33,10 +38,11 @@ class ImageDecoder:
 
     Decoding and resizing are most of a loader's cost, so: a JPEG large enough is decoded at 1/2, 1/4 or 1/8 scale
     (PIL's draft mode, DCT scaling) when that still leaves enough pixels for the smallest crop; any other JPEG is
-    decoded by torchvision (libjpeg-turbo, straight into a tensor); other formats by PIL. The crop and resize then
-    run on the uint8 tensor in channels-last layout, where torch's antialiased resize is several times faster than
-    PIL's. `augment` (training only, e.g. fine-tuning's RandAugment) takes the uint8 crop (3, H, W), in any memory
-    layout, and returns a uint8 tensor of the same shape; it runs here, in the data-loader workers.
+    decoded by torchvision (libjpeg-turbo, straight into a tensor; by PIL where torchvision no longer has it); other
+    formats by PIL. The crop and resize then run on the uint8 tensor in channels-last layout, where torch's
+    antialiased resize is several times faster than PIL's. `augment` (training only, e.g. fine-tuning's
+    RandAugment) takes the uint8 crop (3, H, W), in any memory layout, and returns a uint8 tensor of the same shape;
+    it runs here, in the data-loader workers.
     """
 
     def __init__(self, img_size: int | tuple[int, int], train: bool, crop_scale: tuple[float, float] = (0.35, 1.0),
@@ -60,7 +66,8 @@ class ImageDecoder:
     def decode(self, data: bytes) -> torch.Tensor:
         """Bytes -> uint8 RGB tensor (3, H, W), at a reduced scale where the crop allows it (see the class doc)."""
         img = Image.open(io.BytesIO(data))  # reads the header only
-        if img.format == "JPEG" and min(img.size[0] // self.draft[0], img.size[1] // self.draft[1]) < 2:
+        if (decode_jpeg is not None and img.format == "JPEG"
+                and min(img.size[0] // self.draft[0], img.size[1] // self.draft[1]) < 2):
             return decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
         img.draft("RGB", self.draft)  # a no-op except for JPEGs
         return pil_to_tensor(img.convert("RGB"))
