@@ -3,9 +3,12 @@ the same number of workers of the same kind, measured in the same run.
 
     python -m benchmarks.index_bench [--shards 16] [--samples 2000] [--image-kib 20] [--workers 1 2 4]
                                      [--pools process thread] [--modes cold warm http capped] [--capped-mbps 100]
-                                     [--runs 3] [--readers compiled python]   (from the repository root)
+                                     [--runs 3] [--readers compiled python] [--writer ours|webdataset]
+                                     (from the repository root)
 
-Writes img2dataset-style shards (`KEY.jpg` of about `--image-kib` KiB, `KEY.txt`, `KEY.json`; no labels), then for
+Writes img2dataset-style shards (`KEY.jpg` of about `--image-kib` KiB, `KEY.txt`, `KEY.json`; no labels) with
+build-shards' own writer (plain ustar headers) or `--writer webdataset`'s TarWriter (as img2dataset writes them: a pax
+header before every member, for its float mtime), then for
 each mode, pool kind and worker count runs the plain loop and the index's reading of every shard
 (`data_tools.index_shards.read_shards`: read, group into samples as webdataset does, tally extensions and labels)
 with each of `--readers` (the compiled walker of data_tools/tar_count.py, which needs numba, and the Python reader)
@@ -45,6 +48,7 @@ from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
+import webdataset as wds
 from PIL import Image
 
 from data_tools.index_shards import IndexOptions, read_shards
@@ -54,8 +58,9 @@ from data_tools.writer import ShardWriter
 from vit_mpp import urls
 
 
-def write_shards(root: Path, shards: int, samples: int, image_kib: int) -> list[Path]:
-    """img2dataset-style shards: 32 distinct noise JPEGs of about `image_kib` KiB, a caption and a json each."""
+def write_shards(root: Path, shards: int, samples: int, image_kib: int, writer: str = "ours") -> list[Path]:
+    """img2dataset-style shards: 32 distinct noise JPEGs of about `image_kib` KiB, a caption and a json each, written
+    by `writer`: build-shards' ShardWriter, or webdataset's TarWriter."""
     rng = np.random.default_rng(0)
     side = int((image_kib * 1024 / 0.9) ** 0.5 / 1.4)  # noise at quality 90: about 0.9 bytes per pixel per channel
     jpegs = []
@@ -66,12 +71,16 @@ def write_shards(root: Path, shards: int, samples: int, image_kib: int) -> list[
     paths = []
     for s in range(shards):
         path = root / f"{s:05d}.tar"
-        writer = ShardWriter(path)
+        sink = ShardWriter(path) if writer == "ours" else wds.TarWriter(str(path))
         for i in range(samples):
             key = f"{s:05d}{i:04d}"
-            writer.write(key, {"jpg": jpegs[i % 32], "txt": f"a caption for {key}".encode(),
-                               "json": json.dumps({"key": key, "width": side, "height": side}).encode()})
-        writer.close()
+            files = {"jpg": jpegs[i % 32], "txt": f"a caption for {key}".encode(),
+                     "json": json.dumps({"key": key, "width": side, "height": side}).encode()}
+            if writer == "ours":
+                sink.write(key, files)
+            else:
+                sink.write({"__key__": key, **files})
+        sink.close()
         paths.append(path)
     return paths
 
@@ -220,6 +229,8 @@ def main() -> None:
     parser.add_argument("--readers", nargs="+", choices=["compiled", "python"],
                         default=["compiled", "python"] if compiled_available() else ["python"],
                         help="the index's readers to measure (compiled: needs numba)")
+    parser.add_argument("--writer", choices=["ours", "webdataset"], default="ours",
+                        help="who writes the shards: build-shards (ustar) or webdataset's TarWriter (pax headers)")
     parser.add_argument("--serve", nargs=3, help=argparse.SUPPRESS)  # ROOT PORT MBPS: the server process
     args = parser.parse_args()
     if args.serve:
@@ -227,9 +238,10 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as tmp:
         root = Path(tmp)
-        paths = write_shards(root, args.shards, args.samples, args.image_kib)
+        paths = write_shards(root, args.shards, args.samples, args.image_kib, args.writer)
         total = sum(p.stat().st_size for p in paths)
-        print(f"{args.shards} shards x {args.samples} samples (jpg ~{args.image_kib} KiB, txt, json): "
+        print(f"{args.shards} shards x {args.samples} samples (jpg ~{args.image_kib} KiB, txt, json; written by "
+              f"{'build-shards' if args.writer == 'ours' else 'webdataset'}): "
               f"{total / 1e6:,.0f} MB; {os.cpu_count()} cores; median of {args.runs} interleaved runs")
         print(f"{'mode':5s} {'pool':8s} {'workers':>7s} {'reader':>8s} {'plain MB/s':>11s} {'index MB/s':>11s} "
               f"{'index shards/s':>15s} {'ratio':>6s}")

@@ -204,8 +204,10 @@ def parse_index_args(argv: list[str]) -> argparse.Namespace:
                    help="leave out damaged or non-tar files, recorded in the manifest with their reason (default: "
                         "one error line, nothing written)")
     p.add_argument("--workers", type=int, default=index_workers(), help="shards read at the same time")
-    p.add_argument("--pool", choices=index_shards.POOLS, default="process",
-                   help="workers as processes (parsing and --verify's decoding use every core) or threads")
+    p.add_argument("--pool", choices=index_shards.POOLS, default="auto",
+                   help="workers as processes (the Python reader's parsing and --verify's decoding use every core) "
+                        "or threads (the compiled reader releases the GIL); 'auto' picks threads for the compiled "
+                        "reader, else processes")
     p.add_argument("--reader", choices=shard_index.READERS, default="auto",
                    help="how shards are counted: 'compiled' walks tar headers in machine code (numba: pip install "
                         "'.[fast-index]'), several times faster than 'python'; 'auto' uses it when numba is "

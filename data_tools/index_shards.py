@@ -48,7 +48,7 @@ from vit_mpp.manifest import manifest_file, write_manifest_url
 from vit_mpp.progress import progress
 from vit_mpp.tool_args import check_writable_place
 
-POOLS = ("process", "thread")
+POOLS = ("auto", "process", "thread")  # auto: threads for the compiled walker (it releases the GIL), else processes
 # `--reader auto` walks shards compiled from this many bytes in all (or when their sizes are unknown): below it,
 # numba's start-up (about 0.7 s: its import and the cached machine code) costs about what the walk saves (measured:
 # 1.2 GB from the page cache took 0.9 s compiled, 0.8 s in Python with 4 processes on 2 cores)
@@ -66,7 +66,7 @@ class IndexOptions:
     """The options of `build-shards index` other than LOCATIONs, splits and --out."""
 
     workers: int = 4
-    pool: str = "process"
+    pool: str = "auto"  # POOLS; check_reader resolves auto
     verify: bool = False
     skip_bad: bool = False
     overwrite: bool = False
@@ -273,7 +273,9 @@ def walker_problem() -> str:
 
 def check_reader(options: IndexOptions, shards: list[ShardRef]) -> IndexOptions:
     """`options` with the reader resolved (`chosen_reader`); a compiled walker that cannot run here is one line when
-    asked for by name, and a warning and the Python reader under `auto`."""
+    asked for by name, and a warning and the Python reader under `auto`. `--pool auto` becomes threads for the
+    compiled walker (its walk releases the GIL, and threads pass no result between processes) and processes for
+    the Python reader (its parsing and --verify's decoding hold the GIL)."""
     chosen = chosen_reader(options, shards)
     problem = walker_problem() if chosen == "compiled" else ""
     if problem and options.reader == "compiled":
@@ -283,7 +285,8 @@ def check_reader(options: IndexOptions, shards: list[ShardRef]) -> IndexOptions:
         print(f"warning: the compiled walker cannot run here ({problem}); counting with the Python reader",
               flush=True)
         chosen = "python"
-    return replace(options, reader=chosen)
+    pool = options.pool if options.pool != "auto" else "thread" if chosen == "compiled" else "process"
+    return replace(options, reader=chosen, pool=pool)
 
 
 def reader_note(options: IndexOptions, results: list[ShardIndex]) -> str:

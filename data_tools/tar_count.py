@@ -7,11 +7,13 @@ as it arrives, with the reader's state (a header split across chunks, data still
 in small arrays between chunks, so Python runs once per chunk, not once per member.
 
 It covers what shards are made of: plain files with names in the header's name field, directories and other
-non-file members, webdataset's key/suffix split (`base_plus_ext`), `.cls` labels in plain decimal. Anything else
-(pax or GNU long-name headers, a ustar prefix, base-256 numbers, a damaged or truncated tar, an odd label,
-webdataset's `__` names) stops it with `NotSimple`, and the caller reads the shard again with the Python reader,
-which gives the exact answer or the exact error. So both readers give one result: whatever this counter accepts,
-it counts as the Python reader does (tests/data_tools/test_tar_count.py compares them on every kind of member).
+non-file members, webdataset's key/suffix split (`base_plus_ext`), `.cls` labels in plain decimal, and pax headers
+whose records do not rename or resize the next member (webdataset's TarWriter writes one before every member, for a
+float mtime). Anything else (a pax `path` or `size`, GNU long-name headers, a ustar prefix, base-256 numbers, a
+damaged or truncated tar, an odd label, webdataset's `__` names) stops it with `NotSimple`, and the caller reads the
+shard again with the Python reader, which gives the exact answer or the exact error. So both readers give one
+result: whatever this counter accepts, it counts as the Python reader does (tests/data_tools/test_tar_count.py
+compares them on every kind of member).
 
 This module imports numba: data_tools/shard_index.py imports it only where the walker is used. The compiled code
 is cached on disk by numba (beside this file, or in the user's cache folder where that is read-only), so only the
@@ -37,17 +39,22 @@ from vit_mpp.tar_scan import CHUNK, KIND_EXTENDED, KIND_NO_DATA, KIND_OLD_FILE, 
 
 MAX_SUFFIXES = 16  # fields per sample the walker tracks; a sample with more goes to the Python reader
 MAX_LABEL = 64  # bytes of a `.cls` the walker parses
+MAX_PAX = 4096  # bytes of a pax extended header the walker parses (webdataset's own: 30 bytes, an mtime)
 
 # The walker's state, one int64 array: what the next bytes are, the open sample, and the running counts
-(SKIP, HEADER_BYTES, KEY_LEN, SUFFIXES, IMAGE_RANK, LABEL_WANTED, LABEL_BYTES, LABEL_PAD, DONE, FIRST, SAMPLES,
- LABELLED, LABEL_MIN, LABEL_MAX, NO_IMAGE, STOP, STATE_SIZE) = range(17)
+(SKIP, HEADER_BYTES, KEY_LEN, SUFFIXES, IMAGE_RANK, DATA_WANTED, DATA_BYTES, DATA_PAD, DATA_KIND, DONE, FIRST,
+ SAMPLES, LABELLED, LABEL_MIN, LABEL_MAX, NO_IMAGE, STOP, STATE_SIZE) = range(18)
+LABEL_DATA, PAX_DATA = 1, 2  # DATA_KIND: a member's data the walker reads (into one buffer): a `.cls`, pax records
+_PAX_TYPES = (ord("x"), ord("X"), ord("g"))  # pax extended headers: for the next member, Solaris's, global
 
 # Why the walker stopped (its STOP state): each means "read this shard with the Python reader"
-(NOT_OCTAL, BAD_CHECKSUM, EXTENDED, PREFIX, META_NAME, OTHER_SPLIT, NON_ASCII_SUFFIX, FIELD_TWICE, MANY_FIELDS,
- ODD_LABEL, EMPTY, TRUNCATED) = range(1, 13)
+(NOT_OCTAL, BAD_CHECKSUM, EXTENDED, PAX_RECORDS, PREFIX, META_NAME, OTHER_SPLIT, NON_ASCII_SUFFIX, FIELD_TWICE,
+ MANY_FIELDS, ODD_LABEL, EMPTY, TRUNCATED) = range(1, 14)
 STOP_REASONS = {
     NOT_OCTAL: "a header that is not plain octal", BAD_CHECKSUM: "a checksum that does not match",
-    EXTENDED: "an extended header (pax, GNU)", PREFIX: "a ustar name prefix",
+    EXTENDED: "an extended header (GNU long name or link, sparse)",
+    PAX_RECORDS: "pax records naming or sizing a member (path, size), long or not plain",
+    PREFIX: "a ustar name prefix",
     META_NAME: "a name with a newline or webdataset's __ prefix", OTHER_SPLIT: "a name webdataset splits otherwise",
     NON_ASCII_SUFFIX: "a non-ASCII suffix", FIELD_TWICE: "a field twice in one sample",
     MANY_FIELDS: "more fields in a sample than tracked", ODD_LABEL: "a label that is not plain decimal",
@@ -157,6 +164,35 @@ def _label(st: Any, buf: Any, n: int, max_classes: int) -> int:
     return 0
 
 
+@_jit
+def _pax(buf: Any, n: int) -> int:
+    # pax records ("%d %s=%s\n") as the Python reader parses them (tar_scan._pax_records): 0 when none is `path` or
+    # `size` (the only records that reader applies: the next member keeps its own header's name and size), else
+    # PAX_RECORDS, also for anything not plainly well-formed (the Python reader then says what it makes of it)
+    pos = 0
+    while pos < n and buf[pos] != 0:
+        i, length, digits = pos, 0, 0
+        while i < n and 48 <= buf[i] <= 57 and digits < 9:
+            length = length * 10 + (buf[i] - 48)
+            digits += 1
+            i += 1
+        if digits == 0 or i >= n or buf[i] != 32 or length <= 0 or pos + length > n:
+            return PAX_RECORDS
+        key, eq = i + 1, -1
+        for j in range(i + 1, pos + length - 1):
+            if buf[j] == 61:
+                eq = j
+                break
+        if eq < 0:
+            return PAX_RECORDS
+        if eq - key == 4 and ((buf[key] == 112 and buf[key + 1] == 97 and buf[key + 2] == 116 and buf[key + 3] == 104)
+                              or (buf[key] == 115 and buf[key + 1] == 105 and buf[key + 2] == 122
+                                  and buf[key + 3] == 101)):  # "path", "size"
+            return PAX_RECORDS
+        pos += length
+    return 0
+
+
 @numba.njit(cache=True, nogil=True, inline="always")
 def _header(h: Any, st: Any, kinds: Any, key: Any, sufs: Any, suf_lens: Any, img: Any, img_lens: Any,
             exts: Any, no_keys: Any, no_key_lens: Any) -> int:
@@ -182,7 +218,12 @@ def _header(h: Any, st: Any, kinds: Any, key: Any, sufs: Any, suf_lens: Any, img
     padded = (size + 511) & ~511
     kind = kinds[h[156]]
     if kind == KIND_EXTENDED:
-        return EXTENDED
+        if h[156] != _PAX_TYPES[0] and h[156] != _PAX_TYPES[1] and h[156] != _PAX_TYPES[2]:
+            return EXTENDED
+        if size > MAX_PAX:
+            return PAX_RECORDS
+        st[DATA_WANTED], st[DATA_BYTES], st[DATA_PAD], st[DATA_KIND] = size, 0, padded - size, PAX_DATA
+        return 0
     if kind == KIND_SKIP_DATA:
         st[SKIP] = padded
         return 0
@@ -242,28 +283,31 @@ def _header(h: Any, st: Any, kinds: Any, key: Any, sufs: Any, suf_lens: Any, img
     if suffix_len == 3 and sufs[n, 0] == 99 and sufs[n, 1] == 108 and sufs[n, 2] == 115:  # cls
         if size == 0 or size > MAX_LABEL:
             return ODD_LABEL
-        st[LABEL_WANTED], st[LABEL_BYTES], st[LABEL_PAD] = size, 0, padded - size
+        st[DATA_WANTED], st[DATA_BYTES], st[DATA_PAD], st[DATA_KIND] = size, 0, padded - size, LABEL_DATA
         return 0
     st[SKIP] = padded
     return 0
 
 
 @_jit
-def _feed(chunk: Any, st: Any, held: Any, label_buf: Any, kinds: Any, key: Any, sufs: Any, suf_lens: Any,
+def _feed(chunk: Any, st: Any, held: Any, data: Any, kinds: Any, key: Any, sufs: Any, suf_lens: Any,
           img: Any, img_lens: Any, exts: Any, no_keys: Any, no_key_lens: Any, max_classes: int) -> None:
     # walk one chunk; on return st[STOP] says whether the walk must go to the Python reader
     pos, n = 0, len(chunk)
     while pos < n and not st[DONE] and not st[STOP]:
-        if st[LABEL_WANTED]:
-            take = min(st[LABEL_WANTED], n - pos)
+        if st[DATA_WANTED]:
+            take = min(st[DATA_WANTED], n - pos)
             for i in range(take):
-                label_buf[st[LABEL_BYTES] + i] = chunk[pos + i]
+                data[st[DATA_BYTES] + i] = chunk[pos + i]
             pos += take
-            st[LABEL_BYTES] += take
-            st[LABEL_WANTED] -= take
-            if not st[LABEL_WANTED]:
-                st[STOP] = _label(st, label_buf, st[LABEL_BYTES], max_classes)
-                st[SKIP] = st[LABEL_PAD]
+            st[DATA_BYTES] += take
+            st[DATA_WANTED] -= take
+            if not st[DATA_WANTED]:
+                if st[DATA_KIND] == LABEL_DATA:
+                    st[STOP] = _label(st, data, st[DATA_BYTES], max_classes)
+                else:
+                    st[STOP] = _pax(data, st[DATA_BYTES])
+                st[SKIP] = st[DATA_PAD]
             continue
         if st[SKIP]:
             take = min(st[SKIP], n - pos)
@@ -290,7 +334,7 @@ def _feed(chunk: Any, st: Any, held: Any, label_buf: Any, kinds: Any, key: Any, 
 def _finish(st: Any, key: Any, exts: Any, no_keys: Any, no_key_lens: Any) -> None:
     # the stream ended: the end of the archive only on a block boundary after at least one header
     if not st[DONE] and not st[STOP]:
-        if st[HEADER_BYTES] or st[SKIP] or st[LABEL_WANTED]:
+        if st[HEADER_BYTES] or st[SKIP] or st[DATA_WANTED]:
             st[STOP] = TRUNCATED
         elif st[FIRST]:
             st[STOP] = EMPTY
@@ -316,7 +360,7 @@ class _Walk:
         self.st = np.zeros(STATE_SIZE, np.int64)
         self.st[KEY_LEN], self.st[FIRST], self.st[LABEL_MIN], self.st[LABEL_MAX] = -1, 1, -1, -1
         self.held = np.zeros(512, np.uint8)
-        self.label = np.zeros(MAX_LABEL, np.uint8)
+        self.data = np.zeros(max(MAX_LABEL, MAX_PAX), np.uint8)  # a `.cls` or pax records being read
         self.kinds = _kind_table()
         self.key = np.zeros(100, np.uint8)
         self.sufs = np.zeros((MAX_SUFFIXES, 100), np.uint8)
@@ -367,7 +411,7 @@ def count_stream(stream: BinaryIO, progress: Callable[[int], None]) -> Counts:
         size += len(chunk)
         progress(len(chunk))
         if not w.st[DONE]:  # after the end of the archive only its padding is read, to count the bytes
-            _feed(np.frombuffer(chunk, np.uint8), w.st, w.held, w.label, w.kinds, w.key, w.sufs, w.suf_lens,
+            _feed(np.frombuffer(chunk, np.uint8), w.st, w.held, w.data, w.kinds, w.key, w.sufs, w.suf_lens,
                  w.img, w.img_lens, w.exts, w.no_keys, w.no_key_lens, MAX_CLASSES)
             w.check()
     _finish(w.st, w.key, w.exts, w.no_keys, w.no_key_lens)

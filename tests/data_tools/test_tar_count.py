@@ -15,10 +15,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import webdataset as wds
 
 from data_tools import index_shards, shard_index
 from data_tools.cli import main as build_main
-from data_tools.index_shards import AUTO_COMPILED_BYTES, IndexOptions, chosen_reader
+from data_tools.index_shards import AUTO_COMPILED_BYTES, IndexOptions, check_reader, chosen_reader
 from data_tools.shard_index import ShardIndex, _scan, index_shard
 from data_tools.shard_list import ShardRef
 from tests.helpers.servers import FaultyHandler, serve_faulty
@@ -54,6 +55,35 @@ def img2dataset(samples: int = 20, labels: bool = False, seed: int = 0) -> bytes
         if labels:
             members.append((f"{key}.cls", b"%d" % (i % 7)))
     return tar_of(members)
+
+
+def webdataset_writer(samples: int = 20, seed: int = 0) -> bytes:
+    """Shards as webdataset's TarWriter (and so img2dataset) writes them: a pax header before every member, for
+    its float mtime."""
+    rng = np.random.default_rng(seed)
+    out = io.BytesIO()
+    with wds.TarWriter(out) as sink:
+        for i in range(samples):
+            sink.write({"__key__": f"{seed:05d}{i:04d}", "jpg": rng.bytes(int(rng.integers(1, 3000))),
+                        "txt": b"a caption", "json": b"{}", "cls": b"%d" % (i % 5)})
+    return out.getvalue()
+
+
+def pax_tar(members: list[tuple[str, bytes, dict[str, str]]], global_records: dict[str, str] | None = None) -> bytes:
+    """A pax tar of (name, data, records) files (a name ending in / is a folder); `global_records`: a global header
+    first."""
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT, pax_headers=global_records) as tar:
+        for name, data, records in members:
+            info = tarfile.TarInfo(name.rstrip("/"))
+            info.size, info.pax_headers = len(data), dict(records)
+            if name.endswith("/"):
+                info.type = tarfile.DIRTYPE
+            tar.addfile(info, io.BytesIO(data))
+    return out.getvalue()
+
+
+TIMES = {"mtime": "1795598757.2230012", "atime": "1795598757.5", "ctime": "1795598757.25"}  # tar --format=posix's
 
 
 def directory(name: str) -> tarfile.TarInfo:
@@ -101,6 +131,11 @@ WALKED = {
         item for i, text in enumerate([b"3", b" 7\n", b"+2", b"-1", b"-0", b"0012", b"\x0b5\x0c", b"9999999"])
         for item in ((f"k{i}.jpg", b"i"), (f"k{i}.cls", text))]),
     "no end blocks": tar_of([("k1.jpg", b"1" * 600)])[:1536],
+    "webdataset's TarWriter (pax mtimes)": webdataset_writer(30),
+    "tar --format=posix (pax times, a global header)": pax_tar(
+        [("k1.jpg", b"1" * 700, TIMES), ("k1.cls", b"3", TIMES), ("k2.png", b"2", {"uname": "ü" * 40}),
+         ("k2.txt", b"t", {"SCHILY.xattr.user.x": "v", "comment": "a=b c\n"})], {"comment": "made by tar"}),
+    "pax records before a folder and at the end": pax_tar([("k1.jpg", b"1", TIMES), ("d/", b"", TIMES)]),
     "padding after the end": tar_of([("k1.jpg", b"1")]) + b"\x00" * 10240 + b"garbage",
 }
 
@@ -109,7 +144,14 @@ LEFT = {
     "long names (GNU)": (tar_of([("k1.jpg", b"1"), ("x" * 120 + ".jpg", b"2")], tarfile.GNU_FORMAT),
                          "an extended header"),
     "long names (pax)": (tar_of([("k1.jpg", b"1"), ("x" * 120 + ".jpg", b"2")], tarfile.PAX_FORMAT),
-                         "an extended header"),
+                         "pax records"),
+    "a pax path": (pax_tar([("k1.jpg", b"1", {}), ("k2.jpg", b"2", {"path": "k3.jpg"})]), "pax records"),
+    "a global pax path": (pax_tar([("k1.jpg", b"1", {})], {"path": "k3.jpg"}), "pax records"),
+    "a pax size": (pax_tar([("k1.jpg", b"1", {"size": "1"})]), "pax records"),
+    "pax records too long to parse": (pax_tar([("k1.jpg", b"1", {"comment": "c" * tar_count.MAX_PAX})]),
+                                      "pax records"),
+    "a pax record longer than the header": (pax_tar([("k1.jpg", b"1", {"comment": "abc"})]).replace(
+        b"15 comment=abc\n", b"99 comment=abc\n"), "pax records"),
     "the reader's own dialect tests": (make_tar(tarfile.GNU_FORMAT), "label"),
     "a ustar prefix": (tar_of([("deep/" * 25 + "k1.jpg", b"1")]), "a ustar name prefix"),
     "webdataset's __ names": (tar_of([("k1.jpg", b"1"), ("__meta__", b"m")]), "__ prefix"),
@@ -136,6 +178,8 @@ DAMAGED = {
     "truncated in the padding": tar_of([("k1.jpg", b"1" * 600)])[:512 + 600],
     "a field twice": tar_of([("k1.jpg", b"1"), ("k1.jpg", b"2")]),
     "a reserved field": tar_of([("k1.jpg", b"1"), ("k1.__key__", b"2")]),
+    "a pax record without '='": pax_tar([("k1.jpg", b"1", {"comment": "abc"})]).replace(b"comment=", b"comment#"),
+    "a pax record without a length": pax_tar([("k1.jpg", b"1", {"comment": "abc"})]).replace(b"15 c", b"1x c"),
 }
 
 
@@ -196,7 +240,8 @@ class Trickle(io.RawIOBase):
 
 @pytest.mark.parametrize("seed", range(6))
 def test_the_walk_is_the_same_however_the_stream_is_cut(seed):
-    for data in (WALKED["labelled"], WALKED["folders and links"], WALKED["no end blocks"], img2dataset(200, True, 3)):
+    for data in (WALKED["labelled"], WALKED["folders and links"], WALKED["no end blocks"], img2dataset(200, True, 3),
+                 webdataset_writer(100, 2)):
         python = _scan(io.BytesIO(data), "s", False)
         counts = tar_count.count_stream(Trickle(data, seed), lambda n: None)
         assert (counts.samples, counts.images, counts.labelled, counts.label_min, counts.label_max, counts.no_image,
@@ -205,21 +250,25 @@ def test_the_walk_is_the_same_however_the_stream_is_cut(seed):
             python.no_image.count, python.no_image.keys, python.bytes)
 
 
-def test_any_damage_to_a_shard_gets_one_answer_from_both_readers(tmp_path):
-    """Bytes changed at random in headers, labels and data: both readers agree on every copy, counts or damage."""
+@pytest.mark.parametrize("pax", [False, True])
+def test_any_damage_to_a_shard_gets_one_answer_from_both_readers(tmp_path, pax):
+    """Bytes changed at random in headers, labels, pax records and data: both readers agree on every copy, counts
+    or damage."""
     rng = random.Random(1)
-    original = tar_of([("k1.jpg", b"1" * 700), ("k1.cls", b"12"), ("k2.png", b"2"), ("k2.cls", b" 3 "),
-                       ("k3.txt", b"t")])
+    members = [("k1.jpg", b"1" * 700), ("k1.cls", b"12"), ("k2.png", b"2"), ("k2.cls", b" 3 "), ("k3.txt", b"t")]
+    original = pax_tar([(n, d, TIMES) for n, d in members]) if pax else tar_of(members)
     path = tmp_path / "s.tar"
     walked = 0
     for _ in range(150):
         data = bytearray(original)
         for _ in range(rng.choice([1, 1, 2, 4])):
-            at = rng.choice([rng.randrange(len(data)), rng.randrange(512), 1536 + rng.randrange(512)])
-            data[at] = rng.choice([0, 32, 46, 47, 48, 55, 56, 65, 200, rng.randrange(256)])
+            at = rng.choice([rng.randrange(len(data)), rng.randrange(512), 1536 + rng.randrange(512),
+                             512 + rng.randrange(100)])  # the first pax records, or the first member's data
+            data[at] = rng.choice([0, 32, 46, 47, 48, 55, 56, 61, 65, 200, rng.randrange(256)])
         path.write_bytes(bytes(data))
-        walked += not same(path).read_again
-    assert walked > 20  # most copies with a changed data byte are still walked, not all left to Python
+        result = same(path)
+        walked += not result.read_again and not result.problem
+    assert walked > 20  # copies with a changed data byte are still walked, not all left to Python
 
 
 def test_index_says_which_reader_counted(tmp_path, capsys):
@@ -227,7 +276,7 @@ def test_index_says_which_reader_counted(tmp_path, capsys):
     (tmp_path / "00001.tar").write_bytes(LEFT["long names (pax)"][0])
     build_main(["index", str(tmp_path), "--workers", "1", "--reader", "compiled"])
     out = capsys.readouterr().out
-    assert "compiled reader; 1 shard(s) read again by the Python reader, the first for an extended header" in out
+    assert "compiled reader; 1 shard(s) read again by the Python reader, the first for pax records" in out
     compiled = (tmp_path / "_info.json").read_bytes()
     build_main(["index", str(tmp_path), "--workers", "1"])  # auto: a few KB, not worth numba's start-up
     assert "1 process worker(s), Python reader)" in capsys.readouterr().out
@@ -242,6 +291,18 @@ def test_auto_walks_compiled_where_it_pays():
     assert chosen_reader(IndexOptions(reader="compiled"), [small]) == "compiled"
     assert chosen_reader(IndexOptions(reader="python"), [large]) == "python"
     assert chosen_reader(IndexOptions(reader="compiled", verify=True), [large]) == "python"  # decoding is Python's
+
+
+def test_pool_auto_runs_the_compiled_walker_in_threads_and_python_in_processes(tmp_path, capsys):
+    large = ShardRef("train", "b.tar", AUTO_COMPILED_BYTES)
+    pools = {(reader, verify): check_reader(IndexOptions(reader=reader, verify=verify), [large]).pool
+             for reader in ("auto", "compiled", "python") for verify in (False, True)}
+    assert pools == {("auto", False): "thread", ("compiled", False): "thread", ("python", False): "process",
+                     ("auto", True): "process", ("compiled", True): "process", ("python", True): "process"}
+    assert check_reader(IndexOptions(reader="compiled", pool="process"), [large]).pool == "process"  # as asked
+    (tmp_path / "00000.tar").write_bytes(WALKED["webdataset's TarWriter (pax mtimes)"])
+    build_main(["index", str(tmp_path), "--workers", "2", "--reader", "compiled"])
+    assert " 1 thread worker(s), compiled reader)" in capsys.readouterr().out
 
 
 def test_reading_ahead_gives_the_same_bytes_for_any_read_sizes(tmp_path):

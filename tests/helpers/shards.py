@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
+import webdataset as wds
 from PIL import Image
 
 from data_tools.writer import ShardWriter
@@ -104,18 +105,19 @@ def add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
 
 
 def img2dataset_folder(root: Path, lengths: list[int], seed: int = 0, corrupt: str | None = None) -> Path:
-    """Shards as img2dataset writes them: `NNNNN.tar` of `KEY.jpg`, `KEY.txt`, `KEY.json` (keys of 9 digits: shard
-    and position), no labels, no manifest. `corrupt` names a key whose jpg is cut short (undecodable)."""
+    """Shards as img2dataset writes them (with webdataset's TarWriter: a pax header with a float mtime before every
+    member; a fixed one here): `NNNNN.tar` of `KEY.jpg`, `KEY.txt`, `KEY.json` (keys of 9 digits: shard and
+    position), no labels, no manifest. `corrupt` names a key whose jpg is cut short (undecodable)."""
     rng = np.random.default_rng(seed)
     root.mkdir(parents=True, exist_ok=True)
     for s, n in enumerate(lengths):
-        with tarfile.open(root / f"{s:05d}.tar", "w", format=tarfile.GNU_FORMAT) as tar:
+        with wds.TarWriter(str(root / f"{s:05d}.tar"), mtime=1700000000.5) as sink:
             for i in range(n):
                 key = f"{s:05d}{i:04d}"
                 image = jpeg(rng)
-                add(tar, f"{key}.jpg", image[:40] if key == corrupt else image)
-                add(tar, f"{key}.txt", f"a caption for {key}".encode())
-                add(tar, f"{key}.json", json.dumps({"key": key, "status": "success"}).encode())
+                sink.write({"__key__": key, "jpg": image[:40] if key == corrupt else image,
+                            "txt": f"a caption for {key}".encode(),
+                            "json": json.dumps({"key": key, "status": "success"}).encode()})
     return root
 
 
