@@ -95,6 +95,9 @@ def init_worker(counter: Any, stop: Any, process: bool) -> None:
     """Pool initializer, run in the thread that will run this worker's tasks: the shared byte counter and stop
     flag; a worker process leaves Ctrl-C to the main one."""
     _shared.counter, _shared.stop = counter, stop
+    # a stalled read is left when the workers are asked to stop, not at its deadline (the check runs in the threads
+    # that wait for this worker, so it holds the flag itself, not through this thread's `_shared`)
+    urls.while_waiting(functools.partial(_abandon_if, stop))
     if process:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
 
@@ -106,12 +109,16 @@ def _count(n: int) -> None:
             counter.value += n
 
 
+def _abandon_if(stop: Any) -> None:
+    """Abandoned when the main process asked the workers to stop (`stop` set)."""
+    if stop is not None and stop.value:
+        raise Abandoned
+
+
 def _progress(n: int) -> None:
     """Count `n` bytes read; stop here when the main process asked the workers to stop."""
     _count(n)
-    stop = getattr(_shared, "stop", None)
-    if stop is not None and stop.value:
-        raise Abandoned
+    _abandon_if(getattr(_shared, "stop", None))
 
 
 class _Attempt:

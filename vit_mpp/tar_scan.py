@@ -26,6 +26,8 @@ import zlib
 from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO
 
+from vit_mpp import urls
+
 BLOCK = 512
 CHUNK = 1 << 20  # bytes per read: few calls per shard, and the unit of progress and deadlines
 _ZERO = bytes(BLOCK)
@@ -346,15 +348,18 @@ class ReadAhead:
     """A stream read `depth` chunks ahead by a helper thread, so reading (a disk, a socket: the GIL is released
     while waiting) overlaps with parsing. `read()` returns the next chunk whatever size is asked; an error met by
     the helper (a stall past the deadline, a reset) is raised by the `read()` that reaches it. `close()` stops the
-    helper after its current read, which the stream's own deadline bounds; it does not close the stream."""
+    helper after its current read, which the stream's own deadline bounds; it does not close the stream. The
+    helper runs the creating thread's `urls.while_waiting` check while it waits, so a pool's worker asked to stop
+    is not held up by a stalled read in its helper."""
 
     def __init__(self, stream: BinaryIO, depth: int = 2) -> None:
         self.stream, self.done = stream, False
         self.chunks: queue.Queue = queue.Queue(depth)
         self.stopped = threading.Event()
-        threading.Thread(target=self._run, daemon=True, name="tar-read-ahead").start()
+        threading.Thread(target=self._run, args=(urls.waiting_check(),), daemon=True, name="tar-read-ahead").start()
 
-    def _run(self) -> None:
+    def _run(self, check: Callable[[], None] | None) -> None:
+        urls.while_waiting(check)
         try:
             while not self.stopped.is_set():
                 chunk = self.stream.read(CHUNK)

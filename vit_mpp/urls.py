@@ -45,6 +45,32 @@ READ_TIMEOUT_S = 60.0  # no byte for this long: the stream is stalled
 BUFFER = 1 << 20  # remote reads are buffered in 1 MiB pieces: few deadline round trips per shard
 RETRIES = 3  # a failed remote read is retried this many times, after WAIT_S, then twice that, ...
 WAIT_S = 1.0
+CHECK_EVERY_S = 0.25  # how often a thread that waits on a read runs its `while_waiting` check
+
+_waiting = threading.local()  # the check this thread runs while it waits (`while_waiting`)
+
+
+def while_waiting(check: Callable[[], None] | None) -> None:
+    """Have this thread run `check()` every CHECK_EVERY_S while it waits on a deadlined call (opening, a read, a
+    seek, the pause before a retry). An exception it raises abandons the stream (aborted as a stalled one is) and
+    propagates: a pool's workers, asked to stop, leave a stalled read at once instead of at its deadline. None: no
+    check (the default)."""
+    _waiting.check = check
+
+
+def waiting_check() -> Callable[[], None] | None:
+    """This thread's `while_waiting` check, for a helper thread that reads on its behalf to run too."""
+    return getattr(_waiting, "check", None)
+
+
+def _pause(seconds: float) -> None:
+    """Sleep `seconds`, running this thread's `while_waiting` check meanwhile."""
+    check = getattr(_waiting, "check", None)
+    end = time.monotonic() + seconds
+    while (left := end - time.monotonic()) > 0:
+        if check is not None:
+            check()
+        time.sleep(min(left, CHECK_EVERY_S) if check is not None else left)
 
 
 class StreamStalled(OSError):
@@ -195,11 +221,21 @@ class _DeadlineReader(io.RawIOBase):
         return self._wait(self._caller.submit(fn), doing)
 
     def _wait(self, future: concurrent.futures.Future, doing: str) -> Any:
-        try:
-            return future.result(timeout=self.timeout)
-        except concurrent.futures.TimeoutError:
-            self._give_up()
-            raise StreamStalled(f"{self.url}: no data for {self.timeout:g} s while {doing}") from None
+        check = getattr(_waiting, "check", None)
+        end = time.monotonic() + self.timeout
+        while True:
+            left = end - time.monotonic()
+            try:
+                return future.result(timeout=max(0.0, min(left, CHECK_EVERY_S) if check is not None else left))
+            except concurrent.futures.TimeoutError:
+                if check is None or time.monotonic() >= end:
+                    self._give_up()
+                    raise StreamStalled(f"{self.url}: no data for {self.timeout:g} s while {doing}") from None
+            try:
+                check()
+            except BaseException:
+                self._give_up()
+                raise
 
     def _give_up(self) -> None:
         """Abort the stream from another thread (a call stuck on it returns) and leave the caller thread."""
@@ -324,7 +360,7 @@ def _with_retries(action: Callable[[], T], url: str, retries: int, wait_s: float
         except OSError as e:
             if not worth_retrying(url, e) or attempt >= retries:
                 raise
-        time.sleep(wait_s * 2**attempt)
+        _pause(wait_s * 2**attempt)
         attempt += 1
 
 

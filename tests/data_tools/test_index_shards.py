@@ -9,6 +9,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import subprocess
+import sys
 import tarfile
 import time
 from pathlib import Path
@@ -19,6 +21,7 @@ import pytest
 from data_tools.cli import main as build_main
 from finetune.train import main as finetune_main
 from pretrain.train import main as pretrain_main
+from tests.helpers.processes import REPO, ctrl_c_enabled, interrupt_paused, subprocess_env
 from tests.helpers.servers import FaultyHandler, serve_directory, serve_faulty
 from tests.helpers.shards import add, img2dataset_folder, jpeg, timm_style_folder
 from vit_mpp.cli import run_main
@@ -120,6 +123,52 @@ def test_a_stalled_shard_is_one_line_in_bounded_time(laion, tmp_path, capsys):
     assert elapsed < 20, elapsed
     assert not (tmp_path / "m").exists()  # nothing written
     assert FaultyHandler.requests.count("/00001.tar") == 2  # retried once, then reported
+
+
+@pytest.mark.parametrize("pool, reader", [("thread", "compiled"), ("process", "python"), ("process", "compiled"),
+                                          ("thread", "python")])
+def test_a_bad_shard_stops_a_stalled_read_at_once(laion, tmp_path, capsys, pool, reader):
+    if reader == "compiled":
+        pytest.importorskip("numba")
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    (folder / "00000.tar").write_bytes(b"not a tar at all" * 100)
+    (folder / "00001.tar").write_bytes((laion / "00001.tar").read_bytes())
+    with serve_faulty(folder) as base:
+        FaultyHandler.faults["/00001.tar"] = ("stall", 100)
+        start = time.monotonic()
+        line = refused(capsys, build_main, ["index", f"{base}/{{00000..00001}}.tar", "--out", str(tmp_path / "m"),
+                                            "--read-timeout", "60", "--workers", "2", "--pool", pool,
+                                            "--reader", reader])
+        elapsed = time.monotonic() - start
+    assert "00000.tar: not a tar" in line, line
+    assert elapsed < 15, elapsed  # the stalled read was left when the workers were told to stop, not after 60 s
+    assert not (tmp_path / "m").exists()
+
+
+@pytest.mark.parametrize("pool, reader", [("thread", "compiled"), ("process", "python")])
+def test_ctrl_c_during_a_stalled_read_is_one_line_at_once(laion, tmp_path, pool, reader):
+    if reader == "compiled":
+        pytest.importorskip("numba")
+    with serve_faulty(laion) as base:
+        FaultyHandler.faults["/00001.tar"] = ("stall", 100)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "data_tools.cli", "index", f"{base}/{{00000..00002}}.tar", "--out",
+             str(tmp_path / "m"), "--read-timeout", "60", "--workers", "2", "--pool", pool, "--reader", reader],
+            env=subprocess_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            preexec_fn=ctrl_c_enabled)
+        deadline = time.monotonic() + 60
+        while "/00001.tar" not in FaultyHandler.requests and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.01)
+        time.sleep(0.5)  # the stalled half of the body has been read: the worker now waits for the rest
+        start = time.monotonic()
+        interrupt_paused(proc)
+        _, err = proc.communicate(timeout=90)
+        elapsed = time.monotonic() - start
+    lines = err.strip().splitlines()
+    assert proc.returncode == 130 and lines == ["error: interrupted; nothing was written"], err
+    assert elapsed < 15, elapsed  # not the 60 s of the read's deadline
+    assert not (tmp_path / "m").exists()
 
 
 def test_a_missing_shard_of_a_pattern_is_one_line(laion, tmp_path, capsys):

@@ -211,3 +211,43 @@ def test_streamed_parquet_row_groups_are_read_over_http_and_a_stall_is_retried_t
     assert results[1] is results[0]  # one failed read of the row group, reported for each of its rows
     assert attempts == urls.RETRIES + 1, RangeHandler.gets
     assert seconds < BOUND_S
+
+
+class Asked(Exception):
+    """What a `while_waiting` check raises once the test asks the reader to stop."""
+
+
+def test_a_waiting_read_runs_its_check_and_leaves_at_once_when_it_raises(tmp_path):
+    (tmp_path / "f.bin").write_bytes(os.urandom(200_000))
+    asked = threading.Event()
+
+    def check() -> None:
+        if asked.is_set():
+            raise Asked
+
+    def stopped_after(seconds: float, read: Callable[[], object]) -> float:
+        asked.clear()
+        threading.Timer(seconds, asked.set).start()
+        start = time.monotonic()
+        try:
+            read()
+        except Asked:
+            return time.monotonic() - start
+        raise AssertionError("the read ended without being stopped")
+
+    with serve_faulty(tmp_path) as base:
+        FaultyHandler.faults["/f.bin"] = ("stall", 100)  # half the body, then silence
+        urls.while_waiting(check)
+        try:
+            # a read stalled in the middle of the body: left within a check's interval, not at its 30 s deadline
+            assert stopped_after(0.3, lambda: urls.read_stream(f"{base}/f.bin", lambda s: s.read(), timeout=30,
+                                                               retries=0)) < 5
+            # the pause before a retry (a connection cut short is retried after 20 s here)
+            FaultyHandler.faults["/f.bin"] = ("cut", 100)
+            assert stopped_after(0.3, lambda: urls.read_stream(f"{base}/f.bin", lambda s: s.read(), timeout=30,
+                                                               retries=3, wait_s=20)) < 5
+        finally:
+            urls.while_waiting(None)
+    # without a check, a read waits for its data as before
+    assert urls.read_stream(str(tmp_path / "f.bin"), lambda s: s.read()) == (tmp_path / "f.bin").read_bytes()
+
