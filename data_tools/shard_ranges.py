@@ -10,6 +10,7 @@ no shard. Image bytes never pass between processes.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -26,6 +27,7 @@ from data_tools.images import BadImage, EncodeSettings, clean_detail, prepare_im
 from data_tools.layout import sample_key, shard_name
 from data_tools.sources import Item
 from data_tools.writer import ShardWriter
+from vit_mpp import urls
 from vit_mpp.launcher import die_with_parent
 
 # PIL frees every image's memory by default, and glibc may give it back to the kernel (munmap, or a trim of the heap)
@@ -83,6 +85,15 @@ def sample_files(result: tuple, item: Item) -> dict[str, bytes]:
     return files
 
 
+class RangeAbandoned(Exception):
+    """The main process asked the workers to stop while this one waited on a read (`urls.while_waiting`)."""
+
+
+def _leave_if_stopped(stop: Any) -> None:
+    if stop.value:
+        raise RangeAbandoned
+
+
 def _finish(writer: ShardWriter) -> dict:
     count, size, digest = writer.finish(sync=False)  # synced by whoever publishes it (store.publish), off the
     # worker's time: a worker never waits for the disk
@@ -101,13 +112,14 @@ def write_range(task: RangeTask, ctx: WorkContext, staging: Path, tick: Callable
     writer: ShardWriter | None = None
     unlabelled = 0  # samples written without a label (--unlabelled-rows keep), for the split's count
     refs = [item.ref for item in task.items]
-    for position, item, data in zip(range(task.start, task.end), task.items, ctx.reader.read_many(refs)):
-        if stopped():
-            if writer is not None:
-                shards.append(_finish(writer))
-            for shard in shards:
-                Path(shard["tmp"]).unlink(missing_ok=True)
-            return None
+    inputs = zip(range(task.start, task.end), task.items, ctx.reader.read_many(refs))
+    while True:
+        try:
+            position, item, data = next(inputs, (None, None, None))
+        except RangeAbandoned:  # asked to stop while a read waited (a stalled remote image, say)
+            position = None
+        if position is None or stopped():
+            break
         result = _prepare(data, ctx.settings)
         tick()
         if result[0] == "fail":
@@ -124,6 +136,10 @@ def write_range(task: RangeTask, ctx: WorkContext, staging: Path, tick: Callable
             writer = None
     if writer is not None:
         shards.append(_finish(writer))
+    if stopped():
+        for shard in shards:
+            Path(shard["tmp"]).unlink(missing_ok=True)
+        return None
     group = {} if task.group is None else {"group": task.group}
     return {"type": "range", **group, "split": task.split, "range": task.index, "start": task.start,
             "end": task.end, "shards": shards, "unlabelled": unlabelled, "failures": failures}
@@ -147,6 +163,7 @@ def init_worker(ctx: WorkContext, staging: Path, done: Any, stop: Any, parent: i
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _state.update(ctx=ctx, staging=Path(staging), done=done, stop=stop)
+    urls.while_waiting(functools.partial(_leave_if_stopped, stop))  # a waiting read is left when asked to stop
     # Pool workers wait on a pipe forever if the main process is killed (kill -9), and keep its scratch folder
     # locked (data_tools/scratch.py): they die with it.
     if not die_with_parent(parent):

@@ -29,7 +29,7 @@ from PIL import Image
 from data_tools.cli import main as build_main
 from data_tools.demo_images import generate
 from data_tools.sources.hf_stream import ParquetStreamReader
-from tests.helpers.processes import REPO, subprocess_env
+from tests.helpers.processes import REPO, ctrl_c_enabled, interrupt_paused, subprocess_env
 from tests.helpers.servers import FaultyHandler, serve, serve_faulty
 from vit_mpp import urls
 
@@ -141,6 +141,35 @@ def test_a_stalled_parquet_list_stops_the_build_with_one_error_line(tmp_path):
     assert len(lines) == 1 and "list.parquet" in lines[0] and "StreamStalled" in lines[0], result.stderr
     assert "Traceback" not in result.stderr
     assert seconds < BOUND_S, f"took {seconds:.1f} s"
+
+
+def test_ctrl_c_while_a_worker_waits_on_a_stalled_image_is_one_line_at_once(tmp_path):
+    # a list over HTTP whose images are read by the workers, one of them stalled: the workers are told to stop and
+    # leave that read at once, instead of after its deadline (60 s) and retries
+    paths = write_list_source(tmp_path)
+    (tmp_path / "list.csv").write_text("path\n" + "".join(f"{p}\n" for p in paths))
+    with serve_faulty(tmp_path) as base:
+        FaultyHandler.faults[f"/{paths[3]}"] = ("stall", 100)
+        proc = subprocess.Popen([sys.executable, "-m", "data_tools.build_shards", f"{base}/list.csv",
+                                 str(tmp_path / "out"), "--workers", "2", "--shard-size", "2", "--val-fraction", "0"],
+                                env=subprocess_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, preexec_fn=ctrl_c_enabled)
+        deadline = time.monotonic() + 60
+        while f"/{paths[3]}" not in FaultyHandler.requests and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.01)
+        time.sleep(0.5)  # half the image has come: the worker now waits for the rest
+        start = time.monotonic()
+        interrupt_paused(proc)
+        try:
+            _, err = proc.communicate(timeout=90)
+        finally:
+            proc.kill()
+        seconds = time.monotonic() - start
+    lines = err.strip().splitlines()
+    assert proc.returncode == 130 and len(lines) == 1 and lines[0].startswith("error: interrupted"), err
+    assert seconds < 15, f"took {seconds:.1f} s"
+    assert not (tmp_path / "out" / "_info.json").exists()
+    assert not list((tmp_path / "out").glob("*.tmp"))  # the abandoned range's temporary tar is removed
 
 
 def test_parquet_is_read_over_http_through_the_seekable_opener(tmp_path):
