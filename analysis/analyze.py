@@ -1,7 +1,7 @@
 """`python -m analysis CHECKPOINT [--images a.jpg ...] [--shards DIR] [--out DIR]`: the ViT paper's analysis figures
 and a parameter/memory table for any checkpoint.
 
-CHECKPOINT is anything fine-tuning starts from (vit_mpp/pretrained.py): an export of either stage (its folder or
+CHECKPOINT is anything fine-tuning starts from (vit_mpp/models/pretrained.py): an export of either stage (its folder or
 `model.safetensors`; `local-dir:PATH`), `hf-hub:NAME` or a timm pretrained name, or a timm state dict
 (`.safetensors`, weights-only `.pth`) or original ViT `.npz` together with `--model NAME --img-size N`.
 Written to `--out` (default: `PATH-analysis` beside the export folder PATH, never inside an export):
@@ -35,17 +35,17 @@ from timm.models.vision_transformer import VisionTransformer
 
 from analysis import attention_stats as stats
 from analysis import paper_figures
-from data_tools.images import BadImage, EncodeSettings, prepare_image
 from vit_mpp.cli import ArgumentParser
-from vit_mpp.config import ConfigError, ModelConfig
-from vit_mpp.data_stream import normalize
-from vit_mpp.image_decoder import ImageDecoder, image_bytes
-from vit_mpp.manifest import load_split
-from vit_mpp.models import grid_size, img_hw, norm_stats, patch_size
-from vit_mpp.pretrained import Pretrained, build_model, checkpoint_kind, read_pretrained, results_folder
+from vit_mpp.config.sections import ConfigError, ModelConfig, img_hw
+from vit_mpp.data.image_decoder import ImageDecoder, image_bytes
+from vit_mpp.data.image_prep import BadImage, EncodeSettings, prepare_image
+from vit_mpp.data.manifest import load_split
+from vit_mpp.data.shard_reader import range_segments, read_segment
+from vit_mpp.data.stream import normalize
+from vit_mpp.models.pretrained import Pretrained, build_model, checkpoint_kind, read_pretrained, results_folder
+from vit_mpp.models.vit import grid_size, norm_stats, patch_size
 from vit_mpp.progress import progress
-from vit_mpp.shard_reader import range_segments, read_segment
-from vit_mpp.tool_args import check_device, check_out_folder, make_out_folder
+from vit_mpp.tools.args import check_device, check_out_folder, make_out_folder
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -201,8 +201,8 @@ def attention_figures(model: VisionTransformer, images: torch.Tensor, names: lis
 def default_out(checkpoint: str) -> Path:
     """`PATH-analysis` beside the export folder PATH, never inside an export (the folder is the model as trained and
     uploaded); `FILE-analysis` beside a bare weights file; for a Hub or timm name, `NAME-analysis` here. The same
-    rule as evaluation's (vit_mpp.pretrained.results_folder). The model card's figures are drawn into the export on
-    purpose, with --out (vit_mpp/hub.py)."""
+    rule as evaluation's (vit_mpp.models.pretrained.results_folder). The model card's figures are drawn into the export on
+    purpose, with --out (vit_mpp/run/hub.py)."""
     return results_folder(checkpoint, "analysis")
 
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from vit_mpp.cli import ArgumentParser
-from vit_mpp.config import ConfigError
-from vit_mpp.figure_files import check_figure_name
-from vit_mpp.tool_args import check_distinct_runs, check_out_file
-from vit_mpp.training_curves import plot_curves, read_metrics
+from vit_mpp.config.sections import ConfigError
+from vit_mpp.run.curves import plot_curves, read_metrics
+from vit_mpp.tools.args import check_distinct_runs, check_out_file
+from vit_mpp.tools.figures import check_figure_name
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from vit_mpp.figure_files import plt, save_figure
+from vit_mpp.tools.figures import plt, save_figure
 
 
 def _upsample(grid_map: torch.Tensor, hw: tuple[int, int]) -> np.ndarray:

@@ -19,13 +19,13 @@ from typing import Any
 import yaml
 
 from vit_mpp.cli import ArgumentParser
-from vit_mpp.config import ConfigError
-from vit_mpp.export import ExportError, read_export_config
-from vit_mpp.export_layout import is_export
+from vit_mpp.config.sections import ConfigError
+from vit_mpp.models.export import ExportError, read_export_config
+from vit_mpp.models.export_folder import is_export
 from vit_mpp.progress import format_duration
-from vit_mpp.run_metrics import BEST_OF, best_metrics, final_metrics, wall_time_s
-from vit_mpp.tool_args import check_distinct_runs, check_out_file, open_out_file
-from vit_mpp.training_curves import read_metrics
+from vit_mpp.run.curves import read_metrics
+from vit_mpp.run.metrics_summary import BEST_OF, best_metrics, final_metrics, wall_time_s
+from vit_mpp.tools.args import check_distinct_runs, check_out_file, open_out_file
 
 # Metrics shown, in this order: the final value of each, and the best of those that have one (vit_mpp/run_metrics).
 METRICS = ("loss", "val_loss", "val_acc", "knn_top1_cls", "val_top1", "val_top5", "ema_val_top1")
@@ -67,7 +67,7 @@ def trained_model(run_dir: Path, cfg: dict[str, Any]) -> str:
 
 
 def peak_lr(cfg: dict[str, Any]) -> float | None:
-    """`optim.lr`, else `optim.base_lr` scaled from `optim.base_batch_size` to the batch (vit_mpp.schedule)."""
+    """`optim.lr`, else `optim.base_lr` scaled from `optim.base_batch_size` to the batch (vit_mpp.run.schedule)."""
     optim, train = cfg.get("optim") or {}, cfg.get("train") or {}
     if optim.get("lr") is not None:
         return float(optim["lr"])

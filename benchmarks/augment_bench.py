@@ -26,9 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.loader_bench import make_images  # noqa: E402
 from finetune.augment import RandAugmentU8  # noqa: E402
-from vit_mpp.config import DataConfig  # noqa: E402
-from vit_mpp.data_stream import build_split_loader  # noqa: E402
-from vit_mpp.manifest import load_split  # noqa: E402
+from vit_mpp.config.sections import DataConfig  # noqa: E402
+from vit_mpp.data.manifest import load_split  # noqa: E402
+from vit_mpp.data.stream import build_split_loader  # noqa: E402
 
 
 def cpu_ms_per_image(shards: Path, args: argparse.Namespace, augment) -> float:

@@ -40,10 +40,11 @@ CHUNK = 500_000
 CHILD = """
 import json, resource, sys, tempfile, time
 from pathlib import Path
-from data_tools.build_plan import BuildPlan
-from data_tools.images import EncodeSettings
-from data_tools.layout import ONE_MACHINE, Layout
-from data_tools.sources import SourceSpec, open_source
+from data_tools.build.build_plan import BuildPlan
+from vit_mpp.data.image_prep import EncodeSettings
+from data_tools.build.shard_layout import ONE_MACHINE, ShardLayout
+from data_tools.build.sources.base import SourceSpec
+from data_tools.build.sources.registry import open_source
 
 spec = SourceSpec(sys.argv[1], kind=sys.argv[2])
 times = {}
@@ -52,7 +53,7 @@ with tempfile.TemporaryDirectory(dir=sys.argv[3]) as work:
     source = open_source(spec, Path(work))
     times["list"] = time.perf_counter() - start
     start = time.perf_counter()
-    plan = BuildPlan(source, spec, Layout(seed=0, val_fraction=0.01, shard_size=1000), EncodeSettings())
+    plan = BuildPlan(source, spec, ShardLayout(seed=0, val_fraction=0.01, shard_size=1000), EncodeSettings())
     times["plan"] = time.perf_counter() - start
     start = time.perf_counter()
     items = ranges = 0
@@ -75,14 +76,14 @@ CHILD_PLANNED = """
 import json, resource, sys, tempfile, time
 from pathlib import Path
 import numpy as np
-from data_tools.images import EncodeSettings
-from data_tools.layout import Layout, Parts
-from data_tools.plan_parts import PlannedBuild
-from data_tools.sources import SourceSpec
+from vit_mpp.data.image_prep import EncodeSettings
+from data_tools.build.shard_layout import ShardLayout, Parts
+from data_tools.build.plan_parts import PlannedBuild
+from data_tools.build.sources.base import SourceSpec
 
 spec = SourceSpec(sys.argv[1], kind="list")
 plan_parts, part, num_parts = int(sys.argv[4]), int(sys.argv[2]), int(sys.argv[3])
-layout = Layout(seed=0, val_fraction=0.01, shard_size=1000, plan_parts=plan_parts)
+layout = ShardLayout(seed=0, val_fraction=0.01, shard_size=1000, plan_parts=plan_parts)
 parts = Parts(part, num_parts)
 times = {}
 with tempfile.TemporaryDirectory(dir=sys.argv[5]) as work:

@@ -10,8 +10,8 @@ Writes img2dataset-style shards (`KEY.jpg` of about `--image-kib` KiB, `KEY.txt`
 build-shards' own writer (plain ustar headers) or `--writer webdataset`'s TarWriter (as img2dataset writes them: a pax
 header before every member, for its float mtime), then for
 each mode, pool kind and worker count runs the plain loop and the index's reading of every shard
-(`data_tools.index_shards.read_shards`: read, group into samples as webdataset does, tally extensions and labels)
-with each of `--readers` (the compiled walker of data_tools/tar_count.py, which needs numba, and the Python reader)
+(`data_tools.index.index_tars.read_shards`: read, group into samples as webdataset does, tally extensions and labels)
+with each of `--readers` (the compiled walker of data_tools/index/tar_walker.py, which needs numba, and the Python reader)
 `--runs` times, interleaved. Prints MB/s and shards/s (median) of each and its ratio to the plain loop. Modes:
 
 * `cold`: local files dropped from this machine's page cache before every pass (`posix_fadvise(DONTNEED)`), as
@@ -19,7 +19,7 @@ with each of `--readers` (the compiled walker of data_tools/tar_count.py, which 
 * `warm`: local files already in the page cache, where reading is only a memory copy: what is left is the cost of
   parsing, the worst case for the ratio;
 * `http`: the shards served from 127.0.0.1 by this script's server (http.server) in its own process, read through
-  vit_mpp/urls.py (urllib, an idle deadline on every read), as any remote read; loopback has no network, so
+  vit_mpp/data/urls.py (urllib, an idle deadline on every read), as any remote read; loopback has no network, so
   this is the cost of the reading code itself;
 * `capped`: the same server, each connection capped at `--capped-mbps` MB/s, as an object store serves one stream
   (S3: on the order of 100 MB/s per connection): where indexing at scale usually reads.
@@ -51,11 +51,11 @@ import numpy as np
 import webdataset as wds
 from PIL import Image
 
-from data_tools.index_shards import IndexOptions, read_shards
-from data_tools.shard_index import compiled_available
-from data_tools.shard_list import ShardRef
-from data_tools.writer import ShardWriter
-from vit_mpp import urls
+from data_tools.build.writer import ShardWriter
+from data_tools.index.count_shard import compiled_available
+from data_tools.index.find_tars import ShardRef
+from data_tools.index.index_tars import IndexOptions, read_shards
+from vit_mpp.data import urls
 
 
 def write_shards(root: Path, shards: int, samples: int, image_kib: int, writer: str = "ours") -> list[Path]:
@@ -159,11 +159,11 @@ def start_server(root: Path, mbps: float) -> tuple[subprocess.Popen, str]:
 
 
 def parser_rates(paths: list[Path], runs: int) -> str:
-    """One process, files in the page cache: this reader (vit_mpp/tar_scan.py) against `tarfile` with
+    """One process, files in the page cache: this reader (vit_mpp/data/tar_scan.py) against `tarfile` with
     webdataset's grouping, which is how the training stream reads a shard."""
     import webdataset as wds
 
-    from vit_mpp.tar_scan import TarReader, samples
+    from vit_mpp.data.tar_scan import TarReader, samples
 
     def ours() -> int:
         total = 0
@@ -188,7 +188,7 @@ def parser_rates(paths: list[Path], runs: int) -> str:
             times[name].append(time.perf_counter() - start)
     mb = sum(p.stat().st_size for p in paths) / 1e6
     a, b = (mb / statistics.median(times[k]) for k in ("ours", "webdataset"))
-    return (f"parsing in one process, {len(paths)} shards in the page cache: vit_mpp/tar_scan.py {a:.0f} MB/s, "
+    return (f"parsing in one process, {len(paths)} shards in the page cache: vit_mpp/data/tar_scan.py {a:.0f} MB/s, "
             f"tarfile + webdataset's grouping {b:.0f} MB/s ({a / b:.1f}x)")
 
 

@@ -12,7 +12,7 @@ counted):
   a shuffle buffer, `decode("pil")`, batched in the workers, `wds.WebLoader`);
 * `timm_wds`: timm's `wds/` reader on the shards (`timm.data.create_dataset("wds/...")`, which reads our
   `_info.json`) + DataLoader;
-* `ours`: `vit_mpp.data_stream` (TrainStream) on the shards.
+* `ours`: `vit_mpp.data.stream` (TrainStream) on the shards.
 
 All apply the same transforms: RandomResizedCrop(size, scale=crop_scale) + horizontal flip + uint8 tensor (the three
 others with torchvision's transforms on the PIL image, ours with its own decoder). With --repeats N the four are
@@ -39,10 +39,10 @@ from torch.utils.data import DataLoader
 from torchvision.datasets import ImageFolder
 from torchvision.transforms import v2 as T
 
-from data_tools.writer import ShardWriter
-from vit_mpp.config import DataConfig
-from vit_mpp.data_stream import build_split_loader
-from vit_mpp.manifest import load_split, write_manifest
+from data_tools.build.writer import ShardWriter
+from vit_mpp.config.sections import DataConfig
+from vit_mpp.data.manifest import load_split, write_manifest
+from vit_mpp.data.stream import build_split_loader
 
 
 def make_images(root: Path, count: int, width: int, height: int, quality: int, shard_size: int, seed: int) -> None:

@@ -22,8 +22,8 @@ import torch.nn.functional as F
 
 from pretrain.config import MPPConfig
 from pretrain.mpp import MaskedPatchPrediction
-from vit_mpp.config import ModelConfig
-from vit_mpp.models import create_vit
+from vit_mpp.config.sections import ModelConfig
+from vit_mpp.models.vit import create_vit
 
 
 def timed_steps(step, steps: int, device: str) -> list[float]:

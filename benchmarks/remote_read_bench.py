@@ -1,6 +1,6 @@
-"""What the deadline on reads costs: shard samples read over loopback HTTP through vit_mpp/urls.py (urllib, every
+"""What the deadline on reads costs: shard samples read over loopback HTTP through vit_mpp/data/urls.py (urllib, every
 read under an idle deadline in a helper thread), against webdataset's `gopen` (a curl pipe without a deadline, what
-the stream used before); and a local file read through vit_mpp/urls.py (the same deadline) against a plain `open`,
+the stream used before); and a local file read through vit_mpp/data/urls.py (the same deadline) against a plain `open`,
 all on the same tar and measured in the same run.
 
     python -m benchmarks.remote_read_bench [--mib 256] [--sample-kib 100] [--runs 5]     (from the repository root)
@@ -21,9 +21,9 @@ from pathlib import Path
 import numpy as np
 import webdataset as wds
 
-from data_tools.writer import ShardWriter
+from data_tools.build.writer import ShardWriter
 from tests.helpers.servers import serve_directory
-from vit_mpp import urls
+from vit_mpp.data import urls
 
 PLAIN, DEADLINED = "local file, plain open (no deadline)", "local file, urls.open_url (deadline)"
 

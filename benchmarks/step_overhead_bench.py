@@ -27,12 +27,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pretrain.config import PretrainConfig  # noqa: E402
 from pretrain.mpp import MaskedPatchPrediction  # noqa: E402
-from vit_mpp.accelerator import make_accelerator, prepare_model  # noqa: E402
-from vit_mpp.config import load_config  # noqa: E402
-from vit_mpp.models import create_vit, norm_stats  # noqa: E402
-from vit_mpp.optimizer import build_optimizer  # noqa: E402
-from vit_mpp.preemption import StepBoundary, StopSignals  # noqa: E402
-from vit_mpp.sample_audit import SampleAudit  # noqa: E402
+from vit_mpp.config.engine import load_config  # noqa: E402
+from vit_mpp.models.vit import create_vit, norm_stats  # noqa: E402
+from vit_mpp.run.accelerator import make_accelerator, prepare_model  # noqa: E402
+from vit_mpp.run.optimizer import build_optimizer  # noqa: E402
+from vit_mpp.run.preemption import StepBoundary, StopSignals  # noqa: E402
+from vit_mpp.run.sample_audit import SampleAudit  # noqa: E402
 
 
 def main() -> None:

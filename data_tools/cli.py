@@ -9,17 +9,17 @@
 
 SOURCE is a class-folder tree, a plain tree of images (`--source-kind unlabelled`), a CSV/JSONL list of paths
 (local or an fsspec URL), or a Hugging Face dataset (`--streaming`: read from its parquet files without a full
-download); see data_tools/sources/. OUT is a folder or an fsspec URL (`s3://bucket/shards`). It receives
+download); see data_tools/build/sources/. OUT is a folder or an fsspec URL (`s3://bucket/shards`). It receives
 `train-000000.tar ...`, `val-000000.tar ...` (named by range), `_info.json` (the manifest and commit point; timm's
 `wds/` schema, extended), `failures.jsonl` (inputs not used, with reasons) and `_journal*.jsonl` (finished ranges,
 for resuming). Re-running the same command after an interruption finishes the build; docs/build_shards.md has the
 details.
 
 `build-shards index` writes a manifest for webdataset tars that already exist (img2dataset output, timm's `*-wds`
-sets), so they train as they are (data_tools/index_shards.py).
+sets), so they train as they are (data_tools/index/index_tars.py).
 
 This module is the command line only (parsing, the `merge`, `inspect` and `index` sub-commands, signals, exit
-statuses); the build itself is data_tools/build_shards.py `build`. No module of data_tools imports this one.
+statuses); the build itself is data_tools/build/build_shards.py `build`. No module of data_tools imports this one.
 """
 
 from __future__ import annotations
@@ -35,18 +35,22 @@ from typing import Any
 
 from PIL import Image
 
-from data_tools import index_shards, inspect_shards, merge, shard_index
-from data_tools.build_shards import Interrupted, build
-from data_tools.executors import BuildStopped
-from data_tools.images import EncodeSettings
-from data_tools.index_shards import IndexOptions
-from data_tools.layout import Layout, Parts
-from data_tools.shard_index import ReadSettings
-from data_tools.sources import KINDS, REPEATED_ROWS, UNLABELLED_ROWS, SourceSpec
+from data_tools import inspect_shards
+from data_tools.build import merge
+from data_tools.build.build_shards import build
+from data_tools.build.shard_layout import Parts, ShardLayout
+from data_tools.build.sources.base import REPEATED_ROWS, UNLABELLED_ROWS, SourceSpec
+from data_tools.build.sources.registry import KINDS
+from data_tools.index import count_shard as shard_index
+from data_tools.index import index_tars as index_shards
+from data_tools.index.index_tars import IndexOptions
+from data_tools.stops import BuildStopped, Interrupted
 from data_tools.store import open_store
-from vit_mpp import urls
 from vit_mpp.cli import ArgumentParser, run_main
-from vit_mpp.tool_args import check_out_file
+from vit_mpp.data import urls
+from vit_mpp.data.image_prep import EncodeSettings
+from vit_mpp.data.urls import ReadPolicy
+from vit_mpp.tools.args import check_out_file
 
 EXECUTORS = ("local", "ray")
 
@@ -215,7 +219,7 @@ def parse_index_args(argv: list[str]) -> argparse.Namespace:
                         "the same counts; --verify always reads in Python")
     p.add_argument("--read-timeout", type=float, default=urls.READ_TIMEOUT_S, metavar="S",
                    help="a remote read that brings no byte for this long is abandoned and retried")
-    p.add_argument("--read-retries", type=int, default=urls.RETRIES, metavar="N",
+    p.add_argument("--read-retries", type=int, default=urls.READ_RETRIES, metavar="N",
                    help="attempts after a remote read failed or stalled, with backoff from 1 s, before the shard is "
                         "reported")
     p.add_argument("--overwrite", action="store_true",
@@ -240,7 +244,7 @@ def index_workers() -> int:
 def index_main(argv: list[str]) -> dict:
     """`build-shards index`: a manifest for existing webdataset tars; returns it."""
     args = parse_index_args(argv)
-    read = ReadSettings(timeout=args.read_timeout, retries=args.read_retries)
+    read = ReadPolicy(timeout=args.read_timeout, retries=args.read_retries)
     options = IndexOptions(workers=args.workers, pool=args.pool, verify=args.verify, skip_bad=args.skip_bad,
                            overwrite=args.overwrite, read=read, reader=args.reader)
     return index_shards.index(args.locations, args.split, args.out, options)
@@ -279,7 +283,7 @@ def _main(argv: list[str] | None) -> None:
                       args.label_column, args.streaming, unlabelled_rows=args.unlabelled_rows,
                       repeated_rows=args.repeated_rows, allow_outside_paths=args.allow_outside_paths)
     val_fraction = None if args.existing_splits else (0.1 if args.val_fraction is None else args.val_fraction)
-    layout = Layout(args.seed, val_fraction, args.shard_size, args.shard_bytes, args.plan_parts)
+    layout = ShardLayout(args.seed, val_fraction, args.shard_size, args.shard_bytes, args.plan_parts)
     encode = EncodeSettings(max_side=args.max_side, min_side=args.min_side, quality=args.quality, format=args.format,
                             resize_side=args.resize_side, max_pixels=args.max_pixels)
     build(spec, args.out_dir, layout, encode, args.workers, executor=args.executor,

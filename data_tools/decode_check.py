@@ -2,7 +2,7 @@
 --decode`, so both call the same images bad.
 
 An image is bad when PIL cannot decode all of it into RGB, which is what the training stream does with it
-(vit_mpp/image_decoder.py; a bad sample there is replaced and counted, and too many stop the run). Checking
+(vit_mpp/data/image_decoder.py; a bad sample there is replaced and counted, and too many stop the run). Checking
 costs a full decode of every image: about as much CPU as one epoch's decoding, once.
 """
 

@@ -5,7 +5,7 @@
 Every shard is read once, as a stream (OUT may be a URL, or a manifest's `.json` file), and checked against the
 manifest: present, its size and sha256 (when the manifest has them), a readable tar (not empty, not truncated), its
 sample count, keys unique within and across shards, and each `.cls` a class index below num_classes (read as
-training reads labels, vit_mpp/labels.py: a negative `.cls` is no label); with `--decode` also every sample's image,
+training reads labels, vit_mpp/data/labels.py: a negative `.cls` is no label); with `--decode` also every sample's image,
 decoded as `build-shards index --verify` does (data_tools/decode_check.py). Each mismatch is reported as a problem,
 never a crash: exit status 0 when there is none, 1 otherwise. A missing or unusable `_info.json` is a one-line
 error (exit status 2).
@@ -23,11 +23,11 @@ from rich.console import Console
 from rich.table import Table
 
 from data_tools.decode_check import KeyTally
-from vit_mpp import tar_scan, urls
+from vit_mpp.data import tar_scan, urls
+from vit_mpp.data.image_formats import IMAGE_EXTENSIONS, image_member
+from vit_mpp.data.labels import BadLabel, cls_label, sample_label
+from vit_mpp.data.manifest import check_manifest, manifest_file, read_manifest, shard_base, shard_url
 from vit_mpp.errors import UserError
-from vit_mpp.image_formats import IMAGE_EXTENSIONS, image_member
-from vit_mpp.labels import BadLabel, cls_label, sample_label
-from vit_mpp.manifest import check_manifest, manifest_file, read_manifest, shard_base, shard_url
 
 THUMB = 96
 _THUMB_MEMBERS = frozenset((*IMAGE_EXTENSIONS, "cls"))  # a thumbnail's image and its label
@@ -69,7 +69,7 @@ def check_shard(location: str, name: str, count: int, size: int | None, digest: 
     wanted = frozenset(("cls", *(IMAGE_EXTENSIONS if decode else ())))  # the bytes read: one sample's at a time
     try:
         with stream:
-            try:  # samples as training reads them (vit_mpp/tar_scan.py), so the counts compare
+            try:  # samples as training reads them (vit_mpp/data/tar_scan.py), so the counts compare
                 for sample in tar_scan.samples(tar_scan.TarReader(hashing), wanted):
                     keys.append(sample.key)
                     ext = image_member(sample.data) if decode else None
@@ -109,7 +109,7 @@ def check_shard(location: str, name: str, count: int, size: int | None, digest: 
 
 def verify(location: str, info: dict, decode: bool = False) -> list[str]:
     """Problems found in every shard of every split (see `check_shard`); `location` is where the shard names are
-    relative to (`vit_mpp.manifest.shard_base`)."""
+    relative to (`vit_mpp.data.manifest.shard_base`)."""
     problems: list[str] = []
     num_classes = int(info.get("num_classes", 0) or 0)
     for split in info["splits"].values():

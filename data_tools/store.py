@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from data_tools.scratch import make_scratch, remove_scratch
-from vit_mpp import durable, urls
+from vit_mpp import durable
+from vit_mpp.data import urls
 from vit_mpp.errors import UserError
 
 

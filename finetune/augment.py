@@ -3,7 +3,7 @@ erasing and mixup/cutmix on the device.
 
 Where each runs, and why:
 
-* Crops and flips run in the workers (vit_mpp/data_stream.py's ImageDecoder), and so does RandAugment
+* Crops and flips run in the workers (vit_mpp/data/stream.py's ImageDecoder), and so does RandAugment
   (`RandAugmentU8`): timm's own `rand_augment_transform`, whose ops are PIL operations, applied to a PIL image of the
   worker's uint8 crop and turned back into a uint8 tensor. So a timm string means exactly what it means in timm and
   in the MAE/DeiT recipes; torchvision's tensor RandAugment has other ops and scales (no `inc` variants, no magnitude
@@ -26,8 +26,7 @@ from timm.data.random_erasing import RandomErasing
 from torchvision.transforms.v2.functional import pil_to_tensor
 
 from finetune.config import AugmentConfig
-from vit_mpp.config import ConfigError
-from vit_mpp.models import img_hw
+from vit_mpp.config.sections import ConfigError, img_hw
 
 GRAY = (0.299, 0.587, 0.114)  # ITU-R 601 luma, as torchvision's rgb_to_grayscale
 

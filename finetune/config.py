@@ -6,7 +6,8 @@ import re
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
-from vit_mpp.config import (
+from vit_mpp.config.engine import section
+from vit_mpp.config.sections import (
     ARCH_KEYS,
     Check,
     DataConfig,
@@ -19,9 +20,8 @@ from vit_mpp.config import (
     between,
     items,
     opt,
-    section,
 )
-from vit_mpp.labels import MAX_CLASSES
+from vit_mpp.data.labels import MAX_CLASSES
 
 DESCRIPTION = "Fine-tuning a ViT encoder into a classifier (the paper's rule: zero head, resized position embeddings)."
 

@@ -24,16 +24,16 @@ from pathlib import Path
 from typing import Any
 
 from finetune.scoring import evaluate, per_class_accuracy, write_confusion
-from vit_mpp.accelerator import make_eval_accelerator
 from vit_mpp.cli import ArgumentParser, run_main
-from vit_mpp.config import ConfigError, DataConfig
-from vit_mpp.data_stream import build_eval_loader
-from vit_mpp.dry_run import probe
-from vit_mpp.manifest import check_every_sample_labelled, load_split, manifest_classes
-from vit_mpp.pretrained import Pretrained, load_classifier, results_folder
+from vit_mpp.config.sections import ConfigError, DataConfig
+from vit_mpp.data.manifest import check_every_sample_labelled, load_split, manifest_classes
+from vit_mpp.data.stream import build_eval_loader
+from vit_mpp.models.pretrained import Pretrained, load_classifier, results_folder
 from vit_mpp.progress import progress
-from vit_mpp.step_meter import with_unread
-from vit_mpp.tool_args import check_out_folder, make_out_folder
+from vit_mpp.run.accelerator import make_eval_accelerator
+from vit_mpp.run.dry_run import probe
+from vit_mpp.run.step_meter import with_unread
+from vit_mpp.tools.args import check_out_folder, make_out_folder
 
 MAX_ROWS = 20  # per-class rows printed; evaluation.json has them all
 
@@ -41,7 +41,7 @@ MAX_ROWS = 20  # per-class rows printed; evaluation.json has them all
 def default_out(checkpoint: str, split: str) -> Path:
     """`PATH-eval-SPLIT` beside the export folder PATH, outside any export that holds it (`run/export/best` ->
     `run/export-best-eval-val`), so that no export folder gains files; for a Hub or timm name, `NAME-eval-SPLIT` in
-    the current directory (vit_mpp.pretrained.results_folder, as for the analysis figures)."""
+    the current directory (vit_mpp.models.pretrained.results_folder, as for the analysis figures)."""
     return results_folder(checkpoint, f"eval-{split}")
 
 

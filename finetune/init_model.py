@@ -2,7 +2,7 @@
 
 The fine-tuning rule of the ViT paper: drop the pretraining head, attach a D x K linear layer initialised to zero
 (weights and bias; timm's `reset_classifier` does not zero it), keep the patch size and resize the position
-embeddings to the new resolution (vit_mpp/pretrained.py).
+embeddings to the new resolution (vit_mpp/models/pretrained.py).
 """
 
 from __future__ import annotations
@@ -12,9 +12,10 @@ from timm.models.vision_transformer import VisionTransformer
 
 from finetune.config import InitConfig
 from finetune.modes import freeze_encoder
-from vit_mpp.config import ARCH_KEYS, ConfigError, ModelConfig, given_keys, replaced
-from vit_mpp.models import architecture, create_vit, norm_stats
-from vit_mpp.pretrained import build_model, describe_checkpoint, look_at_weights_file, read_pretrained
+from vit_mpp.config.engine import given_keys, replaced
+from vit_mpp.config.sections import ARCH_KEYS, ConfigError, ModelConfig
+from vit_mpp.models.pretrained import build_model, describe_checkpoint, look_at_weights_file, read_pretrained
+from vit_mpp.models.vit import architecture, create_vit, norm_stats
 
 
 def attach_zero_head(model: VisionTransformer, num_classes: int) -> None:
@@ -53,7 +54,7 @@ def build_classifier(init: InitConfig, model_cfg: ModelConfig, num_classes: int,
 def resolve_architecture(init: InitConfig, model_cfg: ModelConfig) -> ModelConfig:
     """`model_cfg` with the architecture `init.checkpoint` names (an export, a Hub model: read from its config, not
     its weights), so that the run's config.yaml records the model it trains; `model_cfg` itself when the checkpoint
-    names none (timm and npz weights, whose file is looked at now: vit_mpp.pretrained.look_at_weights_file) or there
+    names none (timm and npz weights, whose file is looked at now: vit_mpp.models.pretrained.look_at_weights_file) or there
     is none. Called before a run writes anything: an architecture key the user set that differs from the
     checkpoint's is a ConfigError. `build_classifier` checks the same on the weights it loads."""
     if init.checkpoint:

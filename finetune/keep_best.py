@@ -10,10 +10,10 @@ from typing import Any
 from accelerate import Accelerator
 from timm.utils import ModelEmaV3
 
-from finetune.exports import ClassifierExporter
+from finetune.classifier_export import ClassifierExporter
 from finetune.scoring import evaluate, per_class_accuracy, write_confusion
-from vit_mpp.step_meter import StepMeter
-from vit_mpp.tracking import log_images
+from vit_mpp.run.step_meter import StepMeter
+from vit_mpp.run.tracking import log_images
 
 
 @dataclass

@@ -11,7 +11,7 @@ from timm.loss import SoftTargetCrossEntropy
 
 from finetune.augment import build_mixup, build_random_erasing, color_jitter
 from finetune.config import AugmentConfig
-from vit_mpp.data_stream import normalize
+from vit_mpp.data.stream import normalize
 
 
 class ClassificationObjective:

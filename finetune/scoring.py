@@ -1,6 +1,6 @@
 """Scoring a classifier on a split: loss, top-1/top-5, per-class accuracy and the confusion matrix.
 
-Every rank evaluates its own range of the split (padded with invalid samples, see vit_mpp/data_stream.py); the
+Every rank evaluates its own range of the split (padded with invalid samples, see vit_mpp/data/stream.py); the
 sums and the K x K count matrix are reduced once at the end, so each validation sample counts exactly once.
 """
 
@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
 
-from vit_mpp.data_stream import normalize, to_device
-from vit_mpp.figure_files import plt, save_figure
+from vit_mpp.data.stream import normalize, to_device
+from vit_mpp.tools.figures import plt, save_figure
 
 MAX_TICK_LABELS = 40  # beyond this, class names on the axes are unreadable
 

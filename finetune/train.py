@@ -17,27 +17,28 @@ from accelerate import Accelerator
 from torch.utils.data import DataLoader
 
 from finetune.augment import RandAugmentU8
+from finetune.classifier_export import ClassifierExporter, publish_exports
 from finetune.config import DESCRIPTION, FinetuneConfig
 from finetune.ema import build_ema
-from finetune.exports import ClassifierExporter, publish_exports
 from finetune.init_model import build_classifier, resolve_architecture
 from finetune.keep_best import Best, evaluate_and_keep_best
 from finetune.modes import set_train_mode
 from finetune.objective import ClassificationObjective
-from vit_mpp import dry_run
-from vit_mpp.accelerator import prepare_model
-from vit_mpp.checkpoint import Checkpointer, resume_run
-from vit_mpp.config import ConfigError, ModelConfig, parse_args, replaced, to_dict
-from vit_mpp.data_stream import build_eval_loader, build_train_loader, to_device
-from vit_mpp.manifest import check_every_sample_labelled, manifest_classes
-from vit_mpp.models import count_params
-from vit_mpp.optimizer import build_optimizer
-from vit_mpp.preemption import StepBoundary, StopSignals
-from vit_mpp.run_setup import start_run
-from vit_mpp.schedule import describe_lr, itstime, lr_at, scaled_lr, set_lr, warmup_steps
-from vit_mpp.step_meter import StepMeter, micro_batch_output, plain_number
-from vit_mpp.tracking import finish_trackers, start_trackers
-from vit_mpp.training_data import TrainingData
+from vit_mpp.config.engine import parse_args, replaced, to_dict
+from vit_mpp.config.sections import ConfigError, ModelConfig
+from vit_mpp.data.manifest import check_every_sample_labelled, manifest_classes
+from vit_mpp.data.stream import build_eval_loader, build_train_loader, to_device
+from vit_mpp.data.training_data import TrainingData
+from vit_mpp.models.vit import count_params
+from vit_mpp.run import dry_run
+from vit_mpp.run.accelerator import prepare_model
+from vit_mpp.run.checkpoint import Checkpointer, resume_run
+from vit_mpp.run.optimizer import build_optimizer
+from vit_mpp.run.preemption import StepBoundary, StopSignals
+from vit_mpp.run.schedule import describe_lr, itstime, lr_at, scaled_lr, set_lr, warmup_steps
+from vit_mpp.run.start import start_run
+from vit_mpp.run.step_meter import StepMeter, micro_batch_output, plain_number
+from vit_mpp.run.tracking import finish_trackers, start_trackers
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -9,7 +9,7 @@ die_with_launcher()  # first of all: a launcher killed while this rank starts mu
 
 from pretrain.config import DESCRIPTION, PretrainConfig  # noqa: E402
 from vit_mpp.cli import run_main  # noqa: E402
-from vit_mpp.config import parse_args  # noqa: E402
+from vit_mpp.config.engine import parse_args  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:

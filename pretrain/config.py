@@ -9,7 +9,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
-from vit_mpp.config import (
+from vit_mpp.config.engine import section
+from vit_mpp.config.sections import (
     ARCH_KEYS,
     DataConfig,
     ExportConfig,
@@ -20,7 +21,6 @@ from vit_mpp.config import (
     at_least,
     between,
     opt,
-    section,
 )
 
 DESCRIPTION = "Masked patch prediction pretraining of a timm ViT."

@@ -23,9 +23,9 @@ from accelerate import Accelerator
 from timm.models.vision_transformer import VisionTransformer
 
 from pretrain.config import KnnConfig
-from vit_mpp.config import DataConfig
-from vit_mpp.data_stream import build_eval_loader, normalize, to_device
-from vit_mpp.manifest import Split
+from vit_mpp.config.sections import DataConfig
+from vit_mpp.data.manifest import Split
+from vit_mpp.data.stream import build_eval_loader, normalize, to_device
 
 
 @torch.no_grad()

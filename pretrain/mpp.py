@@ -17,8 +17,8 @@ from torch import nn
 
 from pretrain import targets as tg
 from pretrain.config import MPPConfig
-from vit_mpp.config import ConfigError
-from vit_mpp.models import patch_size
+from vit_mpp.config.sections import ConfigError
+from vit_mpp.models.vit import patch_size
 
 MASK, RANDOM, KEEP = 0, 1, 2
 

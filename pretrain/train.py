@@ -19,22 +19,22 @@ from accelerate import Accelerator
 from pretrain.config import DESCRIPTION, PretrainConfig
 from pretrain.mpp import MaskedPatchPrediction
 from pretrain.validation import Validation
-from vit_mpp import dry_run
-from vit_mpp.accelerator import prepare_model
-from vit_mpp.checkpoint import Checkpointer, resume_run
-from vit_mpp.config import parse_args, to_dict
-from vit_mpp.data_stream import build_eval_loader, build_train_loader, to_device
-from vit_mpp.export import strip_prefix, write_export
-from vit_mpp.hub import publish
-from vit_mpp.manifest import load_split
-from vit_mpp.models import count_params, create_vit, norm_stats, patch_size
-from vit_mpp.optimizer import build_optimizer
-from vit_mpp.preemption import StepBoundary, StopSignals
-from vit_mpp.run_setup import start_run
-from vit_mpp.schedule import describe_lr, itstime, lr_at, scaled_lr, set_lr, warmup_steps
-from vit_mpp.step_meter import StepMeter, micro_batch_output
-from vit_mpp.tracking import finish_trackers, start_trackers
-from vit_mpp.training_data import TrainingData
+from vit_mpp.config.engine import parse_args, to_dict
+from vit_mpp.data.manifest import load_split
+from vit_mpp.data.stream import build_eval_loader, build_train_loader, to_device
+from vit_mpp.data.training_data import TrainingData
+from vit_mpp.models.export import strip_prefix, write_export
+from vit_mpp.models.vit import count_params, create_vit, norm_stats, patch_size
+from vit_mpp.run import dry_run
+from vit_mpp.run.accelerator import prepare_model
+from vit_mpp.run.checkpoint import Checkpointer, resume_run
+from vit_mpp.run.hub import publish
+from vit_mpp.run.optimizer import build_optimizer
+from vit_mpp.run.preemption import StepBoundary, StopSignals
+from vit_mpp.run.schedule import describe_lr, itstime, lr_at, scaled_lr, set_lr, warmup_steps
+from vit_mpp.run.start import start_run
+from vit_mpp.run.step_meter import StepMeter, micro_batch_output
+from vit_mpp.run.tracking import finish_trackers, start_trackers
 
 
 def corruption_generator(device: torch.device, seed: int, rank: int, step: int = 0) -> torch.Generator:

@@ -12,9 +12,9 @@ from accelerate import Accelerator
 from pretrain.config import KnnConfig
 from pretrain.knn import knn_monitor
 from pretrain.mpp import MaskedPatchPrediction
-from vit_mpp.config import DataConfig
-from vit_mpp.data_stream import to_device
-from vit_mpp.manifest import Split
+from vit_mpp.config.sections import DataConfig
+from vit_mpp.data.manifest import Split
+from vit_mpp.data.stream import to_device
 
 
 @torch.no_grad()

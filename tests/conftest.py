@@ -50,7 +50,7 @@ def encoder_export(tmp_path_factory) -> Path:
     """A pretraining export of a random SMALL_MODEL encoder (16 px, torch seed 0): where fine-tuning starts."""
     import torch
 
-    from vit_mpp.models import create_vit
+    from vit_mpp.models.vit import create_vit
 
     torch.manual_seed(0)
     return write_encoder_export(tmp_path_factory.mktemp("encoder"), create_vit(SMALL_MODEL), SMALL_MODEL)

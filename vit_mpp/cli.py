@@ -18,10 +18,9 @@ import sys
 import time
 from collections.abc import Callable
 
-from vit_mpp import preemption
-from vit_mpp.errors import UserError
+from vit_mpp import launcher
+from vit_mpp.errors import EXIT_PREEMPTED, Preempted, UserError
 from vit_mpp.launcher import is_peer_error, note_failure, peer_failure_line, process_rank, stop_if_peer_failed
-from vit_mpp.preemption import EXIT_PREEMPTED, Preempted
 
 QUIET_WAIT_S = 10.0
 
@@ -72,8 +71,8 @@ def run_main(main: Callable[[list[str] | None], object], argv: list[str] | None 
     except Exception as e:
         if is_peer_error(e):
             stop_if_peer_failed()  # before the signal: the launcher's SIGTERM may follow the peer's failure
-            if not preemption.signalled:  # a peer preempted first: this rank's own signal is on its way
+            if not launcher.signalled:  # a peer preempted first: this rank's own signal is on its way
                 print(peer_failure_line(e), file=sys.stderr, flush=True)
-            os._exit(EXIT_PREEMPTED if preemption.signalled else 2)  # the group is broken: no clean-up can finish
+            os._exit(EXIT_PREEMPTED if launcher.signalled else 2)  # the group is broken: no clean-up can finish
         note_failure()
         raise

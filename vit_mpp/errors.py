@@ -2,7 +2,7 @@
 
 Every stage's entry point (`vit_mpp.cli.run_main`) turns a `UserError` into one line, `error: ...`, and exit status 2.
 Anything else is a bug and keeps its traceback. Subclasses live beside the code that raises them (ConfigError in
-vit_mpp/config.py, ManifestError in vit_mpp/manifest.py, ...), so a module never needs the CLI to raise one.
+vit_mpp/config.py, ManifestError in vit_mpp/data/manifest.py, ...), so a module never needs the CLI to raise one.
 """
 
 from __future__ import annotations
@@ -17,3 +17,14 @@ class UserError(Exception):
     """
 
     rank_local = False
+
+
+EXIT_PREEMPTED = 75  # sysexits.h EX_TEMPFAIL: a temporary failure, the same command resumes
+
+
+class Preempted(Exception):
+    """The run stopped at `step` on a preemption signal, its state saved."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(f"preempted at step {step}: checkpoint saved; run the same command to resume")
+        self.step = step

@@ -6,7 +6,7 @@ line when a peer fails.
   import, and checks that the parent is still the one it started with; elsewhere a thread watches the parent. SIGTERM,
   not SIGKILL: a launcher that dies because a scheduler signalled the whole job (torch elastic does not handle
   SIGUSR1, which SLURM's `--signal=USR1@120` sends to every process) leaves its ranks the time to save the step, as
-  for any preemption (vit_mpp/preemption.py); a rank still starting has nothing to save and ends at once.
+  for any preemption (vit_mpp/run/preemption.py); a rank still starting has nothing to save and ends at once.
 * A rank that stops with an error writes its rank into the process group's store before it exits. A peer whose
   collective then breaks (gloo: the connection closes; NCCL: the launcher stops it) finds that note and says
   `error: [rank R] stopped: rank Q failed (its error is above)` instead of a traceback from the collective.
@@ -24,6 +24,8 @@ from datetime import timedelta
 LAUNCHER_POLL_S = 1.0
 FAILED_KEY = "vit_mpp/failed_rank"  # + the launcher's restart count: a restarted group starts with a clean slate
 STORE_TIMEOUT = timedelta(seconds=5)  # the note is a courtesy: never wait long for it
+signalled = False  # a preemption signal reached this process (vit_mpp/run/preemption.py sets it; vit_mpp/cli.py reads
+# it when a collective breaks)
 
 
 def launched() -> bool:

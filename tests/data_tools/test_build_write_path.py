@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from data_tools.build.shard_ranges import sample_files
+from data_tools.build.sources.base import Item
+from data_tools.build.writer import ShardWriter
 from data_tools.cli import main as build_main
 from data_tools.demo_images import generate
-from data_tools.shard_ranges import sample_files
-from data_tools.sources import Item
-from data_tools.writer import ShardWriter
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="names synced files through /proc")
 

@@ -15,7 +15,7 @@ import pytest
 
 from data_tools.cli import main as build_main
 from data_tools.demo_images import generate
-from vit_mpp.manifest import MANIFEST_NAME
+from vit_mpp.data.manifest import MANIFEST_NAME
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="names synced files through /proc")
 

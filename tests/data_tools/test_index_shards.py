@@ -25,8 +25,8 @@ from tests.helpers.processes import REPO, ctrl_c_enabled, interrupt_paused, subp
 from tests.helpers.servers import FaultyHandler, serve_directory, serve_faulty
 from tests.helpers.shards import add, img2dataset_folder, jpeg, timm_style_folder
 from vit_mpp.cli import run_main
-from vit_mpp.labels import MAX_CLASSES, sample_label
-from vit_mpp.manifest import load_split
+from vit_mpp.data.labels import MAX_CLASSES, sample_label
+from vit_mpp.data.manifest import load_split
 
 LENGTHS = [7, 12, 5]  # uneven shards
 
@@ -296,7 +296,7 @@ def test_labels_that_are_not_class_indices_are_recorded_not_counted(tmp_path, ca
     assert line == (f"error: split 'train' of {folder} has 4 sample(s) without a usable label (3 of them with a .cls "
                     "that is not a class index; the manifest lists their keys): a classifier needs a label on every "
                     "sample; pretraining accepts them"), line
-    # and pretraining does: the stream reads labels by the index's rule (vit_mpp/labels.py), a bad one as none; a
+    # and pretraining does: the stream reads labels by the index's rule (vit_mpp/data/labels.py), a bad one as none; a
     # label of 10**20 stopped pretraining with an int64 overflow traceback from a loader worker
     assert [sample_label({"cls": raw}) for raw in RAW_LABELS] == [1, -1, -1, -1, MAX_CLASSES - 1, -1]
     pretrain(str(folder), tmp_path / "pretrain")

@@ -1,9 +1,9 @@
-"""Remote lists and parquet files are read with deadlines and bounded retries (vit_mpp/urls.py), never hang.
+"""Remote lists and parquet files are read with deadlines and bounded retries (vit_mpp/data/urls.py), never hang.
 
 A server that stops sending in the middle of a list (CSV, or Parquet through the seekable opener) stops
 build-shards with one `error:` line once the idle deadline passes; a parquet row group that stalls is retried a
 bounded number of times and then reported. Parquet over http works, seeking by byte ranges. The servers run on
-127.0.0.1; the deadline is shortened through `vit_mpp.urls.READ_TIMEOUT_S`, read when a file is opened.
+127.0.0.1; the deadline is shortened through `vit_mpp.data.urls.READ_TIMEOUT_S`, read when a file is opened.
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from PIL import Image
 
+from data_tools.build.sources.hf_stream import ParquetStreamReader
 from data_tools.cli import main as build_main
 from data_tools.demo_images import generate
-from data_tools.sources.hf_stream import ParquetStreamReader
 from tests.helpers.processes import REPO, ctrl_c_enabled, interrupt_paused, subprocess_env
 from tests.helpers.servers import FaultyHandler, serve, serve_faulty
-from vit_mpp import urls
+from vit_mpp.data import urls
 
 DEADLINE_S = 2.0
 BOUND_S = 30.0  # well under the 60 s default deadline: only the shortened one can end a stalled read this soon
@@ -96,7 +96,7 @@ def serve_ranges(directory: Path, stall: set[str] = frozenset()) -> contextlib.A
 def build_with_deadline(*args: str, limit_s: float = 90.0) -> tuple[subprocess.CompletedProcess, float]:
     """build-shards in a child process whose remote reads have the DEADLINE_S idle deadline; (result, seconds).
     A child that is still running after `limit_s` is killed (a hang fails the test, not the suite)."""
-    code = ("import sys; from vit_mpp import urls; urls.READ_TIMEOUT_S = float(sys.argv[1]); "
+    code = ("import sys; from vit_mpp.data import urls; urls.READ_TIMEOUT_S = float(sys.argv[1]); "
             "from data_tools.cli import main; main(sys.argv[2:])")
     start = time.monotonic()
     try:
@@ -150,7 +150,7 @@ def test_ctrl_c_while_a_worker_waits_on_a_stalled_image_is_one_line_at_once(tmp_
     (tmp_path / "list.csv").write_text("path\n" + "".join(f"{p}\n" for p in paths))
     with serve_faulty(tmp_path) as base:
         FaultyHandler.faults[f"/{paths[3]}"] = ("stall", 100)
-        proc = subprocess.Popen([sys.executable, "-m", "data_tools.build_shards", f"{base}/list.csv",
+        proc = subprocess.Popen([sys.executable, "-m", "data_tools.build.build_shards", f"{base}/list.csv",
                                  str(tmp_path / "out"), "--workers", "2", "--shard-size", "2", "--val-fraction", "0"],
                                 env=subprocess_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, preexec_fn=ctrl_c_enabled)
@@ -238,7 +238,7 @@ def test_streamed_parquet_row_groups_are_read_over_http_and_a_stall_is_retried_t
     assert all(isinstance(r, OSError) for r in results)
     assert "stalls.parquet row group 0" in str(results[0]) and "StreamStalled" in str(results[0])
     assert results[1] is results[0]  # one failed read of the row group, reported for each of its rows
-    assert attempts == urls.RETRIES + 1, RangeHandler.gets
+    assert attempts == urls.READ_RETRIES + 1, RangeHandler.gets
     assert seconds < BOUND_S
 
 

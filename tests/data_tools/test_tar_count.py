@@ -1,7 +1,7 @@
-"""The compiled walker of `build-shards index` (data_tools/tar_count.py) gives what the Python reader gives, on
+"""The compiled walker of `build-shards index` (data_tools/index/tar_walker.py) gives what the Python reader gives, on
 every kind of member, label and damage, however the stream is cut into pieces; it leaves to the Python reader
 only what it does not cover, and reads the common shards itself. Also the read-ahead stream it reads through
-(vit_mpp/urls.py): the same bytes, the same deadline, and a close that does not wait for a stalled read."""
+(vit_mpp/data/urls.py): the same bytes, the same deadline, and a close that does not wait for a stalled read."""
 
 from __future__ import annotations
 
@@ -17,17 +17,18 @@ import numpy as np
 import pytest
 import webdataset as wds
 
-from data_tools import index_shards, shard_index
 from data_tools.cli import main as build_main
-from data_tools.index_shards import AUTO_COMPILED_BYTES, IndexOptions, check_reader, chosen_reader
-from data_tools.shard_index import ShardIndex, _scan, index_shard
-from data_tools.shard_list import ShardRef
+from data_tools.index import count_shard as shard_index
+from data_tools.index import index_tars as index_shards
+from data_tools.index.count_shard import ShardIndex, _scan, index_shard
+from data_tools.index.find_tars import ShardRef
+from data_tools.index.index_tars import AUTO_COMPILED_BYTES, IndexOptions, check_reader, chosen_reader
 from tests.helpers.servers import FaultyHandler, serve_faulty
 from tests.helpers.shards import make_tar
-from vit_mpp import urls
+from vit_mpp.data import urls
 
 pytest.importorskip("numba")
-from data_tools import tar_count  # noqa: E402  (after the skip: it is only usable with numba)
+from data_tools.index import tar_walker as tar_count  # noqa: E402  (after the skip: it is only usable with numba)
 
 
 def tar_of(members: list[tuple[str, bytes] | tarfile.TarInfo], fmt: int = tarfile.USTAR_FORMAT) -> bytes:

@@ -16,8 +16,8 @@ import pytest
 from finetune.config import FinetuneConfig
 from pretrain.config import PretrainConfig
 from tests.helpers.processes import REPO, subprocess_env
-from vit_mpp.config import load_config
-from vit_mpp.manifest import load_split
+from vit_mpp.config.engine import load_config
+from vit_mpp.data.manifest import load_split
 
 pytest.importorskip("sklearn")  # the dev extra; its bundled digits are the dataset
 

@@ -1,4 +1,4 @@
-"""predict: every image format build-shards reads (one list of extensions, vit_mpp/image_formats.py); with images
+"""predict: every image format build-shards reads (one list of extensions, vit_mpp/data/image_formats.py); with images
 it cannot read, the unreadable are skipped with a warning and the others labelled; none readable is one line
 `error: ...`, exit 2, and no CSV (not a CSV holding only its header, with exit 0)."""
 
@@ -17,9 +17,9 @@ from PIL import Image
 from finetune import predict as predict_module
 from tests.helpers.models import SMALL_MODEL
 from tests.helpers.processes import REPO, in_process, subprocess_env
-from vit_mpp.export import write_export
-from vit_mpp.image_formats import IMAGE_SUFFIXES
-from vit_mpp.models import create_vit
+from vit_mpp.data.image_formats import IMAGE_SUFFIXES
+from vit_mpp.models.export import write_export
+from vit_mpp.models.vit import create_vit
 
 
 def test_predict_labels_a_bmp_and_a_tiff_as_build_shards_reads_them(tmp_path):

@@ -24,11 +24,12 @@ from finetune.init_model import build_classifier
 from finetune.train import main
 from tests.helpers.runs import read_metrics, run_tiny_finetune
 from tests.helpers.shards import png_bytes
-from vit_mpp.config import ConfigError, DataConfig, ModelConfig, load_config
-from vit_mpp.data_stream import build_split_loader
-from vit_mpp.export import read_export
-from vit_mpp.image_decoder import ImageDecoder
-from vit_mpp.manifest import load_split
+from vit_mpp.config.engine import load_config
+from vit_mpp.config.sections import ConfigError, DataConfig, ModelConfig
+from vit_mpp.data.image_decoder import ImageDecoder
+from vit_mpp.data.manifest import load_split
+from vit_mpp.data.stream import build_split_loader
+from vit_mpp.models.export import read_export
 
 
 def smooth_images(n: int, size: int = 24, seed: int = 0) -> list[torch.Tensor]:

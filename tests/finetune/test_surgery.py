@@ -11,10 +11,9 @@ from timm.layers import resample_abs_pos_embed
 from finetune.config import InitConfig
 from finetune.init_model import attach_zero_head, build_classifier
 from tests.helpers.models import SMALL, write_encoder_export
-from vit_mpp.checkpoint import CheckpointError
-from vit_mpp.config import ModelConfig
-from vit_mpp.models import create_vit
-from vit_mpp.pretrained import load_weights, resize_pos_embed
+from vit_mpp.config.sections import ModelConfig
+from vit_mpp.models.pretrained import CheckpointError, load_weights, resize_pos_embed
+from vit_mpp.models.vit import create_vit
 
 
 def test_zero_head_gives_zero_logits():

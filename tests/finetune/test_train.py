@@ -19,14 +19,14 @@ from finetune.config import AugmentConfig, FinetuneOptimConfig
 from tests.helpers.build import samples as shard_samples
 from tests.helpers.runs import read_metrics, run_tiny_finetune
 from tests.helpers.shards import png_bytes
-from vit_mpp.config import ConfigError, ModelConfig
-from vit_mpp.export import read_export
-from vit_mpp.image_decoder import ImageDecoder
-from vit_mpp.manifest import load_split
-from vit_mpp.models import create_vit
-from vit_mpp.optimizer import build_optimizer
-from vit_mpp.pretrained import resize_pos_embed
-from vit_mpp.schedule import set_lr
+from vit_mpp.config.sections import ConfigError, ModelConfig
+from vit_mpp.data.image_decoder import ImageDecoder
+from vit_mpp.data.manifest import load_split
+from vit_mpp.models.export import read_export
+from vit_mpp.models.pretrained import resize_pos_embed
+from vit_mpp.models.vit import create_vit
+from vit_mpp.run.optimizer import build_optimizer
+from vit_mpp.run.schedule import set_lr
 
 
 def test_linear_probe_leaves_the_encoder_unchanged(probe_run, pretrained):

@@ -11,7 +11,7 @@ import webdataset as wds
 
 from data_tools.cli import main as build_main
 from tests.helpers.shards import image_bytes
-from vit_mpp.manifest import load_split
+from vit_mpp.data.manifest import load_split
 
 
 def make_tree(root: Path, layout: dict[str, int], seed: int = 0, size: int = 24) -> dict[str, bytes]:

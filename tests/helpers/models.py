@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vit_mpp.config import ModelConfig
-from vit_mpp.export import write_export
+from vit_mpp.config.sections import ModelConfig
+from vit_mpp.models.export import write_export
 
 SMALL = dict(patch_size=4, embed_dim=32, depth=1, num_heads=2)  # ModelConfig(img_size=..., **SMALL)
 SMALL_MODEL = ModelConfig(img_size=16, **SMALL)  # a 4 x 4 grid of patches

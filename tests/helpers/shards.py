@@ -17,8 +17,8 @@ import numpy as np
 import webdataset as wds
 from PIL import Image
 
-from data_tools.writer import ShardWriter
-from vit_mpp.manifest import write_manifest
+from data_tools.build.writer import ShardWriter
+from vit_mpp.data.manifest import write_manifest
 
 UNDECODABLE = b"not an image"
 

@@ -11,7 +11,7 @@ from pretrain import targets as tg
 from pretrain.config import MPPConfig
 from pretrain.mpp import KEEP, MASK, RANDOM, MaskedPatchPrediction, apply_corruption, draw_corruption
 from tests.helpers.models import SMALL_MODEL
-from vit_mpp.models import create_vit
+from vit_mpp.models.vit import create_vit
 
 
 def seeded(seed: int = 0) -> torch.Generator:

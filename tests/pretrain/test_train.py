@@ -20,8 +20,8 @@ from pretrain.mpp import MaskedPatchPrediction
 from tests.helpers.models import write_encoder_export
 from tests.helpers.processes import REPO, in_process, subprocess_env
 from tests.helpers.runs import read_metrics
-from vit_mpp.config import ModelConfig
-from vit_mpp.models import create_vit
+from vit_mpp.config.sections import ModelConfig
+from vit_mpp.models.vit import create_vit
 
 
 def test_export_loads_with_timm_create_model_local_dir_with_the_same_outputs(tmp_path):

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import torch
 
-from vit_mpp.accelerator import make_accelerator
-from vit_mpp.config import DataConfig, TrainConfig
-from vit_mpp.data_stream import build_eval_loader, build_split_loader
-from vit_mpp.manifest import load_split
+from vit_mpp.config.sections import DataConfig, TrainConfig
+from vit_mpp.data.manifest import load_split
+from vit_mpp.data.stream import build_eval_loader, build_split_loader
+from vit_mpp.run.accelerator import make_accelerator
 
 
 def probe(accelerator, shards: str, workers: int, batch: int, epochs: int, seed: int) -> dict:

@@ -36,7 +36,7 @@ def test_under_a_launcher_the_main_rank_prints_and_a_silent_rank_speaks_only_if_
     # A rank other than the main one waits: the launcher normally ends it once the main one has printed. If it was
     # not ended (the main one did not meet the error), it prints the line itself, so a line always appears.
     from vit_mpp import cli
-    from vit_mpp.config import ConfigError
+    from vit_mpp.config.sections import ConfigError
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", rank)

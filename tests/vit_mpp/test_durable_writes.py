@@ -12,9 +12,9 @@ import time
 
 from tests.helpers.models import SMALL_MODEL
 from tests.helpers.processes import REPO, subprocess_env
-from vit_mpp.export import read_export, write_export
-from vit_mpp.models import create_vit
-from vit_mpp.run_dir import MetricsLog
+from vit_mpp.models.export import read_export, write_export
+from vit_mpp.models.vit import create_vit
+from vit_mpp.run.run_dir import MetricsLog
 
 
 def test_rewind_drops_a_line_torn_by_a_kill(tmp_path):
@@ -42,9 +42,9 @@ def test_exported_weights_follow_the_umask_like_their_config(tmp_path):
 
 KILLED_EXPORT = """
 import sys, torch
-from vit_mpp.config import ModelConfig
-from vit_mpp.export import read_export, write_export
-from vit_mpp.models import create_vit
+from vit_mpp.config.sections import ModelConfig
+from vit_mpp.models.export import read_export, write_export
+from vit_mpp.models.vit import create_vit
 cfg = ModelConfig(img_size=224, patch_size=16, embed_dim=384, depth=12, num_heads=6)
 state = create_vit(cfg).state_dict()
 print("ready", flush=True)

@@ -1,4 +1,4 @@
-"""The hand-off format (vit_mpp/export.py) and the one route from a checkpoint to a model (vit_mpp/pretrained.py):
+"""The hand-off format (vit_mpp/models/export.py) and the one route from a checkpoint to a model (vit_mpp/models/pretrained.py):
 exports load in timm exactly, predict and analysis rebuild the trained classifier exactly (token and avg pooling),
 older exports still load, and an interrupted export is never half-visible."""
 
@@ -21,10 +21,11 @@ from finetune.init_model import build_classifier
 from finetune.train import main as finetune_main
 from tests.helpers.models import SMALL_MODEL
 from tests.helpers.shards import write_shard_set
-from vit_mpp.config import ModelConfig, to_dict
-from vit_mpp.export import ExportError, read_export, write_export
-from vit_mpp.models import create_vit
-from vit_mpp.pretrained import read_pretrained
+from vit_mpp.config.engine import to_dict
+from vit_mpp.config.sections import ModelConfig
+from vit_mpp.models.export import ExportError, read_export, write_export
+from vit_mpp.models.pretrained import read_pretrained
+from vit_mpp.models.vit import create_vit
 
 
 def classifier(pool: str, seed: int = 0) -> tuple[torch.nn.Module, ModelConfig]:

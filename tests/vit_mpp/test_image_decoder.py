@@ -10,8 +10,8 @@ import pytest
 import torch
 from PIL import Image
 
-from vit_mpp import image_decoder
-from vit_mpp.image_decoder import ImageDecoder
+from vit_mpp.data import image_decoder
+from vit_mpp.data.image_decoder import ImageDecoder
 
 
 def jpeg(width: int, height: int, mode: str, seed: int) -> bytes:

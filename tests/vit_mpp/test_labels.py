@@ -1,10 +1,10 @@
-"""One label rule (vit_mpp/labels.py) for `build-shards index`, `inspect` and the training streams."""
+"""One label rule (vit_mpp/data/labels.py) for `build-shards index`, `inspect` and the training streams."""
 
 from __future__ import annotations
 
 import pytest
 
-from vit_mpp.labels import MAX_CLASSES, BadLabel, cls_label, sample_label
+from vit_mpp.data.labels import MAX_CLASSES, BadLabel, cls_label, sample_label
 
 
 @pytest.mark.parametrize("raw, label", [(None, -1), (b"0", 0), (b" 7\n", 7), (b"-1", -1), (b"-40", -1),

@@ -14,7 +14,7 @@ import pytest
 
 from tests.helpers.processes import REPO, alive, subprocess_env
 from vit_mpp import launcher
-from vit_mpp.data_stream import make_loader
+from vit_mpp.data.stream import make_loader
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 
@@ -57,7 +57,7 @@ RANK_SCRIPT = """
 import os, sys
 from datetime import timedelta
 import torch, torch.distributed as dist
-from vit_mpp import cli, preemption
+from vit_mpp import cli, launcher
 from vit_mpp.launcher import note_failure
 
 def main(argv):
@@ -67,7 +67,7 @@ def main(argv):
         note_failure()
         print("error: [rank 1] a shard of mine is bad", file=sys.stderr, flush=True)
         os._exit(2)
-    preemption.signalled = True  # the launcher's SIGTERM, handled before the broken collective raised
+    launcher.signalled = True  # the launcher's SIGTERM, handled before the broken collective raised
     dist.all_reduce(torch.zeros(1))
 
 cli.run_main(main, [])

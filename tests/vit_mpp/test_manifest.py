@@ -1,5 +1,5 @@
 """A hand-edited or damaged manifest is one line naming what is wrong, for training, evaluation and inspect alike
-(vit_mpp/manifest.py `check_manifest`), before a run directory is written."""
+(vit_mpp/data/manifest.py `check_manifest`), before a run directory is written."""
 
 from __future__ import annotations
 
@@ -14,9 +14,10 @@ from finetune.config import FinetuneConfig
 from finetune.train import classes_of
 from pretrain.__main__ import main as pretrain_main
 from vit_mpp.cli import run_main
-from vit_mpp.config import ConfigError, DataConfig, load_config
-from vit_mpp.manifest import ManifestError, load_split
-from vit_mpp.training_data import load_training_data
+from vit_mpp.config.engine import load_config
+from vit_mpp.config.sections import ConfigError, DataConfig
+from vit_mpp.data.manifest import ManifestError, load_split
+from vit_mpp.data.training_data import load_training_data
 
 
 def good() -> dict:

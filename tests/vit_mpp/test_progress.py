@@ -12,8 +12,8 @@ from rich.console import Console
 
 from finetune import predict
 from tests.helpers.models import SMALL_MODEL
-from vit_mpp.export import write_export
-from vit_mpp.models import create_vit
+from vit_mpp.models.export import write_export
+from vit_mpp.models.vit import create_vit
 from vit_mpp.progress import format_duration, progress
 
 ESC = "\x1b"

@@ -1,5 +1,5 @@
 """A preemption signal stops a multi-process run at a step boundary, whatever the checkpoints around it do
-(vit_mpp/preemption.py StepBoundary, vit_mpp/checkpoint.py Checkpointer). The collective is replaced by one that
+(vit_mpp/run/preemption.py StepBoundary, vit_mpp/run/checkpoint.py Checkpointer). The collective is replaced by one that
 returns the flags it was given, as an all-reduce over ranks that all saw them would."""
 
 from __future__ import annotations
@@ -8,9 +8,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from vit_mpp import checkpoint
-from vit_mpp.checkpoint import Checkpointer
-from vit_mpp.preemption import Preempted, StepBoundary
+from vit_mpp.errors import Preempted
+from vit_mpp.run import checkpoint
+from vit_mpp.run.checkpoint import Checkpointer
+from vit_mpp.run.preemption import StepBoundary
 
 
 class _Done:

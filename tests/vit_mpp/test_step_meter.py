@@ -1,4 +1,4 @@
-"""The step bookkeeping both loops share (vit_mpp/step_meter.py): averages over the steps actually summed (a resumed
+"""The step bookkeeping both loops share (vit_mpp/run/step_meter.py): averages over the steps actually summed (a resumed
 run's first log, and a run whose weights really move: tests/end_to_end/test_pipeline.py), bad samples counted in
 both stages."""
 
@@ -11,8 +11,8 @@ from accelerate import Accelerator
 from finetune.train import main as finetune_main
 from tests.helpers.runs import read_metrics
 from tests.helpers.shards import write_shard_set
-from vit_mpp.run_dir import MetricsLog
-from vit_mpp.step_meter import StepMeter, plain_number
+from vit_mpp.run.run_dir import MetricsLog
+from vit_mpp.run.step_meter import StepMeter, plain_number
 
 
 def step_output(loss: float, frac: float) -> dict:

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.shards import bad_shard_set, write_shard_set
-from vit_mpp.config import DataConfig
-from vit_mpp.data_stream import DataError, TrainSet, build_eval_loader, build_split_loader, build_train_loader
-from vit_mpp.manifest import load_split
-from vit_mpp.stream_plan import Generation, Layout, first_generation, next_generation
+from vit_mpp.config.sections import DataConfig
+from vit_mpp.data.manifest import load_split
+from vit_mpp.data.stream import DataError, TrainSet, build_eval_loader, build_split_loader, build_train_loader
+from vit_mpp.data.stream_plan import Generation, Layout, first_generation, next_generation
 
 UNEVEN = {"train": [7, 1, 12, 4], "val": [5, 2]}  # 24 train samples in 4 uneven shards, 7 val
 

@@ -22,8 +22,8 @@ from tests.helpers.processes import REPO, in_process, launch, subprocess_env
 from tests.helpers.runs import read_metrics
 from tests.helpers.servers import FaultyHandler, serve_faulty
 from tests.helpers.shards import shard_set, write_shard_set
-from vit_mpp import shard_reader
-from vit_mpp.data_stream import ShardError
+from vit_mpp.data import shard_reader
+from vit_mpp.data.stream import ShardError
 
 
 @pytest.fixture

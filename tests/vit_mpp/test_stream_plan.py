@@ -1,4 +1,4 @@
-"""vit_mpp/stream_plan.py on its own (no I/O): over random sets, weights, layouts and resume points, every sample
+"""vit_mpp/data/stream_plan.py on its own (no I/O): over random sets, weights, layouts and resume points, every sample
 is read at most once per epoch, every epoch all parts have left behind is whole, a same-layout resume skips exactly
 what was read, and the mixture's composition follows the weights."""
 
@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from vit_mpp.stream_plan import (
+from vit_mpp.data.stream_plan import (
     Composition,
     Generation,
     Layout,

@@ -1,4 +1,4 @@
-"""The streaming tar reader behind `build-shards index` (vit_mpp/tar_scan.py) sees the samples webdataset's own
+"""The streaming tar reader behind `build-shards index` (vit_mpp/data/tar_scan.py) sees the samples webdataset's own
 iterators give the training stream, on the tar dialects and member names met in the wild, and names damage that
 tarfile would pass over in silence."""
 
@@ -15,7 +15,7 @@ import pytest
 import webdataset as wds
 
 from tests.helpers.shards import TAR_NAMES, make_tar
-from vit_mpp.tar_scan import CHUNK, TarDamaged, TarReader, samples
+from vit_mpp.data.tar_scan import CHUNK, TarDamaged, TarReader, samples
 
 
 def webdataset_samples(data: bytes) -> list[tuple[str, list[str]]]:

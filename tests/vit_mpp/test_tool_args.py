@@ -1,4 +1,4 @@
-"""The checks of `--device` and `--out` that predict, evaluate and analysis share (vit_mpp/tool_args.py): made
+"""The checks of `--device` and `--out` that predict, evaluate and analysis share (vit_mpp/tools/args.py): made
 before any work, one ConfigError each."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from tests.helpers.models import SMALL_MODEL, write_encoder_export
-from vit_mpp.config import ConfigError
-from vit_mpp.models import create_vit
-from vit_mpp.tool_args import check_device, check_out_file, check_out_folder, make_out_folder, open_out_file
+from vit_mpp.config.sections import ConfigError
+from vit_mpp.models.vit import create_vit
+from vit_mpp.tools.args import check_device, check_out_file, check_out_folder, make_out_folder, open_out_file
 
 
 def test_devices():

@@ -1,4 +1,4 @@
-"""Trackers that group and compare (vit_mpp/tracking.py), read back from TensorBoard's event files: a run lands in
+"""Trackers that group and compare (vit_mpp/run/tracking.py), read back from TensorBoard's event files: a run lands in
 its own folder named after `train.run_name`, its scalars are grouped (`train/`, `val/`, `knn/`), its hyperparameters
 sit in the same run with its final metrics (not in a separate sub-run), and curves.png and the confusion matrix
 arrive as images."""
@@ -15,8 +15,8 @@ import torch
 from finetune.train import main as finetune_main
 from pretrain.train import main as pretrain_main
 from tests.helpers.models import SMALL_MODEL, write_encoder_export
-from vit_mpp.models import create_vit
-from vit_mpp.tracking import tensorboard_folder, tracker_key
+from vit_mpp.models.vit import create_vit
+from vit_mpp.run.tracking import tensorboard_folder, tracker_key
 
 pytest.importorskip("tensorboard")
 

@@ -1,0 +1,86 @@
+"""Committing finished ranges: their shards are published in OUT, then the range is journaled, in that order.
+
+A range is journaled only once every one of its shards is published (synced and renamed into a local OUT, or
+uploaded whole to a remote one), so a journaled range is always complete, and a shard that was not published is
+written again on resume. Publishing runs in background threads, a bounded number at a time: the main process keeps
+handing out ranges while a disk syncs or an upload runs. The workers never sync: a worker waiting for its shard's
+sync (about 4 ms a 100-image shard on the development machine's disk, 3% of a worker's time) wrote no image
+meanwhile, and a slower disk makes that wait longer.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+
+from data_tools.build.journal import Journal
+from data_tools.stops import BuildStopped
+from data_tools.store import LocalStore, RemoteStore
+from vit_mpp.data import urls
+
+
+class Committer:
+    """Publishes the shards of finished ranges (in background threads: a sync and a rename, or an upload) and
+    journals each range, in the main thread, once all of its shards are published."""
+
+    def __init__(self, store: LocalStore | RemoteStore, journal: Journal, threads: int,
+                 on_commit: Callable[[dict], None]) -> None:
+        self.store, self.journal, self.on_commit = store, journal, on_commit
+        self.pending: dict[Future, dict] = {}
+        self.limit = 2 * threads  # publications in flight at most (each in its own thread)
+
+    def _publish(self, record: dict) -> None:
+        for shard in record["shards"]:
+            if "tmp" in shard:
+                self.store.publish(shard["tmp"], shard["filename"])
+
+    def _commit(self, record: dict) -> None:
+        for shard in record["shards"]:
+            shard.pop("tmp", None)
+        self.journal.append(record)
+        self.on_commit(record)
+
+    def add(self, record: dict) -> None:
+        if not any("tmp" in s for s in record["shards"]):
+            self._publish(record)
+            self._commit(record)
+            return
+        future: Future = Future()
+
+        def publish() -> None:
+            try:
+                self._publish(record)
+                future.set_result(None)
+            except BaseException as e:  # handed to poll()
+                future.set_exception(e)
+
+        # A daemon thread: after Ctrl-C or an error the process exits at once; a shard whose publication was cut
+        # short is not journaled (and written again on resume).
+        threading.Thread(target=publish, daemon=True, name="publish").start()
+        self.pending[future] = record
+
+    def room(self) -> bool:
+        return len(self.pending) < self.limit
+
+    def poll(self, timeout: float = 0.0) -> None:
+        """Journal the ranges whose shards are published; a publication that failed (an upload: after every
+        attempt) stops the build."""
+        if not self.pending:
+            return
+        done, _ = wait(self.pending, timeout=timeout, return_when=FIRST_COMPLETED)
+        for future in done:
+            record = self.pending.pop(future)
+            try:
+                future.result()
+            except OSError as e:
+                names = ", ".join(s["filename"] for s in record["shards"])
+                what = (f"writing {names} in {self.store} failed" if self.store.local else
+                        f"uploading {names} to {self.store} failed after {urls.READ_RETRIES + 1} attempts")
+                raise BuildStopped(f"{what}: {' '.join(str(e).split())}. Finished shards are kept: re-run the same "
+                                   "command to continue") from None
+            self._commit(record)
+
+    def drain(self) -> None:
+        while self.pending:
+            self.poll(timeout=0.25)

@@ -1,0 +1,100 @@
+"""Turning a raw sample into the uint8 image tensor a model sees: its image member found by extension
+(vit_mpp/data/image_formats.py), decoded (at a reduced scale where the crop allows), cropped and resized."""
+
+from __future__ import annotations
+
+import io
+import math
+import random
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from PIL import Image
+from torchvision.transforms import v2 as T
+from torchvision.transforms.v2.functional import pil_to_tensor
+
+from vit_mpp.config.sections import img_hw
+from vit_mpp.data.image_formats import IMAGE_EXTENSIONS, image_member
+
+try:  # deprecated since torchvision 0.29 (for TorchCodec, which needs FFmpeg) and to be removed: where it is gone,
+    # PIL decodes those JPEGs (the same libjpeg-turbo, the same pixels; tests/vit_mpp/test_image_decoder.py)
+    from torchvision.io import ImageReadMode, decode_jpeg
+except ImportError:  # pragma: no cover - a torchvision without it
+    decode_jpeg = None
+
+
+def image_bytes(sample: dict[str, Any]) -> bytes:
+    """The bytes of a raw sample's image member (vit_mpp/data/image_formats.py); a KeyError when it has none."""
+    ext = image_member(sample)
+    if ext is None:
+        raise KeyError(f"sample {sample.get('__key__')} has no image ({', '.join(IMAGE_EXTENSIONS)})")
+    return sample[ext]
+
+
+class ImageDecoder:
+    """Bytes -> augmented uint8 tensor (3, H, W). Train: RandomResizedCrop + flip (+ `augment`); eval: resize + center
+    crop.
+
+    Decoding and resizing are most of a loader's cost, so: a JPEG large enough is decoded at 1/2, 1/4 or 1/8 scale
+    (PIL's draft mode, DCT scaling) when that still leaves enough pixels for the smallest crop; any other JPEG is
+    decoded by torchvision (libjpeg-turbo, straight into a tensor; by PIL where torchvision no longer has it); other
+    formats by PIL. The crop and resize then run on the uint8 tensor in channels-last layout, where torch's
+    antialiased resize is several times faster than PIL's. `augment` (training only, e.g. fine-tuning's
+    RandAugment) takes the uint8 crop (3, H, W), in any memory layout, and returns a uint8 tensor of the same shape;
+    it runs here, in the data-loader workers.
+    """
+
+    def __init__(self, img_size: int | tuple[int, int], train: bool, crop_scale: tuple[float, float] = (0.35, 1.0),
+                 hflip: bool = True, eval_crop_pct: float = 0.875,
+                 augment: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        h, w = img_hw(img_size)
+        self.size = (h, w)
+        self.augment = augment if train else None  # evaluation stays deterministic
+        if train:
+            ops = [T.RandomResizedCrop((h, w), scale=tuple(crop_scale), antialias=True)]
+            if hflip:
+                ops.append(T.RandomHorizontalFlip())
+            # Keep enough pixels for the smallest crop when decoding at a reduced scale.
+            self.draft = (int(w / math.sqrt(crop_scale[0])), int(h / math.sqrt(crop_scale[0])))
+        else:
+            resize = (int(round(h / eval_crop_pct)), int(round(w / eval_crop_pct)))
+            ops = [T.Resize(resize, antialias=True), T.CenterCrop((h, w))]
+            self.draft = (resize[1], resize[0])
+        self.transform = T.Compose(ops)
+
+    def decode(self, data: bytes) -> torch.Tensor:
+        """Bytes -> uint8 RGB tensor (3, H, W), at a reduced scale where the crop allows it (see the class doc)."""
+        img = Image.open(io.BytesIO(data))  # reads the header only
+        if (decode_jpeg is not None and img.format == "JPEG"
+                and min(img.size[0] // self.draft[0], img.size[1] // self.draft[1]) < 2):
+            return decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
+        img.draft("RGB", self.draft)  # a no-op except for JPEGs
+        return pil_to_tensor(img.convert("RGB"))
+
+    def __call__(self, data: bytes, seed: int | None = None) -> torch.Tensor:
+        """The model's input for an image's bytes. With `seed` the random crop, flip and `augment` are drawn from it
+        alone (torch's and Python's generators, restored after): a sample then gets the same augmentation whenever and
+        by whichever worker it is read, so a resumed run sees what the uninterrupted run saw."""
+        if seed is None:
+            return self._prepare(data)
+        # The CPU generator alone (torch.manual_seed would also seed CUDA, 100x slower); Python's `random` only for
+        # `augment` (timm's RandAugment draws from it), since seeding it costs more than the rest.
+        generator, torch_state = torch.default_generator, torch.default_generator.get_state()
+        python_state = random.getstate() if self.augment is not None else None
+        generator.manual_seed(seed)
+        if python_state is not None:
+            random.seed(seed)
+        try:
+            return self._prepare(data)
+        finally:
+            generator.set_state(torch_state)
+            if python_state is not None:
+                random.setstate(python_state)
+
+    def _prepare(self, data: bytes) -> torch.Tensor:
+        x = self.decode(data).unsqueeze(0).contiguous(memory_format=torch.channels_last)  # (1, 3, h, w)
+        x = self.transform(x)[0]  # (3, H, W) uint8, channels-last in memory
+        if self.augment is not None:
+            x = self.augment(x)
+        return x.contiguous()

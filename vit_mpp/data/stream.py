@@ -1,0 +1,396 @@
+"""The training and evaluation streams over webdataset shards, shared by pretrain and finetune.
+
+Training (`TrainStream`): an endless stream of micro-batches per rank, drawn from one shard set or a weighted
+mixture of several. Which samples each data-loader worker reads, in which order, is decided by
+vit_mpp/data/stream_plan.py from the seed, the sets' sizes and the run's layout history, so that:
+
+* every data-loader worker of every rank (G = processes x workers *parts*) reads a contiguous, near-equal block of
+  each epoch of each set, whose shards are ordered by the seed and the epoch (the same on every rank): the shard
+  count need not divide anything, fewer shards than parts works (a shard is then read in part by several workers,
+  which costs I/O, not correctness; rank 0 warns), and every sample is read once per epoch of its set;
+* micro-batches are always full and every rank runs the same number of steps (the streams are endless; a
+  micro-batch may hold the end of one epoch and the start of the next);
+* each slot of a micro-batch comes from a set chosen by a deterministic low-discrepancy sequence of the weights,
+  the same on every worker, so each global batch holds the sets in their proportions and all parts of a set
+  advance together;
+* a resumed run continues exactly where it stopped; on another layout (processes, workers, micro-batch) it
+  continues the epoch with every remaining sample exactly once.
+
+Undecodable samples (or samples without an image) are replaced by the previous good sample of the same set and
+counted; more than `max_bad_fraction` of them (checked from the 100th sample of a worker's set, and at the end of
+each block it reads) is a ShardError. A shard shorter than its manifest entry is a ShardError, never a short stream
+(which would hang the other ranks in a collective). Remote reads have deadlines (vit_mpp/data/urls.py).
+
+Evaluation (`EvalStream`): one ordered pass over one split, cut into G ranges of ceil(N / G) samples padded with
+blank samples whose `valid` flag is False, so every rank runs the same number of batches and each sample counts once.
+
+Batches leave the workers as uint8 images (B, 3, H, W); `to_device` moves them (non-blocking) and `normalize` turns
+them into float on the device, so the MPP targets can be computed from the raw pixels. The loaders are deliberately
+*not* passed through `accelerator.prepare`: they already split themselves across ranks, and accelerate would either
+re-split them or make rank 0 decode for everyone.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import itertools
+import math
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from vit_mpp.config.sections import DataConfig
+from vit_mpp.data import urls
+from vit_mpp.data.image_decoder import ImageDecoder, image_bytes
+from vit_mpp.data.labels import sample_label
+from vit_mpp.data.manifest import Split
+from vit_mpp.data.shard_reader import DataError, ShardError, range_segments, read_segment, shuffled
+from vit_mpp.data.stream_plan import (
+    Composition,
+    Generation,
+    Layout,
+    Piece,
+    batches_of_role,
+    block_rng,
+    epoch_order,
+    first_generation,
+    part_pieces,
+    samples_per_epoch,
+    share,
+)
+from vit_mpp.launcher import die_with_parent
+
+__all__ = ["DataError", "ShardError", "TrainSet", "TrainStream", "EvalStream", "build_train_loader",
+           "build_eval_loader", "build_split_loader", "to_device", "normalize"]
+
+
+@dataclass(frozen=True)
+class TrainSet:
+    """One shard set of the training mixture (a mixture of one for plain training)."""
+
+    name: str
+    split: Split
+    weight: float
+
+
+@dataclass(frozen=True)
+class ReadSettings:
+    """How raw samples are read and checked: what every worker needs besides the plan."""
+
+    seed: int
+    shuffle_buffer: int
+    max_bad_fraction: float
+    read_timeout_s: float = urls.READ_TIMEOUT_S
+    read_retries: int = urls.READ_RETRIES
+
+
+def block_samples(split: Split, set_index: int, piece: Piece, read: ReadSettings) -> Iterator[dict[str, Any]]:
+    """The raw samples of emissions [piece.lo, piece.hi) of one block of one epoch (vit_mpp/data/stream_plan.py): the
+    block's samples read in shard order through its shuffle buffer; those before `lo` are read, not decoded."""
+    start, stop = share(split.num_samples, piece.parts, piece.block)
+    order = epoch_order(len(split.urls), read.seed, set_index, piece.epoch)
+    raw = (s for seg in range_segments(split, order, start, stop)
+           for s in read_segment(seg, read.read_retries, timeout=read.read_timeout_s))
+    emissions = shuffled(raw, read.shuffle_buffer, block_rng(read.seed, set_index, piece.epoch, piece.parts,
+                                                             piece.block))
+    try:
+        for sample in itertools.islice(emissions, piece.lo, piece.hi):
+            yield {**sample, "__epoch__": piece.epoch}
+        if piece.hi == stop - start:
+            next(emissions, None)  # past the block's end: a shard holding more than its manifest says is noticed
+    finally:
+        emissions.close()
+
+
+def sample_seed(seed: int, set_index: int, epoch: int, key: str) -> int:
+    """The seed of one sample's augmentation in one epoch: the same for it wherever, whenever it is read."""
+    return int.from_bytes(hashlib.blake2b(f"{seed}-{set_index}-{epoch}-{key}".encode(), digest_size=8).digest(), "big")
+
+
+class SetReader:
+    """The decoded samples one part reads from one set: (image, label, key, epoch, bad keys replaced before it).
+
+    An undecodable sample (or one without an image) is replaced by the previous good one, so micro-batches stay
+    full; one met before any good sample waits for the next good one.
+    """
+
+    def __init__(self, train_set: TrainSet, set_index: int, pieces: Iterator[Piece], decoder: ImageDecoder,
+                 read: ReadSettings, check_label: Callable[[int, str], None], part: int) -> None:
+        self.set, self.index, self.pieces, self.decoder = train_set, set_index, pieces, decoder
+        self.read, self.check_label, self.part = read, check_label, part
+        self.seen = self.bad = 0
+        self.last_good: tuple[torch.Tensor, int, str, int] | None = None
+        self.items = self._items()
+
+    def _items(self) -> Iterator[tuple[torch.Tensor, int, str, int, list[str]]]:
+        waiting: list[str] = []  # bad samples met before any good one: replaced by the next good one
+        for piece in self.pieces:
+            last = piece.hi - piece.lo - 1
+            for i, sample in enumerate(block_samples(self.set.split, self.index, piece, self.read)):
+                key = sample["__key__"]
+                self.seen += 1
+                try:
+                    image = self.decoder(image_bytes(sample), seed=sample_seed(self.read.seed, self.index,
+                                                                               sample["__epoch__"], key))
+                    good = (image, sample_label(sample), key, sample["__epoch__"])
+                except Exception:  # a bad sample must neither stop nor desynchronise the run: count and replace it
+                    self.bad += 1
+                    self._check_rate(force=i == last)
+                    if self.last_good is None:
+                        waiting.append(key)
+                    else:
+                        yield (*self.last_good, [key])
+                    continue
+                # The rate is checked at a block's last sample whatever its size, before that sample leaves: small
+                # data must not train on mostly broken images in silence.
+                self._check_rate(force=i == last)
+                self.check_label(good[1], key)
+                for j in range(len(waiting) + 1):
+                    yield (*good, waiting[j:j + 1])
+                waiting, self.last_good = [], good
+            if waiting:
+                raise ShardError(f"every sample worker {self.part} read from set '{self.set.name}' (split "
+                                 f"'{self.set.split.name}') is undecodable")
+
+    def _check_rate(self, force: bool) -> None:
+        if self.bad > self.read.max_bad_fraction * self.seen and (force or self.seen >= 100):
+            raise ShardError(f"{self.bad} of {self.seen} samples undecodable in set '{self.set.name}' (split "
+                             f"'{self.set.split.name}', worker {self.part}), above data.max_bad_fraction="
+                             f"{self.read.max_bad_fraction}")
+
+    def __next__(self) -> tuple[torch.Tensor, int, str, int, list[str]]:
+        return next(self.items)
+
+
+class TrainStream(IterableDataset):
+    """Endless micro-batches for one rank (see the module doc).
+
+    Each item is a dict: `image` uint8 (B, 3, H, W), `label` int64 (B,), `valid` bool (B,), `key` list[str], `set`
+    list[int] (index of each sample's set), `epoch` list[int] (each sample's epoch of its set), `bad` int and
+    `bad_keys` list[str] (undecodable samples replaced in this batch).
+    """
+
+    def __init__(self, sets: list[TrainSet], decoder: ImageDecoder, generation: Generation, *, rank: int,
+                 resume_step: int, read: ReadSettings, num_classes: int | None = None) -> None:
+        super().__init__()
+        self.sets, self.decoder, self.gen, self.rank, self.read = sets, decoder, generation, rank, read
+        self.num_classes = num_classes
+        layout = generation.layout
+        self.batches_done = (resume_step - generation.start_step) * layout.accum  # this rank's, in the generation
+        for s in sets:
+            if s.split.num_samples < layout.parts:
+                raise DataError(f"set '{s.name}' (split '{s.split.name}') has {s.split.num_samples} samples, fewer "
+                                f"than processes x workers = {layout.world} x {layout.workers}: use fewer "
+                                "data.num_workers or processes")
+            if rank == 0:
+                warn_few_shards(f"set '{s.name}' (split '{s.split.name}')", s.split, layout.world, layout.workers)
+
+    @property
+    def batches_per_epoch(self) -> int:
+        """Micro-batches one rank takes in one epoch (of a mixture: a pass over the set that runs out first)."""
+        layout = self.gen.layout
+        epoch = samples_per_epoch([s.split.num_samples for s in self.sets], [s.weight for s in self.sets])
+        return max(1, epoch // (layout.world * layout.micro))
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        info = get_worker_info()
+        worker = info.id if info is not None else 0
+        layout = self.gen.layout
+        if (info.num_workers if info is not None else 1) != layout.workers:
+            raise DataError(f"stream built for {layout.workers} workers but the DataLoader has "
+                            f"{info.num_workers if info is not None else 0}")
+        # The DataLoader takes batches from its workers round-robin from worker 0. After `batches_done` batches
+        # the next one belongs to role batches_done % W: real worker w plays role (w + that) % W.
+        role = (worker + self.batches_done) % layout.workers
+        part = self.rank * layout.workers + role
+        rounds = batches_of_role(self.batches_done, layout.workers, role)
+        composition = Composition([s.weight for s in self.sets], self.gen.seed, self.gen.index)
+        skips = composition.counts(rounds * layout.micro)
+        readers = [SetReader(s, i, part_pieces(self.gen.sets[i], layout.parts, part, s.split.num_samples, skips[i]),
+                             self.decoder, self.read, self._check_label, part) for i, s in enumerate(self.sets)]
+        for rnd in itertools.count(rounds):
+            slots = composition.slots(rnd * layout.micro, layout.micro).tolist()
+            yield _batch([(*next(readers[i]), i) for i in slots])
+
+    def _check_label(self, label: int, key: str) -> None:
+        """With `num_classes` (a classifier's), every label must be one of its classes."""
+        if self.num_classes is None or 0 <= label < self.num_classes:
+            return
+        if label < 0:
+            raise ShardError(f"sample {key} has no usable label (no .cls, or one that is not a class index): a "
+                             "classifier needs labelled shards")
+        raise ShardError(f"sample {key} has label {label}, outside the {self.num_classes} classes "
+                         f"(0..{self.num_classes - 1}): num_classes is smaller than the shards' labels")
+
+
+def _batch(items: list[tuple]) -> dict[str, Any]:
+    """One training micro-batch from (image, label, key, epoch, bad keys, set) items."""
+    images, labels, keys, epochs, bad_keys, sets = zip(*items)
+    replaced = [k for ks in bad_keys for k in ks]
+    return {"image": torch.stack(images), "label": torch.tensor(labels, dtype=torch.int64),
+            "valid": torch.ones(len(items), dtype=torch.bool), "key": list(keys), "set": list(sets),
+            "epoch": list(epochs), "bad": len(replaced), "bad_keys": replaced}
+
+
+def warn_few_shards(what: str, split: Split, world: int, workers: int) -> None:
+    """Fewer shards than processes x workers is correct by design (ranges span shards), but each shard is then read,
+    in part, by several workers: say so (rank 0), once per stream."""
+    if len(split.urls) < world * workers:
+        print(f"warning: {what} has {len(split.urls)} shard(s) for {world} process(es) x {workers} worker(s): shards "
+              "are read by several workers (extra I/O); more, smaller shards avoid it", file=sys.stderr, flush=True)
+
+
+class EvalStream(IterableDataset):
+    """One ordered pass over a split, each sample once over all ranks and workers (see the module doc).
+
+    Each item is a dict: `image` uint8 (B, 3, H, W), `label` int64 (B,), `valid` bool (B,) (False: padding or an
+    undecodable sample, which do not count) and `key` list[str].
+    """
+
+    def __init__(self, split: Split, decoder: ImageDecoder, batch_size: int, *, rank: int, world_size: int,
+                 num_workers: int, read: ReadSettings, num_classes: int | None = None, limit: int | None = None,
+                 ) -> None:
+        super().__init__()
+        self.split, self.decoder, self.batch_size, self.rank, self.read = split, decoder, batch_size, rank, read
+        self.num_workers, self.num_classes = max(1, num_workers), num_classes
+        # limit: only the split's first `limit` samples (in manifest order), e.g. for a monitor
+        self.num_samples = split.num_samples if limit is None else min(limit, split.num_samples)
+        self.per_worker = math.ceil(self.num_samples / (world_size * self.num_workers))
+        self.batches_per_worker = math.ceil(self.per_worker / batch_size)
+        if rank == 0 and limit is None:
+            warn_few_shards(f"evaluation split '{split.name}'", split, world_size, self.num_workers)
+
+    def __len__(self) -> int:
+        return self.batches_per_worker * self.num_workers
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        info = get_worker_info()
+        part = self.rank * self.num_workers + (info.id if info is not None else 0)
+        start = part * self.per_worker
+        stop = min(start + self.per_worker, self.num_samples)
+        samples = (s for seg in range_segments(self.split, list(range(len(self.split.urls))), start, stop)
+                   for s in read_segment(seg, self.read.read_retries, timeout=self.read.read_timeout_s))
+        blank = torch.zeros(3, *self.decoder.size, dtype=torch.uint8)
+        items: list[tuple[torch.Tensor, int, bool, str]] = []
+        seen = bad = 0
+        for sample in samples:
+            seen += 1
+            try:
+                items.append((self.decoder(image_bytes(sample)), sample_label(sample), True, sample["__key__"]))
+                self._check_label(items[-1][1], items[-1][3])
+            except ShardError:
+                raise
+            except Exception:  # an undecodable sample keeps its place but does not count
+                bad += 1
+                items.append((blank, 0, False, sample["__key__"]))
+            if bad > self.read.max_bad_fraction * seen and (seen >= 100 or seen == stop - start):
+                raise ShardError(f"{bad} of {seen} samples undecodable in split '{self.split.name}' (worker {part}), "
+                                 f"above data.max_bad_fraction={self.read.max_bad_fraction}")
+            if len(items) == self.batch_size:
+                yield _eval_batch(items)
+                items = []
+        for _ in range(seen, self.per_worker):  # ranges are padded to equal length with blanks
+            items.append((blank, 0, False, ""))
+            if len(items) == self.batch_size:
+                yield _eval_batch(items)
+                items = []
+        if items:
+            yield _eval_batch(items)
+
+    _check_label = TrainStream._check_label
+
+
+def _eval_batch(items: list[tuple[torch.Tensor, int, bool, str]]) -> dict[str, Any]:
+    images, labels, valid, keys = zip(*items)
+    return {"image": torch.stack(images), "label": torch.tensor(labels, dtype=torch.int64),
+            "valid": torch.tensor(valid, dtype=torch.bool), "key": list(keys)}
+
+
+def _init_worker(worker_id: int, parent: int) -> None:
+    """A data-loader worker lives and dies with its rank. A scheduler signals every process of a job, and a worker
+    that died of it would fail the run (torch reports a killed worker as an error) before the rank could save: the
+    rank decides, its workers ignore those signals, except a SIGTERM from the rank itself (how multiprocessing
+    stops its children at exit). A rank killed outright takes its workers with it. `parent`: the rank's pid, bound
+    when the loader was made (see `die_with_parent`)."""
+    die_with_parent(parent)
+    for sig in (signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # held for the thread below, which sees the sender
+    threading.Thread(target=_sigterm_from_parent_only, args=(parent,), daemon=True).start()
+
+
+def _sigterm_from_parent_only(parent: int) -> None:
+    while True:
+        if signal.sigwaitinfo({signal.SIGTERM}).si_pid == parent:
+            os._exit(0)
+
+
+def make_loader(stream: IterableDataset, num_workers: int, prefetch_factor: int = 2, pin_memory: bool = True,
+                persistent_workers: bool = True) -> DataLoader:
+    """A DataLoader over a stream; batching happens inside the workers (batch_size=None)."""
+    kwargs: dict[str, Any] = {}
+    if num_workers > 0:
+        kwargs.update(prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
+                      worker_init_fn=functools.partial(_init_worker, parent=os.getpid()))
+    return DataLoader(stream, batch_size=None, num_workers=num_workers,
+                      pin_memory=pin_memory and torch.cuda.is_available(), **kwargs)
+
+
+def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """Move the tensors of a batch to `device` without blocking; images stay uint8 until `normalize`."""
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def normalize(images: torch.Tensor, mean: tuple[float, ...], std: tuple[float, ...]) -> torch.Tensor:
+    """uint8 (B, 3, H, W) -> float32 (B, 3, H, W), scaled to [0, 1] then standardised with mean/std."""
+    mean_t = torch.tensor(mean, device=images.device, dtype=torch.float32).view(1, -1, 1, 1)
+    std_t = torch.tensor(std, device=images.device, dtype=torch.float32).view(1, -1, 1, 1)
+    return (images.float() / 255.0 - mean_t) / std_t
+
+
+def read_settings(data: DataConfig, seed: int = 0) -> ReadSettings:
+    return ReadSettings(seed, data.shuffle_buffer, data.max_bad_fraction, data.read_timeout_s, data.read_retries)
+
+
+def build_train_loader(sets: list[TrainSet], data: DataConfig, img_size: int | list[int], generation: Generation, *,
+                       rank: int, resume_step: int, seed: int, num_classes: int | None = None,
+                       augment: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                       ) -> tuple[TrainStream, DataLoader]:
+    """The endless training stream of one rank and its DataLoader, resuming at `resume_step` of `generation`; with
+    `num_classes` every label must be one of the classes; `augment` runs in the workers after the crop."""
+    decoder = ImageDecoder(img_size, train=True, crop_scale=tuple(data.crop_scale), hflip=data.hflip,
+                           eval_crop_pct=data.eval_crop_pct, augment=augment)
+    stream = TrainStream(sets, decoder, generation, rank=rank, resume_step=resume_step,
+                         read=read_settings(data, seed), num_classes=num_classes)
+    return stream, make_loader(stream, data.num_workers, data.prefetch_factor, data.pin_memory,
+                               data.persistent_workers)
+
+
+def build_eval_loader(split: Split, data: DataConfig, img_size: int | list[int], batch_size: int, *, rank: int,
+                      world_size: int, num_classes: int | None = None, limit: int | None = None,
+                      ) -> tuple[EvalStream, DataLoader]:
+    """One ordered pass over `split` for this rank, and its DataLoader (see EvalStream)."""
+    decoder = ImageDecoder(img_size, train=False, eval_crop_pct=data.eval_crop_pct)
+    stream = EvalStream(split, decoder, batch_size, rank=rank, world_size=world_size, num_workers=data.num_workers,
+                        read=read_settings(data), num_classes=num_classes, limit=limit)
+    return stream, make_loader(stream, data.num_workers, data.prefetch_factor, data.pin_memory, False)
+
+
+def build_split_loader(split: Split, data: DataConfig, img_size: int | list[int], micro_batch: int, *, rank: int = 0,
+                       world_size: int = 1, seed: int = 0, resume_step: int = 0, accum_steps: int = 1,
+                       augment: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                       ) -> tuple[TrainStream, DataLoader]:
+    """The training stream of one split on its own, from its first step (or `resume_step` of the same layout): what
+    benchmarks and tools that read a single shard set need, without a run's checkpointed generation."""
+    layout = Layout(world_size, max(1, data.num_workers), micro_batch, accum_steps)
+    generation = first_generation(layout, [split.num_samples], seed)
+    return build_train_loader([TrainSet(split.name, split, 1.0)], data, img_size, generation, rank=rank,
+                              resume_step=resume_step, seed=seed, augment=augment)

@@ -1,0 +1,107 @@
+"""The data a training run reads: one shard set or a weighted mixture of several (`data.shards`, `data.weights`),
+and the one set evaluation reads (`data.val_shards`, default the first training set). Only manifests are read here.
+
+A mixture's epoch is one pass over the set that runs out first at the given proportions (with the default weights,
+proportional to the sets' sizes, every set runs out together); each set keeps its own epochs (vit_mpp/data/stream_plan.py).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from vit_mpp.config.sections import ConfigError, DataConfig
+from vit_mpp.data.manifest import Split, data_record, load_split
+from vit_mpp.data.stream import TrainSet
+from vit_mpp.data.stream_plan import samples_per_epoch
+from vit_mpp.data.urls import is_local, local_path
+
+
+@dataclass
+class TrainingData:
+    """The training sets (with their manifests) and the evaluation split."""
+
+    sets: list[TrainSet]
+    locations: list[str]
+    manifests: list[dict[str, Any]]
+    val_location: str
+    val_split: Split | None
+    val_manifest: dict[str, Any] | None = None
+
+    @property
+    def sizes(self) -> list[int]:
+        return [s.split.num_samples for s in self.sets]
+
+    @property
+    def weights(self) -> list[float]:
+        return [s.weight for s in self.sets]
+
+    @property
+    def mixture(self) -> bool:
+        return len(self.sets) > 1
+
+    def samples_per_epoch(self) -> int:
+        """Samples in one epoch: the whole set, or for a mixture one pass over the set that runs out first."""
+        return samples_per_epoch(self.sizes, self.weights)
+
+    @property
+    def names(self) -> list[str]:
+        return [s.name for s in self.sets]
+
+    def record(self) -> dict[str, Any]:
+        """What an export records of its training data (the first set's manifest record, and every set of a
+        mixture with its weight)."""
+        first = data_record(self.locations[0], self.manifests[0])
+        if not self.mixture:
+            return first
+        total = sum(self.weights)
+        return {**first, "mixture": [{**data_record(loc, man), "name": s.name, "weight": s.weight / total}
+                                     for loc, man, s in zip(self.locations, self.manifests, self.sets)]}
+
+    def describe(self) -> str:
+        """`data 1000 train images in 4 shards`, or the mixture set by set, for the start-up summary."""
+        if not self.mixture:
+            s = self.sets[0].split
+            return f"data {s.num_samples} train images in {len(s.urls)} shards"
+        total = sum(self.weights)
+        parts = ", ".join(f"{s.name} {s.split.num_samples} images ({s.weight / total:.0%})" for s in self.sets)
+        return f"data mixture of {len(self.sets)} sets: {parts}; an epoch is {self.samples_per_epoch()} images"
+
+
+def set_name(location: str, manifest: dict[str, Any]) -> str:
+    """A set's name: its manifest's `name`, else the last part of its location."""
+    name = manifest.get("name")
+    if isinstance(name, str) and name.strip():
+        return name.strip()
+    return os.path.basename(location.rstrip("/").removesuffix("/_info.json")) or location
+
+
+def _check_disjoint(locations: list[str], splits: list[Split]) -> None:
+    """No shard in two sets of a mixture: the same set named two ways (`sh`, `./sh/`, `sh/_info.json`) would be read
+    twice as often as its weight says, and its samples counted twice."""
+    seen: dict[str, str] = {}
+    for location, split in zip(locations, splits):
+        for url in split.urls:
+            key = os.path.abspath(local_path(url)) if is_local(url) else url
+            if seen.setdefault(key, location) != location:
+                raise ConfigError(f"config key 'data.shards': {seen[key]} and {location} hold the same shard {url}: "
+                                  "name each set once")
+
+
+def load_training_data(data: DataConfig, evaluate: bool = True) -> TrainingData:
+    """Read the manifests of the training sets and of the evaluation set (ManifestError with one line when one is
+    missing or unusable)."""
+    locations = data.shard_sets()
+    loaded = [load_split(location, data.train_split) for location in locations]
+    _check_disjoint(locations, [split for split, _ in loaded])
+    sizes = [split.num_samples for split, _ in loaded]
+    weights = [float(w) for w in data.weights] if data.weights is not None else [float(n) for n in sizes]
+    names: list[str] = []
+    for location, (_, manifest) in zip(locations, loaded):
+        name = set_name(location, manifest)
+        names.append(name if name not in names else f"{name}#{len(names)}")  # unique, for logs and the audit
+    sets = [TrainSet(name, split, weight) for name, (split, _), weight in zip(names, loaded, weights)]
+    val_location = data.val_shards or locations[0]
+    val_split, val_manifest = load_split(val_location, data.val_split) if evaluate and data.val_split else (None, None)
+    return TrainingData(sets, locations, [manifest for _, manifest in loaded], val_location, val_split, val_manifest)

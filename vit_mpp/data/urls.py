@@ -1,0 +1,552 @@
+"""Reading bytes by path or URL, with deadlines: shards, manifests and list files are all opened here.
+
+Local paths (and `file://` URLs) are files; everything else is remote. Every stream read has a deadline, so neither
+a server that stops sending nor a hung network mount can hang a run:
+
+* `http(s)://`: the standard library (urllib); the socket timeout bounds connecting and each wait for data;
+* `pipe:CMD`: the standard output of a shell command (webdataset's convention, e.g. `pipe:aws s3 cp s3://b/x.tar -`);
+  a command that exits with an error status is an error, not a short stream;
+* any other scheme (`s3://`, `gs://`, `hf://`, ...): fsspec, with the backend package it names (s3fs, gcsfs, ...);
+* a file that must seek (parquet): `open_seekable`, through fsspec for every remote scheme (http too).
+
+On top of each, opening and every read run under an idle deadline (`timeout`, default `READ_TIMEOUT_S`): when no
+byte arrives in that time, the stream is aborted (socket closed, command killed) and `StreamStalled` (an OSError)
+is raised (`open_seekable`: every seek too). Callers retry a bounded number of times
+(`vit_mpp.data.stream.read_segment`, `read_url`, `read_seekable`, `read_stream`), then fail with one line. Listing a
+remote folder (`list_folder`, fsspec `ls`) has the same deadline and retries.
+
+A local file read with `open_url` or `read_url` (shards, manifests, list files) has the same deadline: a read stuck
+on a hung network mount (NFS, Lustre, a FUSE bucket) cannot be interrupted from Python, but the caller stops waiting
+for it, leaves it to its daemon thread, and retries or reports. Local stalls are retried; other local errors (a
+missing file, a refused permission, an I/O error) are raised at once, since reading again does not change them.
+Seekable local files (`open_seekable`: Parquet lists, read once while planning) are opened directly.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import http.client
+import io
+import os
+import queue
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, BinaryIO, TypeVar
+from urllib.parse import urlparse
+
+from vit_mpp.config.sections import READ_RETRIES, READ_TIMEOUT_S
+from vit_mpp.errors import UserError
+
+T = TypeVar("T")
+BUFFER = 1 << 20  # remote reads are buffered in 1 MiB pieces: few deadline round trips per shard
+WAIT_S = 1.0
+CHECK_EVERY_S = 0.25  # how often a thread that waits on a read runs its `while_waiting` check
+
+_waiting = threading.local()  # the check this thread runs while it waits (`while_waiting`)
+
+
+def while_waiting(check: Callable[[], None] | None) -> None:
+    """Have this thread run `check()` every CHECK_EVERY_S while it waits on a deadlined call (opening, a read, a
+    seek, the pause before a retry). An exception it raises abandons the stream (aborted as a stalled one is) and
+    propagates: a pool's workers, asked to stop, leave a stalled read at once instead of at its deadline. None: no
+    check (the default)."""
+    _waiting.check = check
+
+
+def waiting_check() -> Callable[[], None] | None:
+    """This thread's `while_waiting` check, for a helper thread that reads on its behalf to run too."""
+    return getattr(_waiting, "check", None)
+
+
+def _pause(seconds: float) -> None:
+    """Sleep `seconds`, running this thread's `while_waiting` check meanwhile."""
+    check = getattr(_waiting, "check", None)
+    end = time.monotonic() + seconds
+    while (left := end - time.monotonic()) > 0:
+        if check is not None:
+            check()
+        time.sleep(min(left, CHECK_EVERY_S) if check is not None else left)
+
+
+class StreamStalled(OSError):
+    """A stream (remote, or a local file on a hung mount) brought no data within its deadline; it has been aborted."""
+
+
+class RemoteError(UserError):
+    """A URL that cannot be read as asked (no backend for its scheme, refused for good)."""
+
+
+def is_local(url: str) -> bool:
+    """Whether `url` is a local path (no scheme, `file://`, or a Windows drive letter)."""
+    scheme = urlparse(url).scheme
+    return scheme in ("", "file") or len(scheme) == 1
+
+
+def local_path(url: str) -> str:
+    """The filesystem path of a local `url`."""
+    return urlparse(url).path if url.startswith("file://") else url
+
+
+def join(location: str, name: str) -> str:
+    """`name` inside `location`, a folder path or a URL."""
+    if is_local(location) and not location.startswith("file://"):
+        return os.path.join(location, name)
+    return location.rstrip("/") + "/" + name
+
+
+def is_permanent(error: BaseException) -> bool:
+    """Whether retrying cannot help: a missing file, or an HTTP status that will not change (4xx but 408/429)."""
+    if isinstance(error, urllib.error.HTTPError):
+        return 400 <= error.code < 500 and error.code not in (408, 429)
+    return isinstance(error, (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError))
+
+
+class _Command:
+    """The standard output of a `pipe:` command; closing it checks the command's exit status."""
+
+    def __init__(self, command: str) -> None:
+        self.command = command
+        self.proc = subprocess.Popen(command, shell=True, stdout=subprocess.PIPE, bufsize=BUFFER)
+
+    def read1(self, n: int) -> bytes:
+        return self.proc.stdout.read1(n)
+
+    def kill(self) -> None:
+        self.proc.kill()
+
+    def close(self) -> None:
+        self.proc.stdout.close()
+        status = self.proc.wait()
+        # A reader that stops early closes the pipe: the command then dies of SIGPIPE, which is not a failure.
+        if status not in (0, -13, 141):
+            raise OSError(f"command {self.command!r} exited with status {status}")
+
+
+def _open_raw(url: str, timeout: float) -> Any:
+    """The undeadlined stream of a remote `url` (called under the deadline)."""
+    scheme = urlparse(url).scheme
+    if scheme in ("http", "https"):
+        return urllib.request.urlopen(url, timeout=timeout)
+    if scheme == "pipe":
+        return _Command(url[len("pipe:"):])
+    return _open_fsspec(url, timeout)
+
+
+def _open_local(url: str, timeout: float) -> Any:
+    """The undeadlined, unbuffered file of a local `url` (called under the deadline; buffering is the caller's)."""
+    return open(local_path(url), "rb", buffering=0)
+
+
+def _read_some(stream: Any, n: int) -> bytes:
+    """Up to `n` bytes, as soon as some have arrived. An HTTP body that ends before its Content-Length is an error
+    (http.client's read1 would return b"" there, which looks like a normal end)."""
+    data = stream.read1(n) if hasattr(stream, "read1") else stream.read(n)
+    if not data and isinstance(stream, http.client.HTTPResponse) and stream.length:
+        raise http.client.IncompleteRead(b"", stream.length)
+    return data
+
+
+def _abort(stream: Any) -> None:
+    """Stop a stream that another thread may be blocked on: kill its command, or close it."""
+    if stream is None:
+        return
+    try:
+        if isinstance(stream, _Command):
+            stream.kill()
+        else:
+            stream.close()
+    except Exception:  # already broken: nothing more to stop
+        pass
+
+
+class _DaemonCaller:
+    """Runs calls one at a time in a daemon thread: a call stuck on a dead connection is abandoned, and never keeps
+    the process from exiting (a ThreadPoolExecutor's threads are joined at exit)."""
+
+    def __init__(self) -> None:
+        self.calls: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, daemon=True, name="url-write").start()
+
+    def _run(self) -> None:
+        while True:
+            fn, future = self.calls.get()
+            if fn is None:
+                return
+            try:
+                future.set_result(fn())
+            except BaseException as e:  # handed to the waiting caller
+                future.set_exception(e)
+
+    def submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self.calls.put((fn, future))
+        return future
+
+    def call(self, fn: Callable[[], Any], timeout: float) -> Any:
+        return self.submit(fn).result(timeout=timeout)
+
+    def stop(self) -> None:
+        self.calls.put((None, None))
+
+
+class _DeadlineReader(io.RawIOBase):
+    """A stream whose opening and every read must finish within `timeout` seconds.
+
+    The calls run in a daemon thread (`_DaemonCaller`); the caller waits on each with a timeout. On a timeout the
+    stream is aborted from another thread (which unblocks the stuck call) and `StreamStalled` is raised; a call
+    that stays stuck is abandoned and never keeps the process from exiting.
+
+    With `read_ahead`, each read also starts the next one in that thread before returning, so the caller's work on
+    a piece overlaps with the reading of the next, with no thread of its own (data_tools/index/tar_walker.py's compiled
+    walk, which parses faster than a second thread could hand pieces over). Its deadline runs from when the caller
+    waits for it; a read still running at `close()` is aborted, not waited for.
+    """
+
+    def __init__(self, url: str, timeout: float, opener: Callable[[str, float], Any] = _open_raw,
+                 read_ahead: bool = False) -> None:
+        super().__init__()
+        self.url, self.timeout, self.read_ahead = url, timeout, read_ahead
+        self._stream: Any = None
+        self._caller = _DaemonCaller()
+        self._next: concurrent.futures.Future | None = None  # the read started ahead
+        self._left = b""  # what a read ahead brought beyond the buffer it was read for
+        self._stream = self._call(lambda: opener(url, timeout), "opening")
+
+    def _call(self, fn: Callable[[], Any], doing: str) -> Any:
+        return self._wait(self._caller.submit(fn), doing)
+
+    def _wait(self, future: concurrent.futures.Future, doing: str) -> Any:
+        check = getattr(_waiting, "check", None)
+        end = time.monotonic() + self.timeout
+        while True:
+            left = end - time.monotonic()
+            try:
+                return future.result(timeout=max(0.0, min(left, CHECK_EVERY_S) if check is not None else left))
+            except concurrent.futures.TimeoutError:
+                if check is None or time.monotonic() >= end:
+                    self._give_up()
+                    raise StreamStalled(f"{self.url}: no data for {self.timeout:g} s while {doing}") from None
+            try:
+                check()
+            except BaseException:
+                self._give_up()
+                raise
+
+    def _give_up(self) -> None:
+        """Abort the stream from another thread (a call stuck on it returns) and leave the caller thread."""
+        threading.Thread(target=_abort, args=(self._stream,), daemon=True).start()
+        self._caller.stop()
+        self._stream, self._next = None, None
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        data = self.read_piece(len(buffer))
+        buffer[: len(data)] = data
+        return len(data)
+
+    def read_piece(self, n: int) -> bytes:
+        """Up to `n` bytes as they were read, without the copy into a caller's buffer that `readinto` makes (a
+        reader of whole pieces, such as the compiled walker, gains a memory copy per piece); b"" at the end."""
+        if self._stream is None:
+            raise StreamStalled(f"{self.url}: the stream was aborted")
+        stream = self._stream
+        if self._left:
+            data, self._left = self._left[:n], self._left[n:]
+        elif self._next is not None:
+            future, self._next = self._next, None
+            data = self._wait(future, "reading")
+        else:
+            data = self._call(lambda: _read_some(stream, n), "reading")
+        if self.read_ahead and data and not self._left and self._next is None:
+            self._next = self._caller.submit(lambda: _read_some(stream, n))
+        if len(data) > n:
+            data, self._left = data[:n], data[n:]
+        return data
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        try:
+            if self._next is not None and not self._next.done():
+                self._give_up()  # a read ahead nobody will use: not worth waiting for
+            if self._stream is not None:
+                self._call(self._stream.close, "closing")
+        finally:
+            self._stream, self._next = None, None
+            self._caller.stop()
+            super().close()
+
+
+def _open_fsspec(url: str, timeout: float) -> Any:
+    """The undeadlined, seekable fsspec file of a remote `url` (called under the deadline)."""
+    try:
+        import fsspec
+
+        return fsspec.open(url, "rb").open()
+    except (ImportError, ValueError) as e:  # fsspec missing; fsspec's unknown protocol
+        raise RemoteError(f"cannot read {url}: {e}") from None
+
+
+def _as_os_error(url: str, fn: Callable[[], T]) -> T:
+    """`fn()`; a backend's own exception type for network trouble (aiohttp's, botocore's, fsspec's ValueError for a
+    server that ignores ranges) becomes an OSError, which callers retry and report."""
+    try:
+        return fn()
+    except (OSError, RemoteError):
+        raise
+    except Exception as e:
+        raise OSError(f"{url}: {type(e).__name__}: {e}") from None
+
+
+class _DeadlineSeekable(_DeadlineReader):
+    """A remote file (through fsspec) that can also seek; opening, every read and every seek must finish within
+    `timeout` seconds, as for `_DeadlineReader`."""
+
+    def __init__(self, url: str, timeout: float) -> None:
+        super().__init__(url, timeout, lambda u, t: _as_os_error(u, lambda: _open_fsspec(u, t)))
+
+    def _live(self) -> Any:
+        if self._stream is None:
+            raise StreamStalled(f"{self.url}: the stream was aborted")
+        return self._stream
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        stream = self._live()
+        data = self._call(lambda: _as_os_error(self.url, lambda: stream.read(len(buffer))), "reading")
+        buffer[: len(data)] = data
+        return len(data)
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        stream = self._live()
+        return self._call(lambda: _as_os_error(self.url, lambda: stream.seek(offset, whence)), "seeking")
+
+    def tell(self) -> int:
+        return self._live().tell()  # the position is kept locally: no I/O, nothing to wait for
+
+
+@dataclass(frozen=True)
+class ReadPolicy:
+    """How a reader reads one file: the idle deadline, the retries after a failed attempt and the first wait."""
+
+    timeout: float = READ_TIMEOUT_S
+    retries: int = READ_RETRIES
+    wait_s: float = WAIT_S
+
+
+def open_url(url: str, timeout: float = READ_TIMEOUT_S, read_ahead: bool = False) -> BinaryIO:
+    """A buffered binary stream of `url` (a local file or a remote stream) whose opening and every read have the
+    idle deadline `timeout`: `StreamStalled` when it passes. `read_ahead`: each read starts the next (see
+    `_DeadlineReader`)."""
+    opener = _open_local if is_local(url) else _open_raw
+    return io.BufferedReader(_DeadlineReader(url, timeout, opener, read_ahead), buffer_size=BUFFER)
+
+
+def worth_retrying(url: str, error: BaseException) -> bool:
+    """Whether reading `url` again may help after `error`: a remote error that is not permanent, or a local stall."""
+    if is_local(url):
+        return isinstance(error, StreamStalled)
+    return not is_permanent(error)
+
+
+def _with_retries(action: Callable[[], T], url: str, retries: int, wait_s: float) -> T:
+    """`action()`, repeated after an OSError `retries` times, after `wait_s`, then twice that, ...; an error that
+    retrying cannot help (see `worth_retrying`: a missing file, HTTP 4xx, a local error other than a stall) is raised at
+    once."""
+    attempt = 0
+    while True:
+        try:
+            return action()
+        except OSError as e:
+            if not worth_retrying(url, e) or attempt >= retries:
+                raise
+        _pause(wait_s * 2**attempt)
+        attempt += 1
+
+
+def read_url(url: str, timeout: float = READ_TIMEOUT_S, retries: int = READ_RETRIES, wait_s: float = WAIT_S) -> bytes:
+    """The whole content of a (small) file at `url`; remote reads are retried `retries` times with backoff.
+
+    Raises the last OSError when every attempt failed (FileNotFoundError and HTTP 4xx are not retried).
+    """
+    def read() -> bytes:
+        with open_url(url, timeout) as f:
+            return f.read()
+
+    return _with_retries(read, url, retries, wait_s)
+
+
+def open_seekable(url: str, timeout: float | None = None, retries: int | None = None,
+                  wait_s: float | None = None) -> BinaryIO:
+    """A seekable binary file of `url` (what pyarrow needs for parquet): a local file, or a buffered remote file
+    through fsspec (`http(s)://`, `s3://`, `hf://`, ...) whose opening and every read and seek run under the idle
+    deadline `timeout`, raising `StreamStalled` when it passes. Opening is retried `retries` times with backoff
+    from `wait_s` (as `read_url`); reads are not (see `read_seekable`). None: READ_TIMEOUT_S, READ_RETRIES and WAIT_S as
+    they are when called."""
+    if is_local(url):
+        return open(local_path(url), "rb")
+    limit = READ_TIMEOUT_S if timeout is None else timeout
+    return _with_retries(lambda: io.BufferedReader(_DeadlineSeekable(url, limit), buffer_size=BUFFER), url,
+                         READ_RETRIES if retries is None else retries, WAIT_S if wait_s is None else wait_s)
+
+
+def read_seekable(url: str, read: Callable[[BinaryIO], T], timeout: float | None = None, retries: int | None = None,
+                  wait_s: float | None = None) -> T:
+    """`read(file)` on `url` opened with `open_seekable`; an attempt that fails with an OSError (a stall included)
+    is started again, `retries` times with backoff, as `read_url` does (None: as `open_seekable`). `read` must not
+    have effects that a second attempt would repeat."""
+    def attempt() -> T:
+        with open_seekable(url, timeout, retries=0) as f:
+            return read(f)
+
+    return _with_retries(attempt, url, READ_RETRIES if retries is None else retries, WAIT_S if wait_s is None else wait_s)
+
+
+def read_stream(url: str, read: Callable[[BinaryIO], T], timeout: float | None = None, retries: int | None = None,
+                wait_s: float | None = None, read_ahead: bool = False) -> T:
+    """`read(stream)` on `url` opened with `open_url` (every remote read under the idle deadline `timeout`; with
+    `read_ahead`, each read starts the next); an attempt that fails with an OSError (a stall, a reset, a body
+    shorter than its headers promised) is started again from the beginning, `retries` times with backoff, as
+    `read_url` does (None: READ_TIMEOUT_S, READ_RETRIES and WAIT_S as they are when called). `read` must not have
+    effects that a second attempt would repeat."""
+    limit = READ_TIMEOUT_S if timeout is None else timeout
+
+    def attempt() -> T:
+        with open_url(url, limit, read_ahead) as stream:
+            try:
+                return read(stream)
+            except http.client.HTTPException as e:  # http.client's own type for a cut body: retried as an OSError
+                raise OSError(f"{url}: {type(e).__name__}: {e}") from None
+
+    return _with_retries(attempt, url, READ_RETRIES if retries is None else retries, WAIT_S if wait_s is None else wait_s)
+
+
+def list_folder(url: str, timeout: float | None = None, retries: int | None = None,
+                wait_s: float | None = None) -> list[tuple[str, int | None]]:
+    """The files directly in the remote folder `url` (fsspec `ls`: `s3://`, `gs://`, `hf://`, and `http(s)://`
+    index pages), as (URL, size or None), sorted by URL. The listing runs under the idle deadline `timeout` and is
+    retried `retries` times with backoff (None: as `read_stream`); a folder that does not exist raises
+    FileNotFoundError."""
+    limit = READ_TIMEOUT_S if timeout is None else timeout
+
+    def attempt() -> list[tuple[str, int | None]]:
+        try:
+            import fsspec.core
+
+            fs, root = fsspec.core.url_to_fs(url)
+        except (ImportError, ValueError) as e:  # no backend for the scheme, or an unknown protocol
+            raise RemoteError(f"cannot list {url}: {e}") from None
+        caller = _DaemonCaller()
+        try:
+            entries = caller.call(lambda: _as_os_error(url, lambda: fs.ls(root, detail=True)), limit)
+        except concurrent.futures.TimeoutError:
+            raise StreamStalled(f"{url}: no answer for {limit:g} s while listing") from None
+        finally:
+            caller.stop()
+        found = [(e["name"], e.get("size")) for e in entries if e.get("type") == "file"]
+        return sorted((name if "://" in name else fs.unstrip_protocol(name), size) for name, size in found)
+
+    return _with_retries(attempt, url, READ_RETRIES if retries is None else retries, WAIT_S if wait_s is None else wait_s)
+
+
+def _bounded(fn: Callable[[], Any], timeout: float) -> None:
+    """Run `fn` in a daemon thread and wait for it at most `timeout` seconds; its errors are ignored (clean-up)."""
+    def quiet() -> None:
+        try:
+            fn()
+        except Exception:  # clean-up after a failure: nothing more to report
+            pass
+
+    worker = threading.Thread(target=quiet, daemon=True)
+    worker.start()
+    worker.join(timeout)
+
+
+def _upload_once(path: str, url: str, timeout: float) -> None:
+    import fsspec
+
+    caller = _DaemonCaller()
+    target: Any = None
+
+    def call(fn: Callable[[], Any], doing: str) -> Any:
+        try:
+            return caller.call(fn, timeout)
+        except concurrent.futures.TimeoutError:
+            raise StreamStalled(f"{url}: no progress for {timeout:g} s while {doing}") from None
+
+    try:
+        try:
+            opened = fsspec.open(url, "wb")
+        except (ImportError, ValueError) as e:  # no backend for the scheme, or an unknown protocol
+            raise RemoteError(f"cannot write {url}: {e}") from None
+        target = call(opened.open, "connecting")
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(BUFFER), b""):
+                call(lambda b=block: target.write(b), "writing")
+        call(target.close, "finishing")
+        target = None
+    except (OSError, RemoteError):
+        raise
+    except Exception as e:  # backends raise their own types for network trouble: retried like an OSError
+        raise OSError(f"{url}: {type(e).__name__}: {e}") from None
+    finally:
+        caller.stop()
+        if target is not None:  # abandon the partial object: an aborted multipart upload never becomes visible
+            if hasattr(target, "discard"):
+                _bounded(target.discard, timeout)
+            else:  # stores that show a file while it is written (fsspec's memory store): remove it
+                _bounded(lambda: opened.fs.rm(opened.path), timeout)
+
+
+def upload_file(path: str, url: str, timeout: float = READ_TIMEOUT_S, retries: int = READ_RETRIES,
+                wait_s: float = WAIT_S) -> None:
+    """Copy the local file `path` to `url` through fsspec (`s3://`, `gs://`, `memory://`, ...).
+
+    Opening, every 1 MiB write and the final commit each run under the idle deadline `timeout`; an upload that fails
+    or stalls is abandoned (an unfinished multipart upload is aborted, so object stores never show part of it) and
+    started again, `retries` times with backoff. Raises the last OSError when every attempt failed (a missing
+    bucket or a refused permission is not retried).
+    """
+    _with_retries(lambda: _upload_once(path, url, timeout), url, retries, wait_s)
+
+
+def _list_once(url: str, timeout: float) -> list[tuple[str, int, bool]]:
+    """One attempt of `list_remote`: the listing runs in a daemon thread, waited for at most `timeout` seconds."""
+    try:
+        import fsspec.core
+
+        fs, path = fsspec.core.url_to_fs(url)
+    except (ImportError, ValueError) as e:  # no backend for the scheme, or an unknown protocol
+        raise RemoteError(f"cannot list {url}: {e}") from None
+    pattern = any(c in path for c in "*?[")
+
+    def entries() -> list[tuple[str, int, bool]]:
+        found = fs.glob(path, detail=True) if pattern else fs.ls(path, detail=True)
+        found = found.values() if isinstance(found, dict) else found
+        return [(fs.unstrip_protocol(e["name"]), int(e.get("size") or 0), e.get("type") == "directory")
+                for e in found]
+
+    caller = _DaemonCaller()
+    try:
+        return caller.call(lambda: _as_os_error(url, entries), timeout)
+    except concurrent.futures.TimeoutError:
+        raise StreamStalled(f"{url}: no answer for {timeout:g} s while listing") from None
+    finally:
+        caller.stop()
+
+
+def list_remote(url: str, timeout: float = READ_TIMEOUT_S, retries: int = READ_RETRIES,
+                wait_s: float = WAIT_S) -> list[tuple[str, int, bool]]:
+    """The entries of a remote folder, or what a glob pattern (`*`, `?`, `[`) matches, through fsspec: (URL, size,
+    is a folder) each. The listing runs under the deadline `timeout` and is retried `retries` times with backoff,
+    as `read_url`; a missing folder is an empty list for a pattern and FileNotFoundError otherwise."""
+    return _with_retries(lambda: _list_once(url, timeout), url, retries, wait_s)

@@ -1,0 +1,2 @@
+"""One training run, the same in both stages: its start (start.py), accelerator, run directory, checkpoints,
+preemption, schedule, optimizer, step meter, sample audit, trackers, curves, dry run and Hub upload."""

@@ -1,0 +1,94 @@
+"""One Accelerator per run, and how its global batch is made: processes x micro-batch x accumulation steps."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator, PartialState
+from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration
+
+from vit_mpp.config.sections import ConfigError, TrainConfig
+from vit_mpp.launcher import process_group_kwargs
+from vit_mpp.run.tracking import check_trackers
+
+
+@dataclass(frozen=True)
+class GlobalBatch:
+    """How the global batch is made: processes x micro-batch x accumulation steps."""
+
+    global_batch: int
+    num_processes: int
+    micro_batch: int
+    accum_steps: int
+
+    def describe(self) -> str:
+        return (f"global batch {self.global_batch} = {self.num_processes} process(es) x {self.micro_batch} "
+                f"per device x {self.accum_steps} accumulation step(s)")
+
+
+def split_global_batch(global_batch: int, micro_batch: int | None, num_processes: int) -> GlobalBatch:
+    """Derive per-device batch and accumulation steps from the global batch; fail clearly if they do not divide."""
+    if global_batch % num_processes:
+        raise ConfigError(f"train.batch_size={global_batch} is not divisible by the {num_processes} processes")
+    per_process = global_batch // num_processes
+    micro = micro_batch or per_process
+    if micro <= 0 or per_process % micro:
+        raise ConfigError(f"train.micro_batch_size={micro} does not divide the per-process batch {per_process} "
+                          f"(train.batch_size={global_batch} / {num_processes} processes)")
+    return GlobalBatch(global_batch, num_processes, micro, per_process // micro)
+
+
+def cpu_processes() -> bool:
+    """Whether this run is several CPU processes (`accelerate launch --multi_gpu` on a machine without CUDA).
+
+    Accelerate sets up gloo for them only when told to use the CPU, and the first PartialState fixes the process
+    group for the whole run, so every Accelerator of this tool asks this first.
+    """
+    return not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def make_accelerator(train: TrainConfig) -> tuple[Accelerator, GlobalBatch]:
+    """One Accelerator for a training run, with gradient accumulation derived from the global batch size."""
+    check_trackers(train.trackers)  # a missing package is an error now, not a warning after which nothing is logged
+    cpu = cpu_processes()
+    # The first PartialState makes the process group: its timeout bounds how long a rank waits for a dead peer.
+    state = PartialState(cpu=cpu, **process_group_kwargs(train.collective_timeout_s))
+    batch = split_global_batch(train.batch_size, train.micro_batch_size, state.num_processes)
+    project = ProjectConfiguration(project_dir=train.run_dir, logging_dir=str(Path(train.run_dir) / "logs"))
+    accelerator = Accelerator(
+        cpu=cpu,
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=train.collective_timeout_s))],
+        mixed_precision=train.mixed_precision,
+        gradient_accumulation_steps=batch.accum_steps,
+        log_with=train.trackers or None,
+        project_config=project,
+        step_scheduler_with_optimizer=False,  # the LR is set by hand from the step (see vit_mpp/run/schedule.py)
+    )
+    if cpu and os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and accelerator.is_main_process:
+        # accelerate silently drops FSDP for CPU processes; say so rather than let a user believe it sharded
+        print("warning: FSDP needs CUDA devices; these CPU processes run as plain data parallel (gloo), each "
+              "holding the whole model")
+    return accelerator, batch
+
+
+def make_eval_accelerator(mixed_precision: str, collective_timeout_s: float = 600.0) -> Accelerator:
+    """An Accelerator for evaluation without training, for any process count."""
+    PartialState(cpu=cpu_processes(), **process_group_kwargs(collective_timeout_s))
+    return Accelerator(cpu=cpu_processes(), mixed_precision=mixed_precision)
+
+
+def prepare_model(accelerator: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                  compile: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """`accelerator.prepare` the model and optimizer, then (with `compile`) torch.compile the model in place.
+
+    In place (nn.Module.compile): `torch.compile(model)` would return a wrapper whose state dict keys start with
+    `_orig_mod.`, and the exports would then find no encoder keys.
+    """
+    model, optimizer = accelerator.prepare(model, optimizer)
+    if compile:
+        model.compile()
+    return model, optimizer

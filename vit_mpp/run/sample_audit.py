@@ -1,0 +1,74 @@
+"""The sample audit (`train.record_samples=true`): which samples each rank used at every optimizer step.
+
+    run_dir/samples/rank_<R>.jsonl    {"step": N, "keys": [...], "epochs": [...]} per optimizer step: every sample
+                                      of every accumulation micro-batch of that rank, and the epoch of its set it
+                                      was read in; a mixture adds "sets" (each key's set), and "bad" lists
+                                      undecodable samples that were replaced by another
+
+Users read it to see which images made a loss spike; tests read it to prove that every sample is used once per
+epoch. Lines are buffered and flushed at every checkpoint; a resumed run cuts every rank's file back to its step, as
+metrics.jsonl, including the files of ranks a smaller resumed run no longer has.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from vit_mpp.run.run_dir import rewind_jsonl
+
+AUDIT_DIR = "samples"
+
+
+def audit_file(run_dir: str | Path, rank: int) -> Path:
+    return Path(run_dir) / AUDIT_DIR / f"rank_{rank}.jsonl"
+
+
+class SampleAudit:
+    """Collects the keys of a step's micro-batches (`add`) and writes them as one line (`write`); a no-op when off."""
+
+    def __init__(self, run_dir: str | Path, rank: int, is_main: bool, set_names: list[str], enabled: bool) -> None:
+        self.enabled, self.rank, self.is_main, self.set_names = enabled, rank, is_main, set_names
+        self.path = audit_file(run_dir, rank)
+        self.file: Any = None
+        self._reset()
+
+    def _reset(self) -> None:
+        self.keys: list[str] = []
+        self.epochs: list[int] = []
+        self.sets: list[int] = []
+        self.bad: list[str] = []
+
+    def rewind(self, step: int) -> None:
+        """On the main process, cut every rank's file back to `step` (the other ranks write their first line only
+        after the first step's gradient all-reduce, which waits for the main process)."""
+        if self.enabled and self.is_main and self.path.parent.is_dir():
+            for path in sorted(self.path.parent.glob("rank_*.jsonl")):
+                rewind_jsonl(path, step)
+
+    def add(self, batch: dict[str, Any]) -> None:
+        if self.enabled:
+            self.keys.extend(batch["key"])
+            self.epochs.extend(batch["epoch"])
+            self.sets.extend(batch["set"])
+            self.bad.extend(batch["bad_keys"])
+
+    def write(self, step: int) -> None:
+        if not self.enabled:
+            return
+        record: dict[str, Any] = {"step": step, "keys": self.keys, "epochs": self.epochs}
+        if len(self.set_names) > 1:
+            record["sets"] = [self.set_names[i] for i in self.sets]
+        if self.bad:
+            record["bad"] = self.bad
+        if self.file is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.file = self.path.open("a", buffering=1 << 16)
+        self.file.write(json.dumps(record) + "\n")
+        self._reset()
+
+    def flush(self) -> None:
+        """Push the buffered lines to the file (at checkpoints and at the end)."""
+        if self.file is not None:
+            self.file.flush()

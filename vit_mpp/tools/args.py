@@ -1,0 +1,112 @@
+"""Checks of the command-line values the tools share (predict, evaluate, analysis, `build-shards index --out`):
+`--device` and the outputs (`--out`, `--csv`), made before any model is loaded or image read, so that a mistake is
+one line at the start, not a traceback at the end of the work; and the writing of those outputs, where what no
+check can foresee is one line too."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TextIO
+
+from vit_mpp.config.sections import ConfigError
+from vit_mpp.data.manifest import MANIFEST_NAME
+from vit_mpp.models.export_folder import is_export
+
+
+def check_device(name: str) -> str:
+    """`name` when torch knows it and this machine has it (`cpu`, `cuda`, `cuda:N`, `mps`); a ConfigError otherwise."""
+    import torch
+
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise ConfigError(f"--device {name}: not a device (cpu, cuda, cuda:N, mps)") from None
+    if device.type == "cuda" and (not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()):
+        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        raise ConfigError(f"--device {name}: this machine has {have} CUDA device(s); use --device cpu"
+                          + (f" or cuda:0..cuda:{have - 1}" if have else ""))
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(f"--device {name}: MPS is not available here; use --device cpu")
+    return name
+
+
+def check_writable_place(flag: str, path: Path, folder: Path) -> None:
+    """`folder`, where output `path` goes, or the nearest of its parents that exists, must be a writable folder
+    (the rest is created when the output is written)."""
+    place = folder.absolute()
+    while not place.exists():
+        place = place.parent
+    if not place.is_dir():
+        raise ConfigError(f"{flag} {path}: {place} is a file, not a folder")
+    if not os.access(place, os.W_OK | os.X_OK):  # also a read-only file system, for root too
+        raise ConfigError(f"{flag} {path}: {place} is not writable")
+
+
+def check_distinct_runs(run_dirs: list[str]) -> None:
+    """No run directory named twice (`runs/a` and `runs/a/` are the same run): a table or a figure would show it
+    twice, or one curve would hide the other."""
+    seen: dict[Path, str] = {}
+    for run_dir in run_dirs:
+        where = Path(run_dir).resolve()
+        if where in seen:
+            same = "" if seen[where] == run_dir else f" (as {seen[where]} and {run_dir})"
+            raise ConfigError(f"run directory {run_dir} is named twice{same}: name each run once")
+        seen[where] = run_dir
+
+
+def check_out_file(path: str, flag: str = "--out") -> Path:
+    """An output file written when the work is done: not a folder, and its folder, or the nearest one of its parents
+    that exists, a writable folder."""
+    out = Path(path)
+    if out.is_dir():
+        raise ConfigError(f"{flag} {path} is a folder: give a file name")
+    check_writable_place(flag, out, out.absolute().parent)
+    return out
+
+
+def check_out_folder(out: Path) -> Path:
+    """A folder for a tool's results: new (in a writable place), or an existing, writable folder that is neither an
+    export nor a shard set (results never go into the model's own folder, nor among a data set's shards)."""
+    if out.exists() and (not out.is_dir() or is_export(out) or (out / MANIFEST_NAME).exists()):
+        what = "a file" if not out.is_dir() else "an export" if is_export(out) else f"a shard set ({MANIFEST_NAME})"
+        raise ConfigError(f"--out {out} is {what}: give a folder for the results")
+    check_writable_place("--out", out, out)
+    return out
+
+
+def make_out_folder(out: Path, flag: str = "--out") -> Path:
+    """Create an output folder (a tool's `--out`, a run directory); what no check foresees (a file in the way, a
+    special file system, no space left) is one line too."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise ConfigError(f"{flag} {out} is (or lies under) a file, not a folder") from None
+    except OSError as e:  # no permission, a read-only or special file system (/proc), no space
+        raise ConfigError(f"{flag} {out} cannot be created: {(e.strerror or str(e)).lower()}") from None
+    return out
+
+
+def _cannot_write(path: str | Path, flag: str, error: OSError) -> ConfigError:
+    named = f"{flag} {path}" if flag else str(path)
+    return ConfigError(f"{named} cannot be written: {(error.strerror or str(error)).lower()}")
+
+
+def open_out_file(path: str | Path, flag: str = "--out") -> TextIO:
+    """Open a (checked) output file for writing text, creating its folder; what the checks cannot foresee is one
+    line too."""
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        return open(path, "w", newline="")
+    except OSError as e:
+        raise _cannot_write(path, flag, e) from None
+
+
+def write_out_bytes(path: str | Path, data: bytes, flag: str = "") -> None:
+    """Write an output file whole, creating its folder; a write that fails (no space, a special file system) is one
+    line, naming `flag` where the user gave the path."""
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_bytes(data)
+    except OSError as e:
+        raise _cannot_write(path, flag, e) from None
