@@ -36,7 +36,8 @@ from timm.models.vision_transformer import VisionTransformer
 from analysis import attention_stats as stats
 from analysis import paper_figures
 from vit_mpp.cli import ArgumentParser
-from vit_mpp.config.sections import ConfigError, ModelConfig, img_hw
+from vit_mpp.config.engine import ConfigError
+from vit_mpp.config.sections import ModelConfig, img_hw
 from vit_mpp.data.image_decoder import ImageDecoder, image_bytes
 from vit_mpp.data.image_prep import BadImage, EncodeSettings, prepare_image
 from vit_mpp.data.manifest import load_split

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from vit_mpp.cli import ArgumentParser
-from vit_mpp.config.sections import ConfigError
+from vit_mpp.config.engine import ConfigError
 from vit_mpp.run.curves import plot_curves, read_metrics
 from vit_mpp.tools.args import check_distinct_runs, check_out_file
 from vit_mpp.tools.figures import check_figure_name

@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 
 from vit_mpp.cli import ArgumentParser
-from vit_mpp.config.sections import ConfigError
+from vit_mpp.config.engine import ConfigError
 from vit_mpp.models.export import ExportError, read_export_config
 from vit_mpp.models.export_folder import is_export
 from vit_mpp.progress import format_duration

@@ -27,14 +27,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.loader_bench import make_images  # noqa: E402
 from finetune.augment import RandAugmentU8  # noqa: E402
 from vit_mpp.config.sections import DataConfig  # noqa: E402
+from vit_mpp.data.image_decoder import ImageDecoder  # noqa: E402
 from vit_mpp.data.manifest import load_split  # noqa: E402
-from vit_mpp.data.stream import build_split_loader  # noqa: E402
+from vit_mpp.data.stream import loader_layout, train_split_loader  # noqa: E402
 
 
 def cpu_ms_per_image(shards: Path, args: argparse.Namespace, augment) -> float:
     split, _ = load_split(shards, "train")
     data = DataConfig(num_workers=0, shuffle_buffer=200, crop_scale=[0.08, 1.0])
-    stream, loader = build_split_loader(split, data, args.size, args.batch, augment=augment)
+    stream, loader = train_split_loader(split, data, ImageDecoder.for_training(data, args.size, augment),
+                                        loader_layout(data, args.batch))
     batches = iter(loader)
     start, images = time.process_time(), 0
     for _ in range(stream.batches_per_epoch):

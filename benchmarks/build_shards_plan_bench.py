@@ -40,11 +40,11 @@ CHUNK = 500_000
 CHILD = """
 import json, resource, sys, tempfile, time
 from pathlib import Path
-from data_tools.build.build_plan import BuildPlan
+from data_tools.builder.build_plan import BuildPlan
 from vit_mpp.data.image_prep import EncodeSettings
-from data_tools.build.shard_layout import ONE_MACHINE, ShardLayout
-from data_tools.build.sources.base import SourceSpec
-from data_tools.build.sources.registry import open_source
+from data_tools.builder.shard_layout import ONE_MACHINE, ShardLayout
+from data_tools.builder.sources.base import SourceSpec
+from data_tools.builder.sources.registry import open_source
 
 spec = SourceSpec(sys.argv[1], kind=sys.argv[2])
 times = {}
@@ -77,9 +77,9 @@ import json, resource, sys, tempfile, time
 from pathlib import Path
 import numpy as np
 from vit_mpp.data.image_prep import EncodeSettings
-from data_tools.build.shard_layout import ShardLayout, Parts
-from data_tools.build.plan_parts import PlannedBuild
-from data_tools.build.sources.base import SourceSpec
+from data_tools.builder.shard_layout import ShardLayout, Parts
+from data_tools.builder.plan_parts import PlannedBuild
+from data_tools.builder.sources.base import SourceSpec
 
 spec = SourceSpec(sys.argv[1], kind="list")
 plan_parts, part, num_parts = int(sys.argv[4]), int(sys.argv[2]), int(sys.argv[3])

@@ -25,7 +25,7 @@ CHILD = """
 import json, sys, tempfile, time
 from pathlib import Path
 sys.path.insert(0, sys.argv[1])
-from data_tools.build.catalog import CatalogWriter
+from data_tools.builder.catalog import CatalogWriter
 rows, repeated, runs = int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
 ids = [f"datasets/imagenet21k/train/n{i % 1000:08d}/n{i % 1000:08d}_{i}.JPEG" for i in range(rows)]
 step = int(1 / repeated) if repeated else 0

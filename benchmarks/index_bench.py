@@ -10,8 +10,8 @@ Writes img2dataset-style shards (`KEY.jpg` of about `--image-kib` KiB, `KEY.txt`
 build-shards' own writer (plain ustar headers) or `--writer webdataset`'s TarWriter (as img2dataset writes them: a pax
 header before every member, for its float mtime), then for
 each mode, pool kind and worker count runs the plain loop and the index's reading of every shard
-(`data_tools.index.index_tars.read_shards`: read, group into samples as webdataset does, tally extensions and labels)
-with each of `--readers` (the compiled walker of data_tools/index/tar_walker.py, which needs numba, and the Python reader)
+(`data_tools.indexer.index_tars.read_shards`: read, group into samples as webdataset does, tally extensions and labels)
+with each of `--readers` (the compiled walker of data_tools/indexer/tar_walker.py, which needs numba, and the Python reader)
 `--runs` times, interleaved. Prints MB/s and shards/s (median) of each and its ratio to the plain loop. Modes:
 
 * `cold`: local files dropped from this machine's page cache before every pass (`posix_fadvise(DONTNEED)`), as
@@ -51,10 +51,10 @@ import numpy as np
 import webdataset as wds
 from PIL import Image
 
-from data_tools.build.writer import ShardWriter
-from data_tools.index.count_shard import compiled_available
-from data_tools.index.find_tars import ShardRef
-from data_tools.index.index_tars import IndexOptions, read_shards
+from data_tools.builder.writer import ShardWriter
+from data_tools.indexer.count_shard import compiled_available
+from data_tools.indexer.find_tars import ShardRef
+from data_tools.indexer.index_tars import IndexOptions, read_shards
 from vit_mpp.data import urls
 
 

@@ -39,10 +39,11 @@ from torch.utils.data import DataLoader
 from torchvision.datasets import ImageFolder
 from torchvision.transforms import v2 as T
 
-from data_tools.build.writer import ShardWriter
+from data_tools.builder.writer import ShardWriter
 from vit_mpp.config.sections import DataConfig
+from vit_mpp.data.image_decoder import ImageDecoder
 from vit_mpp.data.manifest import load_split, write_manifest
-from vit_mpp.data.stream import build_split_loader
+from vit_mpp.data.stream import loader_layout, train_split_loader
 
 
 def make_images(root: Path, count: int, width: int, height: int, quality: int, shard_size: int, seed: int) -> None:
@@ -113,7 +114,8 @@ def bench_ours(shards: Path, args: argparse.Namespace) -> tuple[float, int, list
     data = DataConfig(num_workers=args.workers, shuffle_buffer=args.shuffle_buffer, crop_scale=list(args.crop_scale),
                       persistent_workers=True)
     before = {c.pid for c in psutil.Process().children()}
-    stream, loader = build_split_loader(split, data, args.size, args.batch)
+    stream, loader = train_split_loader(split, data, ImageDecoder.for_training(data, args.size),
+                                        loader_layout(data, args.batch))
     return time_loader(loader, stream.batches_per_epoch, before)
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import webdataset as wds
 
-from data_tools.build.writer import ShardWriter
+from data_tools.builder.writer import ShardWriter
 from tests.helpers.servers import serve_directory
 from vit_mpp.data import urls
 

@@ -9,17 +9,17 @@
 
 SOURCE is a class-folder tree, a plain tree of images (`--source-kind unlabelled`), a CSV/JSONL list of paths
 (local or an fsspec URL), or a Hugging Face dataset (`--streaming`: read from its parquet files without a full
-download); see data_tools/build/sources/. OUT is a folder or an fsspec URL (`s3://bucket/shards`). It receives
+download); see data_tools/builder/sources/. OUT is a folder or an fsspec URL (`s3://bucket/shards`). It receives
 `train-000000.tar ...`, `val-000000.tar ...` (named by range), `_info.json` (the manifest and commit point; timm's
 `wds/` schema, extended), `failures.jsonl` (inputs not used, with reasons) and `_journal*.jsonl` (finished ranges,
 for resuming). Re-running the same command after an interruption finishes the build; docs/build_shards.md has the
 details.
 
 `build-shards index` writes a manifest for webdataset tars that already exist (img2dataset output, timm's `*-wds`
-sets), so they train as they are (data_tools/index/index_tars.py).
+sets), so they train as they are (data_tools/indexer/index_tars.py).
 
 This module is the command line only (parsing, the `merge`, `inspect` and `index` sub-commands, signals, exit
-statuses); the build itself is data_tools/build/build_shards.py `build`. No module of data_tools imports this one.
+statuses); the build itself is data_tools/builder/build_shards.py `build`. No module of data_tools imports this one.
 """
 
 from __future__ import annotations
@@ -36,14 +36,14 @@ from typing import Any
 from PIL import Image
 
 from data_tools import inspect_shards
-from data_tools.build import merge
-from data_tools.build.build_shards import build
-from data_tools.build.shard_layout import Parts, ShardLayout
-from data_tools.build.sources.base import REPEATED_ROWS, UNLABELLED_ROWS, SourceSpec
-from data_tools.build.sources.registry import KINDS
-from data_tools.index import count_shard as shard_index
-from data_tools.index import index_tars as index_shards
-from data_tools.index.index_tars import IndexOptions
+from data_tools.builder import merge
+from data_tools.builder.build_shards import build
+from data_tools.builder.shard_layout import Parts, ShardLayout
+from data_tools.builder.sources.base import REPEATED_ROWS, UNLABELLED_ROWS, SourceSpec
+from data_tools.builder.sources.registry import KINDS
+from data_tools.indexer import count_shard as shard_index
+from data_tools.indexer import index_tars as index_shards
+from data_tools.indexer.index_tars import IndexOptions
 from data_tools.stops import BuildStopped, Interrupted
 from data_tools.store import open_store
 from vit_mpp.cli import ArgumentParser, run_main

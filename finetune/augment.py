@@ -26,7 +26,8 @@ from timm.data.random_erasing import RandomErasing
 from torchvision.transforms.v2.functional import pil_to_tensor
 
 from finetune.config import AugmentConfig
-from vit_mpp.config.sections import ConfigError, img_hw
+from vit_mpp.config.engine import ConfigError
+from vit_mpp.config.sections import img_hw
 
 GRAY = (0.299, 0.587, 0.114)  # ITU-R 601 luma, as torchvision's rgb_to_grayscale
 

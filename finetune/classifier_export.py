@@ -14,11 +14,11 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 
-from finetune.config import FinetuneConfig
 from vit_mpp.config.sections import ExportConfig, ModelConfig
 from vit_mpp.models.export import write_export
 from vit_mpp.models.pretrained import describe_checkpoint, hub_model_id
 from vit_mpp.run.hub import publish
+from vit_mpp.run.start import Run
 
 
 @dataclass
@@ -35,20 +35,19 @@ class ClassifierExporter:
     record: dict[str, Any]  # {"finetune": {...}, "data": {...}, and "pretrain": {...} from the init export}
 
     @classmethod
-    def for_run(cls, accelerator: Accelerator, cfg: FinetuneConfig, model_cfg: ModelConfig, num_classes: int,
-                mean: tuple[float, ...], std: tuple[float, ...], class_names: list[str] | None,
-                data: dict[str, Any], peak_lr: float) -> ClassifierExporter:
+    def for_run(cls, run: Run, model_cfg: ModelConfig, mean: tuple[float, ...], std: tuple[float, ...],
+                peak_lr: float) -> ClassifierExporter:
         """The exporter of a fine-tuning run, recording its recipe, its training data (`data`), the Hub model it
         started from (`base_model`) and the pretraining recipe of the export it started from, carried on."""
-        tc = cfg.train
+        cfg, tc, (num_classes, class_names) = run.cfg, run.cfg.train, run.data_check
         record = {"finetune": {"init": cfg.init.checkpoint, "base_model": hub_model_id(cfg.init.checkpoint),
                                "mode": tc.mode, "epochs": tc.epochs, "batch_size": tc.batch_size,
                                "optimizer": cfg.optim.name, "lr": peak_lr, "ema_decay": tc.ema_decay},
-                  "data": {**data, "val_split": cfg.data.val_split}}
+                  "data": {**run.data.record(), "val_split": cfg.data.val_split}}
         pretrained = pretrain_record(cfg.init.checkpoint, cfg.init.kind)
         if pretrained:
             record["pretrain"] = pretrained
-        return cls(accelerator, model_cfg, num_classes, mean, std, cfg.data.eval_crop_pct, class_names,
+        return cls(run.accelerator, model_cfg, num_classes, mean, std, cfg.data.eval_crop_pct, class_names,
                    record=record)
 
     def write(self, net: torch.nn.Module, out_dir: Path, step: int, metrics: dict[str, Any], ema: bool = False) -> None:

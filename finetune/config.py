@@ -6,21 +6,8 @@ import re
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
-from vit_mpp.config.engine import section
-from vit_mpp.config.sections import (
-    ARCH_KEYS,
-    Check,
-    DataConfig,
-    ExportConfig,
-    ModelConfig,
-    OptimConfig,
-    TrainConfig,
-    above,
-    at_least,
-    between,
-    items,
-    opt,
-)
+from vit_mpp.config.engine import Check, above, at_least, between, items, opt, section
+from vit_mpp.config.sections import ARCH_KEYS, DataConfig, ExportConfig, ModelConfig, OptimConfig, TrainConfig
 from vit_mpp.data.labels import MAX_CLASSES
 
 DESCRIPTION = "Fine-tuning a ViT encoder into a classifier (the paper's rule: zero head, resized position embeddings)."

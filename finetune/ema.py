@@ -14,7 +14,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 from timm.utils import ModelEmaV3
 
-from vit_mpp.config.sections import ConfigError
+from vit_mpp.config.engine import ConfigError
 
 
 def build_ema(accelerator: Accelerator, model: torch.nn.Module, decay: float) -> ModelEmaV3 | None:

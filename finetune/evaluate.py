@@ -25,9 +25,11 @@ from typing import Any
 
 from finetune.scoring import evaluate, per_class_accuracy, write_confusion
 from vit_mpp.cli import ArgumentParser, run_main
-from vit_mpp.config.sections import ConfigError, DataConfig
+from vit_mpp.config.engine import ConfigError
+from vit_mpp.config.sections import DataConfig
+from vit_mpp.data.image_decoder import ImageDecoder
 from vit_mpp.data.manifest import check_every_sample_labelled, load_split, manifest_classes
-from vit_mpp.data.stream import build_eval_loader
+from vit_mpp.data.stream import eval_split_loader, loader_layout
 from vit_mpp.models.pretrained import Pretrained, load_classifier, results_folder
 from vit_mpp.progress import progress
 from vit_mpp.run.accelerator import make_eval_accelerator
@@ -112,8 +114,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                           f"{accelerator.num_processes} process(es), batch {args.batch_size} each, and write "
                           f"evaluation.json and confusion_matrix.png to {out}")
         return {}
-    _, loader = build_eval_loader(split, data, pre.model.img_size, args.batch_size, rank=accelerator.process_index,
-                                  world_size=accelerator.num_processes, num_classes=pre.num_classes)
+    loader = eval_split_loader(split, data, ImageDecoder.for_evaluation(data, pre.model.img_size),
+                               loader_layout(data, args.batch_size, accelerator.num_processes),
+                               rank=accelerator.process_index, num_classes=pre.num_classes)
     model.to(accelerator.device)
     shown = progress("evaluating", split.num_samples) if accelerator.is_main_process else \
         contextlib.nullcontext(lambda n: None)

@@ -12,8 +12,8 @@ from timm.models.vision_transformer import VisionTransformer
 
 from finetune.config import InitConfig
 from finetune.modes import freeze_encoder
-from vit_mpp.config.engine import given_keys, replaced
-from vit_mpp.config.sections import ARCH_KEYS, ConfigError, ModelConfig
+from vit_mpp.config.engine import ConfigError, given_keys, replaced
+from vit_mpp.config.sections import ARCH_KEYS, ModelConfig
 from vit_mpp.models.pretrained import build_model, describe_checkpoint, look_at_weights_file, read_pretrained
 from vit_mpp.models.vit import architecture, create_vit, norm_stats
 

@@ -10,15 +10,16 @@ import torch.nn.functional as F
 from timm.loss import SoftTargetCrossEntropy
 
 from finetune.augment import build_mixup, build_random_erasing, color_jitter
-from finetune.config import AugmentConfig
+from finetune.config import FinetuneConfig
 from vit_mpp.data.stream import normalize
 
 
 class ClassificationObjective:
     """`objective(model, batch)` -> {"loss", "metrics": {"acc"}} for a uint8 batch on the device."""
 
-    def __init__(self, aug: AugmentConfig, num_classes: int, label_smoothing: float, micro_batch: int,
-                 device: torch.device, mean: tuple[float, ...], std: tuple[float, ...]) -> None:
+    def __init__(self, cfg: FinetuneConfig, num_classes: int, micro_batch: int, device: torch.device,
+                 mean: tuple[float, ...], std: tuple[float, ...]) -> None:
+        aug, label_smoothing = cfg.augment, cfg.train.label_smoothing
         self.aug, self.label_smoothing, self.mean, self.std = aug, label_smoothing, mean, std
         self.mixup = build_mixup(aug, num_classes, label_smoothing, micro_batch)  # None when off
         self.erasing = build_random_erasing(aug, device)  # None when off

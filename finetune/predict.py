@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from vit_mpp.cli import ArgumentParser, run_main
-from vit_mpp.config.sections import ConfigError
+from vit_mpp.config.engine import ConfigError
 from vit_mpp.data.image_decoder import ImageDecoder
 from vit_mpp.data.image_formats import IMAGE_EXTENSIONS, is_image_file
 from vit_mpp.data.image_prep import BadImage, EncodeSettings, prepare_image

@@ -9,19 +9,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
-from vit_mpp.config.engine import section
-from vit_mpp.config.sections import (
-    ARCH_KEYS,
-    DataConfig,
-    ExportConfig,
-    ModelConfig,
-    OptimConfig,
-    TrainConfig,
-    above,
-    at_least,
-    between,
-    opt,
-)
+from vit_mpp.config.engine import above, at_least, between, opt, section
+from vit_mpp.config.sections import ARCH_KEYS, DataConfig, ExportConfig, ModelConfig, OptimConfig, TrainConfig
 
 DESCRIPTION = "Masked patch prediction pretraining of a timm ViT."
 

@@ -19,23 +19,19 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from accelerate import Accelerator
 from timm.models.vision_transformer import VisionTransformer
 
-from pretrain.config import KnnConfig
-from vit_mpp.config.sections import DataConfig
 from vit_mpp.data.manifest import Split
-from vit_mpp.data.stream import build_eval_loader, normalize, to_device
+from vit_mpp.data.stream import normalize, to_device
+from vit_mpp.run.start import Run
 
 
 @torch.no_grad()
-def features(accelerator: Accelerator, encoder: VisionTransformer, split: Split, data: DataConfig,
-             img_size: int | list[int], batch_size: int, limit: int, mean: tuple[float, ...], std: tuple[float, ...],
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def features(run: Run, encoder: VisionTransformer, split: Split, limit: int, mean: tuple[float, ...],
+             std: tuple[float, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """([class] features (N, D), patch-mean features (N, D), labels (N,)) of the first `limit` images of `split`,
     gathered from every process (each image once)."""
-    _, loader = build_eval_loader(split, data, img_size, batch_size, rank=accelerator.process_index,
-                                  world_size=accelerator.num_processes, limit=limit)
+    accelerator, loader = run.accelerator, run.eval_loader(split, limit=limit)
     cls, avg, labels, valid = [], [], [], []
     for batch in loader:
         batch = to_device(batch, accelerator.device)
@@ -50,30 +46,32 @@ def features(accelerator: Accelerator, encoder: VisionTransformer, split: Split,
     return gathered[0][keep], gathered[1][keep], gathered[2][keep]
 
 
+CHUNK = 1024  # queries at a time: bounds the (chunk, N) similarity matrix
+
+
 def knn_top1(ref: torch.Tensor, ref_labels: torch.Tensor, query: torch.Tensor, query_labels: torch.Tensor, k: int,
-             temperature: float, chunk: int = 1024) -> float:
+             temperature: float) -> float:
     """Top-1 accuracy of weighted k-NN voting with cosine similarity (DINO's rule)."""
     num_classes = int(max(ref_labels.max(), query_labels.max())) + 1
     ref = F.normalize(ref, dim=1)  # (N, D)
     k = min(k, ref.shape[0])
     correct = 0
-    for start in range(0, query.shape[0], chunk):  # bounds the (chunk, N) similarity matrix
-        q = F.normalize(query[start:start + chunk], dim=1)  # (Q, D)
+    for start in range(0, query.shape[0], CHUNK):
+        q = F.normalize(query[start:start + CHUNK], dim=1)  # (Q, D)
         sims, idx = (q @ ref.T).topk(k, dim=1)  # (Q, k)
         votes = F.one_hot(ref_labels[idx], num_classes).float() * (sims / temperature).exp().unsqueeze(-1)
-        correct += int((votes.sum(dim=1).argmax(dim=1) == query_labels[start:start + chunk]).sum())
+        correct += int((votes.sum(dim=1).argmax(dim=1) == query_labels[start:start + CHUNK]).sum())
     return correct / max(1, query.shape[0])
 
 
-def knn_monitor(accelerator: Accelerator, encoder: VisionTransformer, ref_split: Split, val_split: Split,
-                data: DataConfig, img_size: int | list[int], batch_size: int, knn: KnnConfig,
-                mean: tuple[float, ...], std: tuple[float, ...]) -> dict[str, float] | None:
-    """`knn_top1_cls` and `knn_top1_avg`, or None when either split is unlabelled. Leaves the encoder in eval mode."""
+def knn_monitor(run: Run, encoder: VisionTransformer, ref_split: Split, mean: tuple[float, ...],
+                std: tuple[float, ...]) -> dict[str, float] | None:
+    """`knn_top1_cls` and `knn_top1_avg` of the run's validation split against `ref_split`, or None when either is
+    unlabelled. Leaves the encoder in eval mode."""
+    knn = run.cfg.knn
     encoder.eval()
-    ref_cls, ref_avg, ref_y = features(accelerator, encoder, ref_split, data, img_size, batch_size, knn.train_images,
-                                       mean, std)
-    val_cls, val_avg, val_y = features(accelerator, encoder, val_split, data, img_size, batch_size, knn.val_images,
-                                       mean, std)
+    ref_cls, ref_avg, ref_y = features(run, encoder, ref_split, knn.train_images, mean, std)
+    val_cls, val_avg, val_y = features(run, encoder, run.data.val_split, knn.val_images, mean, std)
     if not len(ref_y) or not len(val_y) or ref_y.min() < 0 or val_y.min() < 0:
         return None  # unlabelled (label -1): no classes to vote for
     return {"knn_top1_cls": knn_top1(ref_cls, ref_y, val_cls, val_y, knn.k, knn.temperature),

@@ -17,7 +17,7 @@ from torch import nn
 
 from pretrain import targets as tg
 from pretrain.config import MPPConfig
-from vit_mpp.config.sections import ConfigError
+from vit_mpp.config.engine import ConfigError
 from vit_mpp.models.vit import patch_size
 
 MASK, RANDOM, KEEP = 0, 1, 2

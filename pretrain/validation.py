@@ -9,12 +9,11 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 
-from pretrain.config import KnnConfig
 from pretrain.knn import knn_monitor
 from pretrain.mpp import MaskedPatchPrediction
-from vit_mpp.config.sections import DataConfig
-from vit_mpp.data.manifest import Split
+from vit_mpp.data.manifest import load_split
 from vit_mpp.data.stream import to_device
+from vit_mpp.run.start import Run
 
 
 @torch.no_grad()
@@ -44,22 +43,24 @@ class Validation:
     """`validation(model)`: the MPP validation, plus the k-NN monitor while the shards carry labels (it turns itself
     off, saying so once, when they do not). Every process calls it: its reductions are collective."""
 
-    def __init__(self, accelerator: Accelerator, loader: Any, val_split: Split, knn_split: Split | None,
-                 data: DataConfig, img_size: int | list[int], micro_batch: int, knn: KnnConfig,
-                 mean: tuple[float, ...], std: tuple[float, ...], seed: int) -> None:
-        self.accelerator, self.loader, self.val_split, self.knn_split = accelerator, loader, val_split, knn_split
-        self.data, self.img_size, self.micro_batch, self.knn = data, img_size, micro_batch, knn
-        self.mean, self.std, self.seed = mean, std, seed
+    def __init__(self, run: Run, mean: tuple[float, ...], std: tuple[float, ...]) -> None:
+        cfg = run.cfg
+        self.run, self.mean, self.std = run, mean, std
+        self.loader = run.eval_loader(run.data.val_split)
+        # The k-NN monitor's labelled references (pretrain/knn.py) come from the set evaluation reads.
+        self.knn_split = None
+        if cfg.knn.train_images:
+            self.knn_split = load_split(run.data.val_location, cfg.knn.train_split or cfg.data.train_split)[0]
 
     def __call__(self, model: torch.nn.Module) -> dict[str, float]:
-        mpp = self.accelerator.unwrap_model(model)
-        result = mpp_validation(self.accelerator, mpp, self.loader, self.seed)
+        accelerator = self.run.accelerator
+        mpp = accelerator.unwrap_model(model)
+        result = mpp_validation(accelerator, mpp, self.loader, self.run.cfg.train.seed)
         if self.knn_split is not None:
-            knn = knn_monitor(self.accelerator, mpp.encoder, self.knn_split, self.val_split, self.data, self.img_size,
-                              self.micro_batch, self.knn, self.mean, self.std)
+            knn = knn_monitor(self.run, mpp.encoder, self.knn_split, self.mean, self.std)
             model.train()
             if knn is None:
-                self.accelerator.print("note: the k-NN monitor is off: the shards carry no labels")
+                accelerator.print("note: the k-NN monitor is off: the shards carry no labels")
                 self.knn_split = None
             else:
                 result.update(knn)

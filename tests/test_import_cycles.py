@@ -3,7 +3,7 @@
 Every `import` and `from ... import` counts, at any depth (inside a function too), when it names a module of the
 packages checked; `from package import name` counts as an import of `package.name` when that is a module. A package
 `__init__` that re-exports its submodules is not taken as imported by them (their own imports name the module they
-use, e.g. `data_tools.build.sources.base`, never the package).
+use, e.g. `data_tools.builder.sources.base`, never the package).
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def test_the_cycle_finder_finds_cycles():
 def test_no_import_cycle():
     known = module_files(PACKAGES)
     graph = {name: imported_modules(name, path, known) for name, path in known.items()}
-    assert len(graph) > 40 and graph["data_tools.build.build_shards"]  # the walk found the modules and their imports
+    assert len(graph) > 40 and graph["data_tools.builder.build_shards"]  # the walk found the modules and their imports
     cycles = find_cycles(graph)
     assert not cycles, "import cycles: " + "; ".join(
         " <-> ".join(c) + " (" + ", ".join(f"{m} imports {sorted(graph[m] & set(c))}" for m in c) + ")"

@@ -12,7 +12,7 @@ from analysis.analyze import default_out
 from analysis.analyze import main as analyze_main
 from finetune.evaluate import default_out as eval_out
 from tests.helpers.models import SMALL_MODEL, write_encoder_export
-from vit_mpp.config.sections import ConfigError
+from vit_mpp.config.engine import ConfigError
 from vit_mpp.models.vit import create_vit
 from vit_mpp.run.hub import draw_figures
 

@@ -13,8 +13,8 @@ import pytest
 from analysis.run_table import columns, run_row, terminal_table
 from analysis.run_table import main as summary_main
 from finetune.config import FinetuneConfig
+from pretrain.__main__ import main as pretrain_main
 from pretrain.config import PretrainConfig
-from pretrain.train import main as pretrain_main
 from tests.helpers.processes import run_module
 from vit_mpp.cli import run_main
 from vit_mpp.config.engine import load_config, save_config

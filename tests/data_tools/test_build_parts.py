@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from data_tools.build.shard_layout import range_bounds, split_ranges
-from data_tools.build.shuffle import Shuffle
+from data_tools.builder.shard_layout import range_bounds, split_ranges
+from data_tools.builder.shuffle import Shuffle
 from data_tools.cli import main as build_main
 from tests.helpers.build import make_tree, one_line_error, result_files
 from tests.helpers.processes import REPO

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from data_tools.build.shard_ranges import sample_files
-from data_tools.build.sources.base import Item
-from data_tools.build.writer import ShardWriter
+from data_tools.builder.shard_ranges import sample_files
+from data_tools.builder.sources.base import Item
+from data_tools.builder.writer import ShardWriter
 from data_tools.cli import main as build_main
 from data_tools.demo_images import generate
 

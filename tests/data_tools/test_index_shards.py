@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 from data_tools.cli import main as build_main
-from finetune.train import main as finetune_main
-from pretrain.train import main as pretrain_main
+from finetune.__main__ import main as finetune_main
+from pretrain.__main__ import main as pretrain_main
 from tests.helpers.processes import REPO, ctrl_c_enabled, interrupt_paused, subprocess_env
 from tests.helpers.servers import FaultyHandler, serve_directory, serve_faulty
 from tests.helpers.shards import add, img2dataset_folder, jpeg, timm_style_folder

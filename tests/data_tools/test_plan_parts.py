@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from data_tools.build.plan_parts import assign_files
-from data_tools.build.sources import lists
-from data_tools.build.sources.list_files import ListFile, resolve_list_files
+from data_tools.builder.plan_parts import assign_files
+from data_tools.builder.sources import lists
+from data_tools.builder.sources.list_files import ListFile, resolve_list_files
 from data_tools.cli import main as build_main
 from tests.helpers.build import one_line_error, result_files, write_list
 from tests.helpers.shards import image_bytes

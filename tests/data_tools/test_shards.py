@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from data_tools.build.writer import ShardWriter
+from data_tools.builder.writer import ShardWriter
 from tests.helpers.build import samples as read_all
 
 

@@ -1,4 +1,4 @@
-"""The compiled walker of `build-shards index` (data_tools/index/tar_walker.py) gives what the Python reader gives, on
+"""The compiled walker of `build-shards index` (data_tools/indexer/tar_walker.py) gives what the Python reader gives, on
 every kind of member, label and damage, however the stream is cut into pieces; it leaves to the Python reader
 only what it does not cover, and reads the common shards itself. Also the read-ahead stream it reads through
 (vit_mpp/data/urls.py): the same bytes, the same deadline, and a close that does not wait for a stalled read."""
@@ -18,17 +18,17 @@ import pytest
 import webdataset as wds
 
 from data_tools.cli import main as build_main
-from data_tools.index import count_shard as shard_index
-from data_tools.index import index_tars as index_shards
-from data_tools.index.count_shard import ShardIndex, _scan, index_shard
-from data_tools.index.find_tars import ShardRef
-from data_tools.index.index_tars import AUTO_COMPILED_BYTES, IndexOptions, check_reader, chosen_reader
+from data_tools.indexer import count_shard as shard_index
+from data_tools.indexer import index_tars as index_shards
+from data_tools.indexer.count_shard import ShardIndex, _scan, index_shard
+from data_tools.indexer.find_tars import ShardRef
+from data_tools.indexer.index_tars import AUTO_COMPILED_BYTES, IndexOptions, check_reader, chosen_reader
 from tests.helpers.servers import FaultyHandler, serve_faulty
 from tests.helpers.shards import make_tar
 from vit_mpp.data import urls
 
 pytest.importorskip("numba")
-from data_tools.index import tar_walker as tar_count  # noqa: E402  (after the skip: it is only usable with numba)
+from data_tools.indexer import tar_walker as tar_count  # noqa: E402  (after the skip: it is only usable with numba)
 
 
 def tar_of(members: list[tuple[str, bytes] | tarfile.TarInfo], fmt: int = tarfile.USTAR_FORMAT) -> bytes:

@@ -10,8 +10,8 @@ from safetensors.torch import save_file
 from finetune.config import FinetuneConfig, InitConfig
 from finetune.init_model import build_classifier
 from tests.helpers.models import SMALL, write_encoder_export
-from vit_mpp.config.engine import load_config
-from vit_mpp.config.sections import ConfigError, ModelConfig
+from vit_mpp.config.engine import ConfigError, load_config
+from vit_mpp.config.sections import ModelConfig
 from vit_mpp.models.export import ExportError, strip_prefix
 from vit_mpp.models.pretrained import CheckpointError, checkpoint_kind, read_state_dict, resize_pos_embed
 from vit_mpp.models.vit import create_vit

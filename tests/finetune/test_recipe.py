@@ -17,18 +17,18 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from finetune import evaluate
+from finetune.__main__ import main
 from finetune.augment import RandAugmentU8, build_random_erasing
 from finetune.config import AugmentConfig, FinetuneConfig, InitConfig
 from finetune.ema import build_ema
 from finetune.init_model import build_classifier
-from finetune.train import main
+from tests.helpers.loaders import split_loader
 from tests.helpers.runs import read_metrics, run_tiny_finetune
 from tests.helpers.shards import png_bytes
-from vit_mpp.config.engine import load_config
-from vit_mpp.config.sections import ConfigError, DataConfig, ModelConfig
+from vit_mpp.config.engine import ConfigError, load_config
+from vit_mpp.config.sections import DataConfig, ModelConfig
 from vit_mpp.data.image_decoder import ImageDecoder
 from vit_mpp.data.manifest import load_split
-from vit_mpp.data.stream import build_split_loader
 from vit_mpp.models.export import read_export
 
 
@@ -89,7 +89,7 @@ class Invert:
 
 def first_batch(split, augment=None, workers: int = 1) -> torch.Tensor:
     data = DataConfig(num_workers=workers, shuffle_buffer=0)
-    _, loader = build_split_loader(split, data, 24, 8, augment=augment)
+    _, loader = split_loader(split, data, 24, 8, augment=augment)
     torch.manual_seed(0)  # the workers' seeds derive from it: the same crops in both loaders
     return next(iter(loader))["image"]
 
@@ -98,7 +98,7 @@ def test_the_augmentation_runs_in_the_workers_after_the_crop_and_only_for_traini
     split, _ = load_split(shards, "train")
     plain = first_batch(split)
     assert torch.equal(first_batch(split, augment=Invert()), 255 - plain)
-    # Evaluation loaders take no augmentation at all (build_eval_loader), and a decoder for evaluation drops one.
+    # Evaluation loaders take no augmentation at all (vit_mpp/run/start.py Run.eval_loader), and a decoder for evaluation drops one.
     assert ImageDecoder(24, train=False, augment=Invert()).augment is None
     data = png_bytes(np.random.default_rng(0), 24)
     assert ImageDecoder(24, train=True, augment=RandAugmentU8("rand-m9", 24, (0.5,) * 3))(data).dtype == torch.uint8

@@ -19,7 +19,8 @@ from finetune.config import AugmentConfig, FinetuneOptimConfig
 from tests.helpers.build import samples as shard_samples
 from tests.helpers.runs import read_metrics, run_tiny_finetune
 from tests.helpers.shards import png_bytes
-from vit_mpp.config.sections import ConfigError, ModelConfig
+from vit_mpp.config.engine import ConfigError
+from vit_mpp.config.sections import ModelConfig
 from vit_mpp.data.image_decoder import ImageDecoder
 from vit_mpp.data.manifest import load_split
 from vit_mpp.models.export import read_export

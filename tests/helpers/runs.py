@@ -13,7 +13,7 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
 
 def run_tiny_pretrain(shards: str | Path, run_dir: str | Path, *overrides: str) -> None:
     """configs/pretrain/tiny.yaml in this process, on `shards`, without loader workers; `overrides` win."""
-    from pretrain.train import main
+    from pretrain.__main__ import main
 
     main(["--config", "configs/pretrain/tiny.yaml", f"data.shards={shards}", f"train.run_dir={run_dir}",
           "data.num_workers=0", *overrides])
@@ -22,7 +22,7 @@ def run_tiny_pretrain(shards: str | Path, run_dir: str | Path, *overrides: str) 
 def run_tiny_finetune(shards: str | Path, run_dir: str | Path, init: str | Path, *overrides: str) -> None:
     """configs/finetune/tiny.yaml in this process, from the checkpoint `init`, without loader workers; `overrides`
     win."""
-    from finetune.train import main
+    from finetune.__main__ import main
 
     main(["--config", "configs/finetune/tiny.yaml", f"data.shards={shards}", f"train.run_dir={run_dir}",
           f"init.checkpoint={init}", "data.num_workers=0", *overrides])

@@ -17,7 +17,7 @@ import numpy as np
 import webdataset as wds
 from PIL import Image
 
-from data_tools.build.writer import ShardWriter
+from data_tools.builder.writer import ShardWriter
 from vit_mpp.data.manifest import write_manifest
 
 UNDECODABLE = b"not an image"

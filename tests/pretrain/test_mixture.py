@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from data_tools.cli import main as build_main
-from pretrain.train import main as pretrain_main
+from pretrain.__main__ import main as pretrain_main
 from tests.helpers.processes import REPO, subprocess_env
 from tests.helpers.runs import read_metrics
 from tests.helpers.shards import img2dataset_folder

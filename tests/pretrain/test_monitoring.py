@@ -16,7 +16,7 @@ from tests.helpers.processes import in_process
 from tests.helpers.runs import read_metrics, run_tiny_pretrain
 from tests.helpers.shards import write_shard_set
 from vit_mpp.cli import run_main
-from vit_mpp.config.sections import ConfigError
+from vit_mpp.config.engine import ConfigError
 from vit_mpp.tools.figures import plt, save_figure
 
 

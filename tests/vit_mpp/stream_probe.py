@@ -19,8 +19,9 @@ from pathlib import Path
 import torch
 
 from vit_mpp.config.sections import DataConfig, TrainConfig
+from vit_mpp.data.image_decoder import ImageDecoder
 from vit_mpp.data.manifest import load_split
-from vit_mpp.data.stream import build_eval_loader, build_split_loader
+from vit_mpp.data.stream import eval_split_loader, loader_layout, train_split_loader
 from vit_mpp.run.accelerator import make_accelerator
 
 
@@ -29,7 +30,8 @@ def probe(accelerator, shards: str, workers: int, batch: int, epochs: int, seed:
     rank, world = accelerator.process_index, accelerator.num_processes
     data = DataConfig(num_workers=workers, shuffle_buffer=4)
     train_split, _ = load_split(shards, "train")
-    _, loader = build_split_loader(train_split, data, 8, batch, rank=rank, world_size=world, seed=seed)
+    _, loader = train_split_loader(train_split, data, ImageDecoder.for_training(data, 8),
+                                   loader_layout(data, batch, world), rank=rank, seed=seed)
     batches = iter(loader)
     steps = epochs * train_split.num_samples // (world * batch)
     keys: dict[int, list[str]] = {}  # epoch -> keys this rank read in it
@@ -43,7 +45,8 @@ def probe(accelerator, shards: str, workers: int, batch: int, epochs: int, seed:
     train = [{"keys": keys.get(e, []), "steps_all_ranks": steps_all} for e in range(epochs)]
 
     val_split, _ = load_split(shards, "val")
-    _, val_loader = build_eval_loader(val_split, data, 8, batch, rank=rank, world_size=world)
+    val_loader = eval_split_loader(val_split, data, ImageDecoder.for_evaluation(data, 8), loader_layout(data, batch, world),
+                                   rank=rank)
     val_keys, val_batches = [], 0
     totals = torch.zeros(3, device=accelerator.device)  # valid samples, label sum, label == 0 hits
     labels_all = []

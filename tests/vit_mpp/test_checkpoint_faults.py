@@ -14,9 +14,9 @@ from PIL import Image
 from safetensors.torch import save_file
 
 from analysis.analyze import main as analyze_main
+from finetune.__main__ import main as finetune_main
 from finetune.predict import main as predict_main
-from finetune.train import main as finetune_main
-from pretrain.train import main as pretrain_main
+from pretrain.__main__ import main as pretrain_main
 from tests.helpers.models import SMALL_MODEL
 from tests.helpers.runs import read_metrics
 from tests.helpers.shards import write_shard_set

@@ -36,7 +36,7 @@ def test_under_a_launcher_the_main_rank_prints_and_a_silent_rank_speaks_only_if_
     # A rank other than the main one waits: the launcher normally ends it once the main one has printed. If it was
     # not ended (the main one did not meet the error), it prints the line itself, so a line always appears.
     from vit_mpp import cli
-    from vit_mpp.config.sections import ConfigError
+    from vit_mpp.config.engine import ConfigError
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", rank)
@@ -56,10 +56,10 @@ def _entry_points():
     from analysis.run_table import main as summary
     from data_tools.cli import main as build_shards
     from data_tools.demo_images import main as demo_images
+    from finetune.__main__ import main as finetune
     from finetune.evaluate import main as evaluate
     from finetune.predict import main as predict
-    from finetune.train import main as finetune
-    from pretrain.train import main as pretrain
+    from pretrain.__main__ import main as pretrain
 
     return {"pretrain": pretrain, "finetune": finetune, "python -m finetune.evaluate": evaluate,
             "python -m finetune.predict": predict, "python -m analysis": analyze, "python -m analysis plot": plot,

@@ -9,8 +9,16 @@ import pytest
 
 from finetune.config import FinetuneConfig
 from pretrain.config import PretrainConfig
-from vit_mpp.config.engine import given_keys, is_dry_run, load_config, parse_args, read_yaml, replaced, to_dict
-from vit_mpp.config.sections import ConfigError
+from vit_mpp.config.engine import (
+    ConfigError,
+    given_keys,
+    is_dry_run,
+    load_config,
+    parse_args,
+    read_yaml,
+    replaced,
+    to_dict,
+)
 
 
 def test_defaults_follow_the_paper_recipe():

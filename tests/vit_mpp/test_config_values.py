@@ -12,8 +12,7 @@ import pytest
 
 from finetune.config import FinetuneConfig
 from pretrain.config import PretrainConfig
-from vit_mpp.config.engine import given_keys, load_config, save_config
-from vit_mpp.config.sections import ConfigError
+from vit_mpp.config.engine import ConfigError, given_keys, load_config, save_config
 
 STAGES = {"pretrain": PretrainConfig, "finetune": FinetuneConfig}
 

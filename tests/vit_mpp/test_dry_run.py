@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from finetune import evaluate
-from finetune.train import main as finetune_main
+from finetune.__main__ import main as finetune_main
 from pretrain.__main__ import main as pretrain_main
 from tests.helpers.processes import in_process
 from tests.helpers.runs import run_tiny_finetune

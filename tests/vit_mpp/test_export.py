@@ -16,9 +16,9 @@ from safetensors.torch import save_file
 
 from analysis.analyze import load_model
 from finetune import predict
+from finetune.__main__ import main as finetune_main
 from finetune.config import InitConfig
 from finetune.init_model import build_classifier
-from finetune.train import main as finetune_main
 from tests.helpers.models import SMALL_MODEL
 from tests.helpers.shards import write_shard_set
 from vit_mpp.config.engine import to_dict

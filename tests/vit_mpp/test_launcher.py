@@ -14,6 +14,7 @@ import pytest
 
 from tests.helpers.processes import REPO, alive, subprocess_env
 from vit_mpp import launcher
+from vit_mpp.config.sections import DataConfig
 from vit_mpp.data.stream import make_loader
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
@@ -49,7 +50,7 @@ def test_a_child_dies_with_its_parent_killed_after_asking():
 
 
 def test_loader_workers_know_their_rank_from_before_the_fork():
-    loader = make_loader(range(4), num_workers=1)  # type: ignore[arg-type]
+    loader = make_loader(range(4), DataConfig(num_workers=1))  # type: ignore[arg-type]
     assert loader.worker_init_fn.keywords == {"parent": os.getpid()}
 
 

@@ -14,8 +14,8 @@ from finetune.config import FinetuneConfig
 from finetune.train import classes_of
 from pretrain.__main__ import main as pretrain_main
 from vit_mpp.cli import run_main
-from vit_mpp.config.engine import load_config
-from vit_mpp.config.sections import ConfigError, DataConfig
+from vit_mpp.config.engine import ConfigError, load_config
+from vit_mpp.config.sections import DataConfig
 from vit_mpp.data.manifest import ManifestError, load_split
 from vit_mpp.data.training_data import load_training_data
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from huggingface_hub import ModelCard
 
-from finetune.train import main as finetune_main
+from finetune.__main__ import main as finetune_main
 from tests.helpers.models import SMALL_MODEL, hub_cache
 from tests.helpers.shards import write_shard_set
 from vit_mpp.config.sections import ExportConfig, ModelConfig

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from vit_mpp.config.sections import TrainConfig
 from vit_mpp.errors import Preempted
 from vit_mpp.run import checkpoint
 from vit_mpp.run.checkpoint import Checkpointer
@@ -45,7 +46,8 @@ def run_until_stopped(monkeypatch, ckpt_every: int, check_every: int, signal_at:
     b, signals = boundary(monkeypatch, check_every)
     saves: list[int] = []
     monkeypatch.setattr(checkpoint, "save_checkpoint", lambda acc, run_dir, step, *a: saves.append(step))
-    ckpt = Checkpointer(b.accelerator, "run", ckpt_every, 3, steps, b, flush=lambda: None)
+    ckpt = Checkpointer(b.accelerator, TrainConfig(run_dir="run", ckpt_every=ckpt_every, keep_last=3), steps, b,
+                        flush=lambda: None)
     for step in range(1, steps + 1):
         if step == signal_at + 1:
             signals.received = 15
@@ -69,7 +71,7 @@ def test_without_a_signal_the_checkpoints_are_the_periodic_ones(monkeypatch):
     b, _ = boundary(monkeypatch, 3)
     saves: list[int] = []
     monkeypatch.setattr(checkpoint, "save_checkpoint", lambda acc, run_dir, step, *a: saves.append(step))
-    ckpt = Checkpointer(b.accelerator, "run", 4, 3, 20, b, flush=lambda: None)
+    ckpt = Checkpointer(b.accelerator, TrainConfig(run_dir="run", ckpt_every=4, keep_last=3), 20, b, flush=lambda: None)
     for step in range(1, 21):
         ckpt.after_step(step, lambda: {})
     assert saves == [4, 8, 12, 16, 20]

@@ -8,9 +8,10 @@ import pytest
 import torch
 from accelerate import Accelerator
 
-from finetune.train import main as finetune_main
+from finetune.__main__ import main as finetune_main
 from tests.helpers.runs import read_metrics
 from tests.helpers.shards import write_shard_set
+from vit_mpp.config.sections import TrainConfig
 from vit_mpp.run.run_dir import MetricsLog
 from vit_mpp.run.step_meter import StepMeter, plain_number
 
@@ -21,8 +22,8 @@ def step_output(loss: float, frac: float) -> dict:
 
 def test_a_log_averages_over_the_steps_summed_since_the_last_one(tmp_path):
     # Resumed at step 3 with log_every 2: the first log (step 4) covers one step, not two.
-    meter = StepMeter(Accelerator(cpu=True), MetricsLog(tmp_path, True), start_step=3, total_steps=6, batch_size=8,
-                      log_every=2)
+    meter = StepMeter(Accelerator(cpu=True), MetricsLog(tmp_path, True), TrainConfig(batch_size=8, log_every=2),
+                      start_step=3, total_steps=6)
     meter.add([step_output(2.0, 0.8), step_output(4.0, 0.8)])  # two micro-batches: their mean is the step's
     record = meter.log(4, lr=0.1)
     assert record["loss"] == 3.0 and record["frac_mask"] == pytest.approx(0.8) and record["bad_samples"] == 2

@@ -9,10 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.loaders import eval_loader, split_loader
 from tests.helpers.shards import bad_shard_set, write_shard_set
 from vit_mpp.config.sections import DataConfig
+from vit_mpp.data.image_decoder import ImageDecoder
 from vit_mpp.data.manifest import load_split
-from vit_mpp.data.stream import DataError, TrainSet, build_eval_loader, build_split_loader, build_train_loader
+from vit_mpp.data.stream import DataError, TrainSet, TrainStream, make_loader, read_settings
 from vit_mpp.data.stream_plan import Generation, Layout, first_generation, next_generation
 
 UNEVEN = {"train": [7, 1, 12, 4], "val": [5, 2]}  # 24 train samples in 4 uneven shards, 7 val
@@ -44,7 +46,8 @@ def run_steps(sets: list[TrainSet], gen: Generation, steps: int, resume_step: in
     start = gen.start_step if resume_step is None else resume_step
     ranks = []
     for rank in range(layout.world):
-        _, loader = build_train_loader(sets, data, 8, gen, rank=rank, resume_step=start, seed=3)
+        loader = make_loader(TrainStream(sets, ImageDecoder.for_training(data, 8), gen, rank=rank, resume_step=start,
+                                         read=read_settings(data, 3)), data)
         it = iter(loader)
         ranks.append([next(it) for _ in range(steps * layout.accum)])
         del it
@@ -90,7 +93,7 @@ def test_eval_sees_every_key_exactly_once_with_padding(uneven):
     s, _ = load_split(uneven, "val")
     ranks = []
     for rank in range(2):
-        _, loader = build_eval_loader(s, DataConfig(num_workers=2), 8, 2, rank=rank, world_size=2)
+        loader = eval_loader(s, DataConfig(num_workers=2), 8, 2, rank=rank, world_size=2)
         ranks.append(list(loader))
     assert len(ranks[0]) == len(ranks[1])  # equal batch counts: no rank waits on another
     valid = [(k, int(lbl)) for r in ranks for b in r for k, lbl, v in zip(b["key"], b["label"], b["valid"]) if v]
@@ -139,8 +142,8 @@ def test_a_mixture_draws_its_sets_in_the_weights_proportions(uneven, other):
 
 def test_fewer_samples_than_parts_is_a_clear_error(uneven):
     with pytest.raises(DataError, match="fewer than processes x workers"):
-        build_train_loader(train_sets(uneven), DataConfig(num_workers=4), 8,
-                           first_generation(Layout(8, 4, 1, 1), [24], 0), rank=0, resume_step=0, seed=0)
+        TrainStream(train_sets(uneven), ImageDecoder.for_training(DataConfig(), 8),
+                    first_generation(Layout(8, 4, 1, 1), [24], 0), rank=0, resume_step=0, read=read_settings(DataConfig()))
 
 
 def zeroed_in_place(root: Path) -> Path:
@@ -164,7 +167,7 @@ def zeroed_in_place(root: Path) -> Path:
 def test_bad_samples_are_replaced_and_counted(tmp_path, make, batch, max_bad_fraction, bad):
     s, _ = load_split(make(tmp_path / "s"), "train")
     data = DataConfig(num_workers=0, shuffle_buffer=1, max_bad_fraction=max_bad_fraction)
-    stream, loader = build_split_loader(s, data, 8, batch)
+    stream, loader = split_loader(s, data, 8, batch)
     batches = [b for _, b in zip(range(s.num_samples // batch), loader)]  # one epoch
     assert all(len(b["key"]) == batch for b in batches)  # batches stay full
     assert sum(b["bad"] for b in batches) == bad

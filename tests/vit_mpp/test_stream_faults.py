@@ -16,14 +16,14 @@ from pathlib import Path
 
 import pytest
 
-from finetune.train import main as finetune_main
-from pretrain.train import main as pretrain_main
+from finetune.__main__ import main as finetune_main
+from pretrain.__main__ import main as pretrain_main
 from tests.helpers.processes import REPO, in_process, launch, subprocess_env
 from tests.helpers.runs import read_metrics
 from tests.helpers.servers import FaultyHandler, serve_faulty
 from tests.helpers.shards import shard_set, write_shard_set
 from vit_mpp.data import shard_reader
-from vit_mpp.data.stream import ShardError
+from vit_mpp.data.shard_reader import ShardError
 
 
 @pytest.fixture

@@ -10,13 +10,14 @@ import tracemalloc
 import numpy as np
 import pytest
 
+from tests.helpers.loaders import split_loader
 from tests.helpers.servers import FaultyHandler, serve_directory, serve_faulty
 from tests.helpers.shards import add, bad_shard_set, jpeg, write_shard_set
 from vit_mpp.cli import run_main
 from vit_mpp.config.sections import DataConfig
 from vit_mpp.data import shard_reader
 from vit_mpp.data.manifest import ManifestError, load_split
-from vit_mpp.data.stream import DataError, build_split_loader
+from vit_mpp.data.shard_reader import DataError
 
 
 @pytest.fixture
@@ -31,7 +32,7 @@ def test_http_shards_through_the_manifest(served):
     url, _ = served
     split, info = load_split(url, "train")
     assert split.urls[0] == f"{url}/train-000000.tar" and info["num_classes"] == 3
-    _, loader = build_split_loader(split, DataConfig(num_workers=0, shuffle_buffer=1), 8, 3)
+    _, loader = split_loader(split, DataConfig(num_workers=0, shuffle_buffer=1), 8, 3)
     keys = [k for _, b in zip(range(4), loader) for k in b["key"]]
     assert collections.Counter(keys) == collections.Counter(f"train_{i:06d}" for i in range(12))
 
@@ -48,7 +49,7 @@ def test_too_many_bad_samples_stop_the_run_with_one_line(tmp_path, capsys):
     data = DataConfig(num_workers=1, shuffle_buffer=1, max_bad_fraction=0.05, persistent_workers=False)
 
     def main(argv):
-        _, loader = build_split_loader(split, data, 8, 4)
+        _, loader = split_loader(split, data, 8, 4)
         for _ in zip(range(100), loader):
             pass
 
@@ -64,7 +65,7 @@ def test_too_many_bad_samples_stop_the_run_with_one_line(tmp_path, capsys):
 def test_fewer_shards_than_workers_in_one_process(tmp_path, capsys):
     shards = write_shard_set(tmp_path / "s", {"train": [20]}, size=8)
     split, _ = load_split(shards, "train")
-    _, loader = build_split_loader(split, DataConfig(num_workers=2, shuffle_buffer=1), 8, 5)
+    _, loader = split_loader(split, DataConfig(num_workers=2, shuffle_buffer=1), 8, 5)
     assert "shards are read by several workers" in capsys.readouterr().err
     keys = [k for _, b in zip(range(4), loader) for k in b["key"]]
     assert sorted(keys) == [f"train_{i:06d}" for i in range(20)]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.helpers.models import SMALL_MODEL, write_encoder_export
-from vit_mpp.config.sections import ConfigError
+from vit_mpp.config.engine import ConfigError
 from vit_mpp.models.vit import create_vit
 from vit_mpp.tools.args import check_device, check_out_file, check_out_folder, make_out_folder, open_out_file
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from finetune.train import main as finetune_main
-from pretrain.train import main as pretrain_main
+from finetune.__main__ import main as finetune_main
+from pretrain.__main__ import main as pretrain_main
 from tests.helpers.models import SMALL_MODEL, write_encoder_export
 from vit_mpp.models.vit import create_vit
 from vit_mpp.run.tracking import tensorboard_folder, tracker_key

@@ -14,7 +14,7 @@ from PIL import Image
 from torchvision.transforms import v2 as T
 from torchvision.transforms.v2.functional import pil_to_tensor
 
-from vit_mpp.config.sections import img_hw
+from vit_mpp.config.sections import DataConfig, img_hw
 from vit_mpp.data.image_formats import IMAGE_EXTENSIONS, image_member
 
 try:  # deprecated since torchvision 0.29 (for TorchCodec, which needs FFmpeg) and to be removed: where it is gone,
@@ -62,6 +62,18 @@ class ImageDecoder:
             ops = [T.Resize(resize, antialias=True), T.CenterCrop((h, w))]
             self.draft = (resize[1], resize[0])
         self.transform = T.Compose(ops)
+
+    @classmethod
+    def for_training(cls, data: DataConfig, img_size: int | list[int],
+                     augment: Callable[[torch.Tensor], torch.Tensor] | None = None) -> ImageDecoder:
+        """The training decoder `data` describes (crop scale, flips), with `augment` after the crop."""
+        return cls(img_size, train=True, crop_scale=tuple(data.crop_scale), hflip=data.hflip,
+                   eval_crop_pct=data.eval_crop_pct, augment=augment)
+
+    @classmethod
+    def for_evaluation(cls, data: DataConfig, img_size: int | list[int]) -> ImageDecoder:
+        """The evaluation decoder `data` describes (resize, centre crop of `data.eval_crop_pct`)."""
+        return cls(img_size, train=False, eval_crop_pct=data.eval_crop_pct)
 
     def decode(self, data: bytes) -> torch.Tensor:
         """Bytes -> uint8 RGB tensor (3, H, W), at a reduced scale where the crop allows it (see the class doc)."""

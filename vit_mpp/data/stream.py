@@ -40,7 +40,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,9 +68,6 @@ from vit_mpp.data.stream_plan import (
 )
 from vit_mpp.launcher import die_with_parent
 
-__all__ = ["DataError", "ShardError", "TrainSet", "TrainStream", "EvalStream", "build_train_loader",
-           "build_eval_loader", "build_split_loader", "to_device", "normalize"]
-
 
 @dataclass(frozen=True)
 class TrainSet:
@@ -90,6 +87,7 @@ class ReadSettings:
     max_bad_fraction: float
     read_timeout_s: float = urls.READ_TIMEOUT_S
     read_retries: int = urls.READ_RETRIES
+    num_classes: int | None = None  # a classifier's classes: every label read must be one of them
 
 
 def block_samples(split: Split, set_index: int, piece: Piece, read: ReadSettings) -> Iterator[dict[str, Any]]:
@@ -123,9 +121,9 @@ class SetReader:
     """
 
     def __init__(self, train_set: TrainSet, set_index: int, pieces: Iterator[Piece], decoder: ImageDecoder,
-                 read: ReadSettings, check_label: Callable[[int, str], None], part: int) -> None:
+                 read: ReadSettings, part: int) -> None:
         self.set, self.index, self.pieces, self.decoder = train_set, set_index, pieces, decoder
-        self.read, self.check_label, self.part = read, check_label, part
+        self.read, self.part = read, part
         self.seen = self.bad = 0
         self.last_good: tuple[torch.Tensor, int, str, int] | None = None
         self.items = self._items()
@@ -152,7 +150,7 @@ class SetReader:
                 # The rate is checked at a block's last sample whatever its size, before that sample leaves: small
                 # data must not train on mostly broken images in silence.
                 self._check_rate(force=i == last)
-                self.check_label(good[1], key)
+                check_label(good[1], key, self.read.num_classes)
                 for j in range(len(waiting) + 1):
                     yield (*good, waiting[j:j + 1])
                 waiting, self.last_good = [], good
@@ -179,10 +177,9 @@ class TrainStream(IterableDataset):
     """
 
     def __init__(self, sets: list[TrainSet], decoder: ImageDecoder, generation: Generation, *, rank: int,
-                 resume_step: int, read: ReadSettings, num_classes: int | None = None) -> None:
+                 resume_step: int, read: ReadSettings) -> None:
         super().__init__()
         self.sets, self.decoder, self.gen, self.rank, self.read = sets, decoder, generation, rank, read
-        self.num_classes = num_classes
         layout = generation.layout
         self.batches_done = (resume_step - generation.start_step) * layout.accum  # this rank's, in the generation
         for s in sets:
@@ -215,20 +212,20 @@ class TrainStream(IterableDataset):
         composition = Composition([s.weight for s in self.sets], self.gen.seed, self.gen.index)
         skips = composition.counts(rounds * layout.micro)
         readers = [SetReader(s, i, part_pieces(self.gen.sets[i], layout.parts, part, s.split.num_samples, skips[i]),
-                             self.decoder, self.read, self._check_label, part) for i, s in enumerate(self.sets)]
+                             self.decoder, self.read, part) for i, s in enumerate(self.sets)]
         for rnd in itertools.count(rounds):
             slots = composition.slots(rnd * layout.micro, layout.micro).tolist()
             yield _batch([(*next(readers[i]), i) for i in slots])
 
-    def _check_label(self, label: int, key: str) -> None:
-        """With `num_classes` (a classifier's), every label must be one of its classes."""
-        if self.num_classes is None or 0 <= label < self.num_classes:
-            return
-        if label < 0:
-            raise ShardError(f"sample {key} has no usable label (no .cls, or one that is not a class index): a "
-                             "classifier needs labelled shards")
-        raise ShardError(f"sample {key} has label {label}, outside the {self.num_classes} classes "
-                         f"(0..{self.num_classes - 1}): num_classes is smaller than the shards' labels")
+def check_label(label: int, key: str, num_classes: int | None) -> None:
+    """With `num_classes` (a classifier's), every label must be one of its classes."""
+    if num_classes is None or 0 <= label < num_classes:
+        return
+    if label < 0:
+        raise ShardError(f"sample {key} has no usable label (no .cls, or one that is not a class index): a "
+                         "classifier needs labelled shards")
+    raise ShardError(f"sample {key} has label {label}, outside the {num_classes} classes "
+                     f"(0..{num_classes - 1}): num_classes is smaller than the shards' labels")
 
 
 def _batch(items: list[tuple]) -> dict[str, Any]:
@@ -255,18 +252,17 @@ class EvalStream(IterableDataset):
     undecodable sample, which do not count) and `key` list[str].
     """
 
-    def __init__(self, split: Split, decoder: ImageDecoder, batch_size: int, *, rank: int, world_size: int,
-                 num_workers: int, read: ReadSettings, num_classes: int | None = None, limit: int | None = None,
-                 ) -> None:
+    def __init__(self, split: Split, decoder: ImageDecoder, layout: Layout, *, rank: int, read: ReadSettings,
+                 limit: int | None = None) -> None:
         super().__init__()
-        self.split, self.decoder, self.batch_size, self.rank, self.read = split, decoder, batch_size, rank, read
-        self.num_workers, self.num_classes = max(1, num_workers), num_classes
+        self.split, self.decoder, self.batch_size, self.rank, self.read = split, decoder, layout.micro, rank, read
+        self.num_workers = layout.workers
         # limit: only the split's first `limit` samples (in manifest order), e.g. for a monitor
         self.num_samples = split.num_samples if limit is None else min(limit, split.num_samples)
-        self.per_worker = math.ceil(self.num_samples / (world_size * self.num_workers))
-        self.batches_per_worker = math.ceil(self.per_worker / batch_size)
+        self.per_worker = math.ceil(self.num_samples / layout.parts)
+        self.batches_per_worker = math.ceil(self.per_worker / self.batch_size)
         if rank == 0 and limit is None:
-            warn_few_shards(f"evaluation split '{split.name}'", split, world_size, self.num_workers)
+            warn_few_shards(f"evaluation split '{split.name}'", split, layout.world, self.num_workers)
 
     def __len__(self) -> int:
         return self.batches_per_worker * self.num_workers
@@ -285,7 +281,7 @@ class EvalStream(IterableDataset):
             seen += 1
             try:
                 items.append((self.decoder(image_bytes(sample)), sample_label(sample), True, sample["__key__"]))
-                self._check_label(items[-1][1], items[-1][3])
+                check_label(items[-1][1], items[-1][3], self.read.num_classes)
             except ShardError:
                 raise
             except Exception:  # an undecodable sample keeps its place but does not count
@@ -305,7 +301,6 @@ class EvalStream(IterableDataset):
         if items:
             yield _eval_batch(items)
 
-    _check_label = TrainStream._check_label
 
 
 def _eval_batch(items: list[tuple[torch.Tensor, int, bool, str]]) -> dict[str, Any]:
@@ -333,15 +328,16 @@ def _sigterm_from_parent_only(parent: int) -> None:
             os._exit(0)
 
 
-def make_loader(stream: IterableDataset, num_workers: int, prefetch_factor: int = 2, pin_memory: bool = True,
-                persistent_workers: bool = True) -> DataLoader:
-    """A DataLoader over a stream; batching happens inside the workers (batch_size=None)."""
+def make_loader(stream: TrainStream | EvalStream, data: DataConfig) -> DataLoader:
+    """A DataLoader over a stream (batching happens inside the workers: batch_size=None), its workers set by
+    `data`; an evaluation's workers end with each pass."""
     kwargs: dict[str, Any] = {}
-    if num_workers > 0:
-        kwargs.update(prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
+    if data.num_workers > 0:
+        kwargs.update(prefetch_factor=data.prefetch_factor,
+                      persistent_workers=data.persistent_workers and isinstance(stream, TrainStream),
                       worker_init_fn=functools.partial(_init_worker, parent=os.getpid()))
-    return DataLoader(stream, batch_size=None, num_workers=num_workers,
-                      pin_memory=pin_memory and torch.cuda.is_available(), **kwargs)
+    return DataLoader(stream, batch_size=None, num_workers=data.num_workers,
+                      pin_memory=data.pin_memory and torch.cuda.is_available(), **kwargs)
 
 
 def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
@@ -356,41 +352,30 @@ def normalize(images: torch.Tensor, mean: tuple[float, ...], std: tuple[float, .
     return (images.float() / 255.0 - mean_t) / std_t
 
 
-def read_settings(data: DataConfig, seed: int = 0) -> ReadSettings:
-    return ReadSettings(seed, data.shuffle_buffer, data.max_bad_fraction, data.read_timeout_s, data.read_retries)
+def read_settings(data: DataConfig, seed: int = 0, num_classes: int | None = None) -> ReadSettings:
+    return ReadSettings(seed, data.shuffle_buffer, data.max_bad_fraction, data.read_timeout_s, data.read_retries,
+                        num_classes)
 
 
-def build_train_loader(sets: list[TrainSet], data: DataConfig, img_size: int | list[int], generation: Generation, *,
-                       rank: int, resume_step: int, seed: int, num_classes: int | None = None,
-                       augment: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                       ) -> tuple[TrainStream, DataLoader]:
-    """The endless training stream of one rank and its DataLoader, resuming at `resume_step` of `generation`; with
-    `num_classes` every label must be one of the classes; `augment` runs in the workers after the crop."""
-    decoder = ImageDecoder(img_size, train=True, crop_scale=tuple(data.crop_scale), hflip=data.hflip,
-                           eval_crop_pct=data.eval_crop_pct, augment=augment)
-    stream = TrainStream(sets, decoder, generation, rank=rank, resume_step=resume_step,
-                         read=read_settings(data, seed), num_classes=num_classes)
-    return stream, make_loader(stream, data.num_workers, data.prefetch_factor, data.pin_memory,
-                               data.persistent_workers)
+def loader_layout(data: DataConfig, batch_size: int, world_size: int = 1) -> Layout:
+    """The layout of `world_size` processes reading with `data`'s loader workers in batches of `batch_size` (no
+    accumulation)."""
+    return Layout(world_size, max(1, data.num_workers), batch_size, 1)
 
 
-def build_eval_loader(split: Split, data: DataConfig, img_size: int | list[int], batch_size: int, *, rank: int,
-                      world_size: int, num_classes: int | None = None, limit: int | None = None,
-                      ) -> tuple[EvalStream, DataLoader]:
-    """One ordered pass over `split` for this rank, and its DataLoader (see EvalStream)."""
-    decoder = ImageDecoder(img_size, train=False, eval_crop_pct=data.eval_crop_pct)
-    stream = EvalStream(split, decoder, batch_size, rank=rank, world_size=world_size, num_workers=data.num_workers,
-                        read=read_settings(data), num_classes=num_classes, limit=limit)
-    return stream, make_loader(stream, data.num_workers, data.prefetch_factor, data.pin_memory, False)
-
-
-def build_split_loader(split: Split, data: DataConfig, img_size: int | list[int], micro_batch: int, *, rank: int = 0,
-                       world_size: int = 1, seed: int = 0, resume_step: int = 0, accum_steps: int = 1,
-                       augment: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                       ) -> tuple[TrainStream, DataLoader]:
-    """The training stream of one split on its own, from its first step (or `resume_step` of the same layout): what
-    benchmarks and tools that read a single shard set need, without a run's checkpointed generation."""
-    layout = Layout(world_size, max(1, data.num_workers), micro_batch, accum_steps)
+def train_split_loader(split: Split, data: DataConfig, decoder: ImageDecoder, layout: Layout, *, rank: int = 0,
+                 seed: int = 0) -> tuple[TrainStream, DataLoader]:
+    """The training stream of one split on its own, from its first step: what benchmarks and tools that read a
+    single shard set need, without a run's checkpointed generation."""
     generation = first_generation(layout, [split.num_samples], seed)
-    return build_train_loader([TrainSet(split.name, split, 1.0)], data, img_size, generation, rank=rank,
-                              resume_step=resume_step, seed=seed, augment=augment)
+    stream = TrainStream([TrainSet(split.name, split, 1.0)], decoder, generation, rank=rank, resume_step=0,
+                         read=read_settings(data, seed))
+    return stream, make_loader(stream, data)
+
+
+def eval_split_loader(split: Split, data: DataConfig, decoder: ImageDecoder, layout: Layout, *, rank: int = 0,
+                      num_classes: int | None = None) -> DataLoader:
+    """One ordered pass over `split` for this rank (see EvalStream); with `num_classes` every label must be one of
+    the classes."""
+    return make_loader(EvalStream(split, decoder, layout, rank=rank, read=read_settings(data, num_classes=num_classes)),
+                       data)

@@ -43,7 +43,7 @@ _COMPRESSED = ((b"\x1f\x8b", "gzip"), (b"BZh", "bzip2"), (b"\xfd7zXZ\x00", "xz")
 
 
 # What `TarReader._resolve` does with each typeflag, as one table for readers that cannot run it (the compiled
-# counter, data_tools/index/tar_walker.py): a plain file (`0`), an old-style file (typeflag NUL, a directory when its name ends
+# counter, data_tools/indexer/tar_walker.py): a plain file (`0`), an old-style file (typeflag NUL, a directory when its name ends
 # in `/`), another file type, a header that describes the next member, a type whose data is skipped, or one without
 # data.
 KIND_FILE, KIND_OLD_FILE, KIND_OTHER_FILE, KIND_EXTENDED, KIND_SKIP_DATA, KIND_NO_DATA = range(6)

@@ -11,7 +11,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from vit_mpp.config.sections import ConfigError, DataConfig
+from vit_mpp.config.engine import ConfigError
+from vit_mpp.config.sections import DataConfig
 from vit_mpp.data.manifest import Split, data_record, load_split
 from vit_mpp.data.stream import TrainSet
 from vit_mpp.data.stream_plan import samples_per_epoch

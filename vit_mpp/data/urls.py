@@ -202,7 +202,7 @@ class _DeadlineReader(io.RawIOBase):
     that stays stuck is abandoned and never keeps the process from exiting.
 
     With `read_ahead`, each read also starts the next one in that thread before returning, so the caller's work on
-    a piece overlaps with the reading of the next, with no thread of its own (data_tools/index/tar_walker.py's compiled
+    a piece overlaps with the reading of the next, with no thread of its own (data_tools/indexer/tar_walker.py's compiled
     walk, which parses faster than a second thread could hand pieces over). Its deadline runs from when the caller
     waits for it; a read still running at `close()` is aborted, not waited for.
     """

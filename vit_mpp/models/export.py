@@ -35,8 +35,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save
 
 from vit_mpp import __version__
-from vit_mpp.config.engine import from_dict, to_dict
-from vit_mpp.config.sections import ConfigError, ModelConfig, img_hw
+from vit_mpp.config.engine import ConfigError, from_dict, to_dict
+from vit_mpp.config.sections import ModelConfig, img_hw
 from vit_mpp.durable import fsync, replace
 from vit_mpp.errors import UserError
 from vit_mpp.models.export_folder import CONFIG, WEIGHTS, export_files

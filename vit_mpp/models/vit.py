@@ -8,7 +8,8 @@ import timm
 import torch
 from timm.models.vision_transformer import VisionTransformer
 
-from vit_mpp.config.sections import ConfigError, ModelConfig, img_hw
+from vit_mpp.config.engine import ConfigError
+from vit_mpp.config.sections import ModelConfig, img_hw
 
 
 def create_vit(cfg: ModelConfig, num_classes: int = 0) -> VisionTransformer:

@@ -11,7 +11,8 @@ import torch
 from accelerate import Accelerator, PartialState
 from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration
 
-from vit_mpp.config.sections import ConfigError, TrainConfig
+from vit_mpp.config.engine import ConfigError
+from vit_mpp.config.sections import TrainConfig
 from vit_mpp.launcher import process_group_kwargs
 from vit_mpp.run.tracking import check_trackers
 

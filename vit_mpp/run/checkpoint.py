@@ -18,14 +18,13 @@ import json
 import shutil
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from accelerate import Accelerator
 
-from vit_mpp.data.stream_plan import Generation, Layout, resume_generation
+from vit_mpp.config.sections import TrainConfig
 from vit_mpp.durable import fsync, write_atomic
 from vit_mpp.errors import Preempted
 from vit_mpp.models.pretrained import CheckpointError
@@ -129,48 +128,15 @@ def resume_latest(accelerator: Accelerator, run_dir: str | Path, changed: list[s
     return {}, None
 
 
-@dataclass
-class Resumed:
-    """Where a run starts: its step, the checkpoint's trainer state and this rank's own state, and the data
-    stream's generation (vit_mpp/data/stream_plan.py), adapted to this run's layout."""
-
-    step: int
-    state: dict[str, Any]
-    own: dict[str, Any] | None
-    generation: Generation
-    layout_changed: bool
-
-
-def resume_run(accelerator: Accelerator, run_dir: str | Path, changed: list[str], layout: Layout, sizes: list[int],
-               weights: list[float], seed: int, logs: list[Any], total_steps: int, lr: Callable[[int], float],
-               ) -> Resumed:
-    """Restore the newest checkpoint (`resume_latest`), cut `logs` (objects with `rewind(step)`) back to its step,
-    and continue the data stream where it stopped, on this layout; a line says so when the layout changed, and when
-    a finished run goes on (train.extend), what its learning rate does (`lr` of a step)."""
-    state, own = resume_latest(accelerator, run_dir, changed)
-    step = state.get("step", 0)
-    for log in logs:
-        log.rewind(step)
-    if state.get("finished") and total_steps > step:
-        accelerator.print(f"note: the finished run goes on from step {step} to {total_steps} (train.extend): its "
-                          f"learning rate, which had decayed to the end of its schedule, follows the schedule of "
-                          f"{total_steps} steps from step {step + 1} on ({lr(step):.3g}, then down to step "
-                          f"{total_steps})")
-    generation, note = resume_generation(state.get("stream"), step, layout, sizes, weights, seed)
-    if note:
-        accelerator.print(note)
-    saved_world = state.get("num_processes", accelerator.num_processes)
-    return Resumed(step, state, own, generation, saved_world != accelerator.num_processes)
-
-
 class Checkpointer:
     """Decides, after every optimizer step, whether to save (every `train.ckpt_every` steps, every
     `train.ckpt_every_minutes`, at the last step, or on preemption: one collective, the same decision on every rank),
     saves, and stops a preempted run (raises Preempted once its checkpoint is written)."""
 
-    def __init__(self, accelerator: Accelerator, run_dir: str | Path, every_steps: int, keep_last: int,
-                 total_steps: int, boundary: StepBoundary, flush: Any) -> None:
-        self.accelerator, self.run_dir, self.every, self.keep_last = accelerator, run_dir, every_steps, keep_last
+    def __init__(self, accelerator: Accelerator, train: TrainConfig, total_steps: int, boundary: StepBoundary,
+                 flush: Callable[[], None]) -> None:
+        self.accelerator, self.run_dir, self.every, self.keep_last = (accelerator, train.run_dir, train.ckpt_every,
+                                                                     train.keep_last)
         self.total, self.boundary, self.flush = total_steps, boundary, flush
 
     def after_step(self, step: int, trainer_state: Any, rank_state: Any = None) -> None:

@@ -23,7 +23,7 @@ from vit_mpp.data.manifest import Split
 from vit_mpp.data.shard_reader import ShardError, range_segments, read_segment
 from vit_mpp.data.stream_plan import resume_generation
 from vit_mpp.run.checkpoint import TRAINER_STATE, latest_checkpoint
-from vit_mpp.run.start import RunStart
+from vit_mpp.run.start import Run
 
 
 def probe(split: Split, data: DataConfig, where: str) -> None:
@@ -43,8 +43,9 @@ def probe(split: Split, data: DataConfig, where: str) -> None:
                          f"({type(e).__name__})") from None
 
 
-def report(run: RunStart, cfg: Any, summary: str, total_steps: int, warmup: int, lr: Callable[[int], float]) -> None:
+def report(run: Run, summary: str, total_steps: int, warmup: int, lr: Callable[[int], float]) -> None:
     """Check the shards, then print what the run would do (main process); every process returns after it."""
+    cfg = run.cfg
     for s in run.data.sets:
         probe(s.split, cfg.data, f"set '{s.name}' (split '{s.split.name}')")
     if run.data.val_split is not None:
@@ -57,7 +58,7 @@ def report(run: RunStart, cfg: Any, summary: str, total_steps: int, warmup: int,
           + summary + f"\nlearning rate: {rates}\n" + _start(run, cfg, total_steps), flush=True)
 
 
-def _start(run: RunStart, cfg: Any, total_steps: int) -> str:
+def _start(run: Run, cfg: Any, total_steps: int) -> str:
     """Where the run would start: a new run, or a resume (and on which layout)."""
     ckpt = latest_checkpoint(cfg.train.run_dir)
     if ckpt is None:

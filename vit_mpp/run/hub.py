@@ -15,7 +15,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from vit_mpp.config.sections import ConfigError, ExportConfig, ModelConfig
+from vit_mpp.config.engine import ConfigError
+from vit_mpp.config.sections import ExportConfig, ModelConfig
 from vit_mpp.errors import UserError
 from vit_mpp.models.export import read_export
 from vit_mpp.run.curves import CURVES_NAME

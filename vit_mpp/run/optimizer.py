@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from timm.optim import param_groups_layer_decay, param_groups_weight_decay
 
-from vit_mpp.config.sections import ConfigError, OptimConfig
+from vit_mpp.config.engine import ConfigError
+from vit_mpp.config.sections import OptimConfig
 
 
 def build_optimizer(model: torch.nn.Module, optim: OptimConfig, lr: float, layer_decay: float | None = None,

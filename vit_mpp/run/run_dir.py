@@ -19,8 +19,7 @@ from typing import Any
 
 import yaml
 
-from vit_mpp.config.engine import flatten, save_config, to_dict
-from vit_mpp.config.sections import ConfigError
+from vit_mpp.config.engine import ConfigError, flatten, save_config, to_dict
 from vit_mpp.data.manifest import MANIFEST_NAME
 from vit_mpp.durable import write_atomic
 from vit_mpp.errors import UserError

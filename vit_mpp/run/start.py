@@ -1,31 +1,53 @@
-"""The start of a training run, the same in both stages: the accelerator (trackers checked), the Hub checked, the
-seed, the data's manifests, the model's architecture (built in shapes only), the run directory (taken, its config
-written; in a dry run only checked), the metrics log and the sample audit. The model and the data are checked
-before the run directory is touched, so a wrong setting or path changes nothing."""
+"""The start of a training run, the same in both stages (`start_run`), and the `Run` it returns: what the run
+carries from its first line to its export, and the pieces made from it (resume, loaders, checkpointer, meter).
+docs/architecture.md."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
+from torch.utils.data import DataLoader
 
 from vit_mpp.config.engine import is_dry_run
-from vit_mpp.data.stream_plan import Layout
+from vit_mpp.data.image_decoder import ImageDecoder
+from vit_mpp.data.manifest import Split
+from vit_mpp.data.stream import EvalStream, TrainStream, loader_layout, make_loader, read_settings
+from vit_mpp.data.stream_plan import Generation, Layout, resume_generation
 from vit_mpp.data.training_data import TrainingData, load_training_data
 from vit_mpp.models.vit import architecture
 from vit_mpp.run.accelerator import GlobalBatch, make_accelerator
+from vit_mpp.run.checkpoint import Checkpointer, resume_latest
 from vit_mpp.run.hub import check_hub
+from vit_mpp.run.preemption import StepBoundary, StopSignals
 from vit_mpp.run.run_dir import MetricsLog, prepare_run_dir
 from vit_mpp.run.sample_audit import SampleAudit
+from vit_mpp.run.step_meter import StepMeter
 
 
 @dataclass
-class RunStart:
-    """What every training run has once it has started."""
+class Resumed:
+    """Where a run starts: its step, the checkpoint's trainer state and this rank's own state, and the data
+    stream's generation (vit_mpp/data/stream_plan.py), adapted to this run's layout."""
 
+    step: int
+    state: dict[str, Any]
+    own: dict[str, Any] | None
+    generation: Generation
+    layout_changed: bool
+
+
+@dataclass
+class Run:
+    """What every training run carries once it has started: its config (a stage config with `train`, `data`,
+    `model` and `export` sections), accelerator, batch, data, run directory logs."""
+
+    cfg: Any
     accelerator: Accelerator
     gbatch: GlobalBatch
     layout: Layout
@@ -36,11 +58,78 @@ class RunStart:
     dry_run: bool
     data_check: Any = None  # what the stage's `check_data` returned (fine-tuning: its classes)
 
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.cfg.train.run_dir)
 
-def start_run(cfg: Any, check_data: Callable[[TrainingData], object] | None = None) -> RunStart:
-    """Start a run of a stage config (with `train`, `data` and `export` sections); see the module doc.
-    `check_data`: the stage's own checks of the data (fine-tuning: classes and labels), run before the run
-    directory is touched; what it returns is kept as `data_check`."""
+    @property
+    def rank(self) -> int:
+        return self.accelerator.process_index
+
+    @property
+    def device(self) -> torch.device:
+        return self.accelerator.device
+
+    def resume(self, total_steps: int, lr: Callable[[int], float]) -> Resumed:
+        """Restore the newest checkpoint (vit_mpp/run/checkpoint.py `resume_latest`), cut the metrics log and the
+        sample audit back to its step, and continue the data stream where it stopped, on this layout; a line says so
+        when the layout changed, and when a finished run goes on (train.extend), what its learning rate does (`lr`
+        of a step)."""
+        accelerator, tc = self.accelerator, self.cfg.train
+        state, own = resume_latest(accelerator, tc.run_dir, self.changed)
+        step = state.get("step", 0)
+        for log in (self.log, self.audit):
+            log.rewind(step)
+        if state.get("finished") and total_steps > step:
+            accelerator.print(f"note: the finished run goes on from step {step} to {total_steps} (train.extend): its "
+                              f"learning rate, which had decayed to the end of its schedule, follows the schedule of "
+                              f"{total_steps} steps from step {step + 1} on ({lr(step):.3g}, then down to step "
+                              f"{total_steps})")
+        generation, note = resume_generation(state.get("stream"), step, self.layout, self.data.sizes,
+                                             self.data.weights, tc.seed)
+        if note:
+            accelerator.print(note)
+        saved_world = state.get("num_processes", accelerator.num_processes)
+        return Resumed(step, state, own, generation, saved_world != accelerator.num_processes)
+
+    def train_loader(self, resumed: Resumed, num_classes: int | None = None,
+                     augment: Callable[[torch.Tensor], torch.Tensor] | None = None) -> DataLoader:
+        """This rank's endless training loader, from where `resumed` says; with `num_classes` every label must be
+        one of the classes; `augment` runs in the workers after the crop. Not passed to `accelerator.prepare`: the
+        stream splits itself across processes and workers (accelerate would re-split it, or make rank 0 decode for
+        everyone)."""
+        cfg = self.cfg
+        stream = TrainStream(self.data.sets, ImageDecoder.for_training(cfg.data, cfg.model.img_size, augment),
+                             resumed.generation, rank=self.rank, resume_step=resumed.step,
+                             read=read_settings(cfg.data, cfg.train.seed, num_classes))
+        return make_loader(stream, cfg.data)
+
+    def eval_loader(self, split: Split, num_classes: int | None = None, limit: int | None = None) -> DataLoader:
+        """One ordered pass over `split` (its first `limit` samples) for this rank, at the micro-batch size."""
+        cfg = self.cfg
+        stream = EvalStream(split, ImageDecoder.for_evaluation(cfg.data, cfg.model.img_size),
+                            loader_layout(cfg.data, self.gbatch.micro_batch, self.accelerator.num_processes),
+                            rank=self.rank, read=read_settings(cfg.data, num_classes=num_classes), limit=limit)
+        return make_loader(stream, cfg.data)
+
+    def checkpointer(self, total_steps: int, signals: StopSignals) -> Checkpointer:
+        """The run's checkpoints: every train.ckpt_every steps or ckpt_every_minutes, at the end, on preemption."""
+        tc = self.cfg.train
+        return Checkpointer(self.accelerator, tc, total_steps, StepBoundary(self.accelerator, signals,
+                                                                            tc.ckpt_every_minutes), self.audit.flush)
+
+    def meter(self, resumed: Resumed, total_steps: int) -> StepMeter:
+        """The run's step meter, from the step it resumes at."""
+        return StepMeter(self.accelerator, self.log, self.cfg.train, start_step=resumed.step, total_steps=total_steps,
+                         bad_total=resumed.state.get("bad_samples_total", 0))
+
+
+def start_run(cfg: Any, check_data: Callable[[TrainingData], object] | None = None) -> Run:
+    """Start a run: the accelerator (trackers checked), the Hub checked, the seed, the data's manifests, the model's
+    architecture (built in shapes only), the run directory (taken, its config written; in a dry run only checked),
+    the metrics log and the sample audit. The model and the data are checked before the run directory is touched,
+    so a wrong setting or path changes nothing. `check_data`: the stage's own checks of the data (fine-tuning:
+    classes and labels), run before the run directory is touched; what it returns is kept as `data_check`."""
     tc, dry_run = cfg.train, is_dry_run(cfg)
     accelerator, gbatch = make_accelerator(tc)
     if accelerator.is_main_process:
@@ -56,5 +145,5 @@ def start_run(cfg: Any, check_data: Callable[[TrainingData], object] | None = No
     layout = Layout(accelerator.num_processes, max(1, cfg.data.num_workers), gbatch.micro_batch, gbatch.accum_steps)
     is_main = accelerator.is_main_process and not dry_run
     audit = SampleAudit(tc.run_dir, accelerator.process_index, is_main, data.names, tc.record_samples and not dry_run)
-    return RunStart(accelerator, gbatch, layout, data, changed, MetricsLog(tc.run_dir, is_main), audit, dry_run,
-                    data_check)
+    return Run(cfg, accelerator, gbatch, layout, data, changed, MetricsLog(tc.run_dir, is_main), audit, dry_run,
+               data_check)

@@ -1,6 +1,6 @@
 """The bookkeeping of a training loop's steps, the same for both stages: sums, averages, progress line, records.
 
-    meter = StepMeter(accelerator, log, start_step=..., total_steps=..., batch_size=..., log_every=...)
+    meter = StepMeter(accelerator, log, cfg.train, start_step=..., total_steps=...)   # or run.meter(...)
     for step in ...:
         meter.add(outputs)                      # what the step's micro-batches produced (loss, metrics, bad_samples)
         meter.log(step + 1, lr, epoch=...)      # prints and records when a log is due
@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 
+from vit_mpp.config.sections import TrainConfig
 from vit_mpp.progress import format_duration
 from vit_mpp.run.curves import CURVES_NAME, read_metrics, write_run_curves
 from vit_mpp.run.run_dir import MetricsLog
@@ -81,10 +82,10 @@ def previous_elapsed(log: MetricsLog) -> float:
 class StepMeter:
     """Sums what each optimizer step produces; when a log is due, reports it once for all processes."""
 
-    def __init__(self, accelerator: Accelerator, log: MetricsLog, *, start_step: int, total_steps: int,
-                 batch_size: int, log_every: int, bad_total: int = 0) -> None:
+    def __init__(self, accelerator: Accelerator, log: MetricsLog, train: TrainConfig, *, start_step: int,
+                 total_steps: int, bad_total: int = 0) -> None:
         self.accelerator, self.metrics_log = accelerator, log
-        self.total, self.batch_size, self.log_every = total_steps, batch_size, log_every
+        self.total, self.batch_size, self.log_every = total_steps, train.batch_size, train.log_every
         self.bad_total = bad_total  # undecodable samples replaced so far in the run, all processes (checkpointed)
         self.start_step = self.last_step = start_step
         self.start_time = self.last_time = time.perf_counter()

@@ -30,8 +30,8 @@ from typing import Any
 from accelerate import Accelerator
 from accelerate.tracking import LOGGER_TYPE_TO_CLASS, TensorBoardTracker
 
-from vit_mpp.config.engine import flatten, to_dict
-from vit_mpp.config.sections import ConfigError, TrainConfig
+from vit_mpp.config.engine import ConfigError, flatten, to_dict
+from vit_mpp.config.sections import TrainConfig
 from vit_mpp.run.curves import read_metrics
 from vit_mpp.run.metrics_summary import best_metrics
 

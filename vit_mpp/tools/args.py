@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 from typing import TextIO
 
-from vit_mpp.config.sections import ConfigError
+from vit_mpp.config.engine import ConfigError
 from vit_mpp.data.manifest import MANIFEST_NAME
 from vit_mpp.models.export_folder import is_export
 

@@ -13,7 +13,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402 - the backend must be chosen first
 from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
 
-from vit_mpp.config.sections import ConfigError  # noqa: E402
+from vit_mpp.config.engine import ConfigError  # noqa: E402
 from vit_mpp.tools.args import write_out_bytes  # noqa: E402
 
 __all__ = ["check_figure_name", "plt", "save_figure"]

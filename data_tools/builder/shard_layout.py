@@ -4,7 +4,7 @@ Every machine that takes part in a build computes the same layout from the same 
 no coordination:
 
 * each split is an order over catalog rows (`SplitOrder`): train and val from one seeded shuffle of every input
-  (data_tools/build/shuffle.py), or the source's own splits, each shuffled with the seed and its name;
+  (data_tools/builder/shuffle.py), or the source's own splits, each shuffled with the seed and its name;
 * **ranges** (the unit of work and of shard names) are arithmetic: range k of a split covers fixed positions, and
   part `I` of `N` (`Parts`) builds the ranges whose global number is I modulo N.
 """
@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from data_tools.build.catalog import EXCLUDED, Catalog
-from data_tools.build.shuffle import Shuffle
+from data_tools.builder.catalog import EXCLUDED, Catalog
+from data_tools.builder.shuffle import Shuffle
 
 # Inputs per range when --shard-size is 0 (shards limited by --shard-bytes only): ranges are what workers share.
 BYTES_ONLY_RANGE = 10_000

@@ -1,6 +1,6 @@
 """One shard of `build-shards index`, read in a worker: its samples counted (as webdataset groups them), their
 image extensions and labels tallied, and with `verify` every image decoded (data_tools/decode_check.py). Counting
-uses the compiled walker (data_tools/index/tar_walker.py) when numba is installed, and the Python reader for what the
+uses the compiled walker (data_tools/indexer/tar_walker.py) when numba is installed, and the Python reader for what the
 walker leaves to it; both give the same result.
 
 The result is a small `ShardIndex` (sent back to the main process): the counts, or the problem that makes the
@@ -29,7 +29,7 @@ from vit_mpp.data.urls import ReadPolicy
 
 IMAGES = frozenset(IMAGE_EXTENSIONS)
 DAMAGED, MISSING, UNREADABLE = "damaged", "missing", "unreadable"
-READERS = ("auto", "compiled", "python")  # --reader: the compiled walker (data_tools/index/tar_walker.py) or Python's
+READERS = ("auto", "compiled", "python")  # --reader: the compiled walker (data_tools/indexer/tar_walker.py) or Python's
 
 
 @functools.cache
@@ -160,7 +160,7 @@ def _scan(stream: BinaryIO, url: str, verify: bool) -> ShardIndex:
 def _walk(stream: BinaryIO, url: str) -> ShardIndex:
     """Count one shard's samples from its stream with the compiled walker (one attempt); NotSimple when the shard
     needs the Python reader."""
-    from data_tools.index import tar_walker as tar_count  # numba: imported only where the walker is used
+    from data_tools.indexer import tar_walker as tar_count  # numba: imported only where the walker is used
 
     attempt = _Attempt()
     try:
@@ -178,7 +178,7 @@ def _read(url: str, verify: bool, read: ReadPolicy, reader: str) -> ShardIndex:
     the shard to it, by the Python reader."""
     why = ""
     if use_compiled(reader, verify):
-        from data_tools.index.tar_walker import NotSimple
+        from data_tools.indexer.tar_walker import NotSimple
 
         try:
             return urls.read_stream(url, lambda stream: _walk(stream, url), read.timeout, read.retries,

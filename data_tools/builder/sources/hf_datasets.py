@@ -11,8 +11,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from data_tools.build.catalog import CatalogWriter
-from data_tools.build.sources.base import (
+from data_tools.builder.catalog import CatalogWriter
+from data_tools.builder.sources.base import (
     FailureLog,
     LabelTable,
     Listing,

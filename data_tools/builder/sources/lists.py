@@ -17,8 +17,8 @@ import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from data_tools.build.catalog import CatalogWriter
-from data_tools.build.sources.base import (
+from data_tools.builder.catalog import CatalogWriter
+from data_tools.builder.sources.base import (
     SPLIT_NAME,
     FailureLog,
     FileReader,
@@ -31,7 +31,7 @@ from data_tools.build.sources.base import (
     labelled_listing,
     os_error_detail,
 )
-from data_tools.build.sources.list_files import ListFile, list_suffix, resolve_list_files
+from data_tools.builder.sources.list_files import ListFile, list_suffix, resolve_list_files
 from vit_mpp.data import urls
 from vit_mpp.data.labels import BadLabel
 

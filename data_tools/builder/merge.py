@@ -15,8 +15,8 @@ import collections
 import hashlib
 import json
 
-from data_tools.build.journal import intact, read_journals
-from data_tools.build.shard_layout import iter_ranges
+from data_tools.builder.journal import intact, read_journals
+from data_tools.builder.shard_layout import iter_ranges
 from data_tools.store import LocalStore, RemoteStore
 from vit_mpp.data.manifest import write_manifest_url
 from vit_mpp.errors import UserError
@@ -177,7 +177,7 @@ def _read_listing_failures(store: LocalStore | RemoteStore, name: str, expected:
     return [json.loads(line) for line in text.splitlines()]
 
 
-# ---------------------------------------------------------------- builds with plan parts (data_tools/build/plan_parts.py)
+# ---------------------------------------------------------------- builds with plan parts (data_tools/builder/plan_parts.py)
 
 def listing_failures_name(group: int) -> str:
     """The file in OUT with the inputs that plan part `group`'s listing met and did not use (its part writes it)."""

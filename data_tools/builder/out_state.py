@@ -9,9 +9,9 @@ from __future__ import annotations
 import json
 import re
 
-from data_tools.build.journal import is_journal, journal_name, read_journals
-from data_tools.build.merge import FAILURES_NAME, LISTING_FAILURES_NAME, LISTING_FAILURES_PREFIX
-from data_tools.build.shard_layout import Parts
+from data_tools.builder.journal import is_journal, journal_name, read_journals
+from data_tools.builder.merge import FAILURES_NAME, LISTING_FAILURES_NAME, LISTING_FAILURES_PREFIX
+from data_tools.builder.shard_layout import Parts
 from data_tools.store import LocalStore, OutputError, RemoteStore
 from vit_mpp.data.manifest import MANIFEST_NAME
 

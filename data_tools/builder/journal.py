@@ -19,8 +19,8 @@ import json
 import time
 from typing import Any
 
-from data_tools.build.shard_layout import Parts
-from data_tools.build.writer import file_sha256
+from data_tools.builder.shard_layout import Parts
+from data_tools.builder.writer import file_sha256
 from data_tools.store import LocalStore, RemoteStore
 
 JOURNAL_PREFIX = "_journal"

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import PurePosixPath
 from urllib.parse import urlparse
 
-from data_tools.build.sources.base import SourceError, is_url, os_error_detail
+from data_tools.builder.sources.base import SourceError, is_url, os_error_detail
 from vit_mpp.data import urls
 
 LIST_SUFFIXES = (".csv", ".jsonl", ".ndjson", ".parquet")

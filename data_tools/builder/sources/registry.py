@@ -10,9 +10,9 @@ import re
 from pathlib import Path
 from urllib.parse import urlparse
 
-from data_tools.build.catalog import CatalogWriter
-from data_tools.build.sources import folders, hf_datasets, hf_stream, list_files, lists
-from data_tools.build.sources.base import (
+from data_tools.builder.catalog import CatalogWriter
+from data_tools.builder.sources import folders, hf_datasets, hf_stream, list_files, lists
+from data_tools.builder.sources.base import (
     REPEATED_ROWS,
     UNLABELLED_ROWS,
     FailureLog,

@@ -14,8 +14,8 @@ import errno
 import os
 from collections.abc import Callable
 
-from data_tools.build.catalog import CatalogWriter
-from data_tools.build.sources.base import (
+from data_tools.builder.catalog import CatalogWriter
+from data_tools.builder.sources.base import (
     FailureLog,
     FileReader,
     Listing,

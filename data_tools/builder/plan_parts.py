@@ -18,7 +18,7 @@ shuffle: a shard holds rows of one plan part's files only; rows of different par
 loader's shard shuffle and shuffle buffer), not in the shards.
 
 What is only known once every part has been listed (the number of classes, the inputs per split) is recorded per
-plan part in its journal's header and summed by merge (data_tools/build/merge.py). Labels must therefore be class indices
+plan part in its journal's header and summed by merge (data_tools/builder/merge.py). Labels must therefore be class indices
 (integers) or absent: string labels are sorted over every file into class numbers, which no part can do alone.
 """
 
@@ -32,10 +32,10 @@ from pathlib import Path
 
 import numpy as np
 
-from data_tools.build.catalog import EXCLUDED, CatalogWriter
-from data_tools.build.journal import fingerprint
-from data_tools.build.merge import listing_failures_name, unlabelled_mix
-from data_tools.build.shard_layout import (
+from data_tools.builder.catalog import EXCLUDED, CatalogWriter
+from data_tools.builder.journal import fingerprint
+from data_tools.builder.merge import listing_failures_name, unlabelled_mix
+from data_tools.builder.shard_layout import (
     HashSplit,
     Parts,
     RangeRef,
@@ -44,8 +44,8 @@ from data_tools.build.shard_layout import (
     iter_ranges,
     split_plan_part,
 )
-from data_tools.build.shard_ranges import RangeTask
-from data_tools.build.sources.base import (
+from data_tools.builder.shard_ranges import RangeTask
+from data_tools.builder.sources.base import (
     FailureLog,
     FileReader,
     LabelTable,
@@ -56,9 +56,9 @@ from data_tools.build.sources.base import (
     apply_repeated_rows,
     apply_unlabelled_rows,
 )
-from data_tools.build.sources.list_files import ListFile, ListSource, resolve_list_files, source_name
-from data_tools.build.sources.lists import list_rows
-from data_tools.build.sources.registry import detect_kind
+from data_tools.builder.sources.list_files import ListFile, ListSource, resolve_list_files, source_name
+from data_tools.builder.sources.lists import list_rows
+from data_tools.builder.sources.registry import detect_kind
 from vit_mpp import __version__
 from vit_mpp.data.image_prep import EncodeSettings
 

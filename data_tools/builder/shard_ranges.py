@@ -23,9 +23,9 @@ from typing import Any
 
 from PIL import Image
 
-from data_tools.build.shard_layout import sample_key, shard_name
-from data_tools.build.sources.base import Item
-from data_tools.build.writer import ShardWriter
+from data_tools.builder.shard_layout import sample_key, shard_name
+from data_tools.builder.sources.base import Item
+from data_tools.builder.writer import ShardWriter
 from vit_mpp.data import urls
 from vit_mpp.data.image_prep import BadImage, EncodeSettings, clean_detail, prepare_image
 from vit_mpp.launcher import die_with_parent

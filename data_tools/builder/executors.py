@@ -23,7 +23,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wai
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
-from data_tools.build.shard_ranges import RangeTask, WorkContext, init_worker, run_task, write_range
+from data_tools.builder.shard_ranges import RangeTask, WorkContext, init_worker, run_task, write_range
 from data_tools.stops import BuildStopped, WorkerDied
 from data_tools.store import LocalStore, RemoteStore
 from vit_mpp.errors import UserError

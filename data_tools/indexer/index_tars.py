@@ -3,8 +3,8 @@
 
     build-shards index LOCATION [LOCATION ...] [--split NAME ...] [--out DIR] [--verify] [--skip-bad]
 
-Each LOCATION (a folder, a URL of one, or a brace pattern; data_tools/index/find_tars.py) is listed, then every shard is
-read once, as a stream, by `--workers` processes (data_tools/index/count_shard.py): its samples counted as webdataset
+Each LOCATION (a folder, a URL of one, or a brace pattern; data_tools/indexer/find_tars.py) is listed, then every shard is
+read once, as a stream, by `--workers` processes (data_tools/indexer/count_shard.py): its samples counted as webdataset
 groups them for training, their image extensions and `.cls` labels tallied, and with `--verify` every image
 decoded. The tars are only read. The manifest (`_info.json`, timm's `wds/` schema plus what training and a user
 need) goes beside the shards, or into `--out DIR` with a `location` field naming the shards' folder. Every
@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from data_tools.decode_check import KeyTally
-from data_tools.index.count_shard import DAMAGED, ShardIndex, index_shard, init_worker, use_compiled
-from data_tools.index.find_tars import (
+from data_tools.indexer.count_shard import DAMAGED, ShardIndex, index_shard, init_worker, use_compiled
+from data_tools.indexer.find_tars import (
     IndexInputError,
     Placement,
     ShardRef,
@@ -111,7 +111,7 @@ def _is_index(text: str) -> bool:
 
 
 def _context() -> Any:
-    """fork where there is one (workers start in milliseconds, as data_tools/build/executors.py's), else spawn."""
+    """fork where there is one (workers start in milliseconds, as data_tools/builder/executors.py's), else spawn."""
     return mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
 
 
@@ -140,7 +140,7 @@ def read_shards(shards: list[ShardRef], options: IndexOptions, show: Callable[[i
     todo = iter(shards)
     pending: dict[Future, ShardRef] = {}
     if use_compiled(options.reader, options.verify):
-        from data_tools.index.tar_walker import compile_walker  # numba: imported only where the walker is used
+        from data_tools.indexer.tar_walker import compile_walker  # numba: imported only where the walker is used
 
         compile_walker()  # here, once: forked workers and threads inherit it
     pool = _pool(options, workers, counter, stop)
@@ -264,7 +264,7 @@ def walker_problem() -> str:
     """Why the compiled walker cannot run in this environment (one line), or "": numba missing or broken (it refuses
     to import beside a numpy release it does not support), or failing to compile."""
     try:
-        from data_tools.index.tar_walker import compile_walker
+        from data_tools.indexer.tar_walker import compile_walker
 
         compile_walker()
     except Exception as e:  # whatever numba raises is the answer: the walk then goes to the Python reader

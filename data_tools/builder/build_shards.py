@@ -1,10 +1,10 @@
 """Building shards: list SOURCE, plan, write this machine's ranges, and (on one machine) merge. `build` is the
 whole of `build-shards SOURCE OUT` (the command line is data_tools/cli.py).
 
-A build lists SOURCE into a catalog (data_tools/build/sources/), plans it (data_tools/build/build_plan.py), checks what OUT
-holds (data_tools/build/out_state.py), writes the ranges left to write with an executor (data_tools/build/executors.py) while
-the committer publishes and journals each finished range (data_tools/build/committer.py), and, when it is the only part,
-merges: failures.jsonl, then `_info.json`, the commit point (data_tools/build/merge.py). Re-running the same command
+A build lists SOURCE into a catalog (data_tools/builder/sources/), plans it (data_tools/builder/build_plan.py), checks what OUT
+holds (data_tools/builder/out_state.py), writes the ranges left to write with an executor (data_tools/builder/executors.py) while
+the committer publishes and journals each finished range (data_tools/builder/committer.py), and, when it is the only part,
+merges: failures.jsonl, then `_info.json`, the commit point (data_tools/builder/merge.py). Re-running the same command
 after an interruption resumes from the journal.
 """
 
@@ -16,17 +16,17 @@ import tempfile
 import time
 from pathlib import Path
 
-from data_tools.build.build_plan import BuildPlan
-from data_tools.build.committer import Committer
-from data_tools.build.executors import LocalExecutor, RayExecutor, require_ray
-from data_tools.build.journal import Journal, intact, journal_name, last_is_whole, read_journals
-from data_tools.build.merge import FAILURES_NAME, check_written, conclude, finalize
-from data_tools.build.out_state import prepare_out
-from data_tools.build.plan_parts import PlannedBuild
-from data_tools.build.shard_layout import ONE_MACHINE, Parts, RangeRef, ShardLayout
-from data_tools.build.shard_ranges import WorkContext
-from data_tools.build.sources.base import Source, SourceSpec
-from data_tools.build.sources.registry import open_source
+from data_tools.builder.build_plan import BuildPlan
+from data_tools.builder.committer import Committer
+from data_tools.builder.executors import LocalExecutor, RayExecutor, require_ray
+from data_tools.builder.journal import Journal, intact, journal_name, last_is_whole, read_journals
+from data_tools.builder.merge import FAILURES_NAME, check_written, conclude, finalize
+from data_tools.builder.out_state import prepare_out
+from data_tools.builder.plan_parts import PlannedBuild
+from data_tools.builder.shard_layout import ONE_MACHINE, Parts, RangeRef, ShardLayout
+from data_tools.builder.shard_ranges import WorkContext
+from data_tools.builder.sources.base import Source, SourceSpec
+from data_tools.builder.sources.registry import open_source
 from data_tools.scratch import scratch, sweep_stale
 from data_tools.stops import Interrupted
 from data_tools.store import LocalStore, OutputError, RemoteStore, open_store
@@ -221,7 +221,7 @@ def _build(plan: BuildPlan | PlannedBuild, store: LocalStore | RemoteStore, enco
     return info
 
 
-if __name__ == "__main__":  # `python -m data_tools.build.build_shards`: run the command line as a script. runpy rather
+if __name__ == "__main__":  # `python -m data_tools.builder.build_shards`: run the command line as a script. runpy rather
     # than an import, so that this module never depends on data_tools.cli (which imports it).
     import runpy
 

@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 
-from data_tools.build.journal import Journal
+from data_tools.builder.journal import Journal
 from data_tools.stops import BuildStopped
 from data_tools.store import LocalStore, RemoteStore
 from vit_mpp.data import urls

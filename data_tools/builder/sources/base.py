@@ -2,7 +2,7 @@
 
 A kind of source (one module each beside this one: folders.py, lists.py, hf_datasets.py, hf_stream.py) is a
 *lister*: a function `(spec, writer, failures, seed, progress) -> Listing` that adds every input of SOURCE to the
-catalog writer (data_tools/build/catalog.py: an id, a label and a split per input, never image bytes), records the inputs
+catalog writer (data_tools/builder/catalog.py: an id, a label and a split per input, never image bytes), records the inputs
 it meets and does not use in the `FailureLog`, and returns a picklable `Reader` that worker processes (or Ray
 tasks) read an input's original bytes with, the class names and the manifest's details. registry.py picks the kind
 and turns a `Listing` into a `Source`. This module imports no kind.
@@ -23,7 +23,7 @@ from urllib.parse import urlparse
 
 import numpy as np
 
-from data_tools.build.catalog import EXCLUDED, Catalog, CatalogWriter
+from data_tools.builder.catalog import EXCLUDED, Catalog, CatalogWriter
 from vit_mpp.data import urls
 from vit_mpp.data.labels import MAX_CLASSES, BadLabel
 from vit_mpp.errors import UserError
@@ -54,7 +54,7 @@ class SourceSpec:
     allow_outside_paths: bool = False  # list rows may name absolute paths, URLs or paths above the list's folder
 
     def row_rules(self) -> dict[str, str]:
-        """What is done with unlabelled and repeated rows: part of a build's fingerprint (data_tools/build/journal.py),
+        """What is done with unlabelled and repeated rows: part of a build's fingerprint (data_tools/builder/journal.py),
         since it changes which inputs are written."""
         return {"unlabelled_rows": self.unlabelled_rows, "repeated_rows": self.repeated_rows}
 

@@ -1,15 +1,15 @@
 """The build plan: what every machine of a build computes the same from the listed SOURCE and the options.
 
-The splits (each an order over catalog rows, data_tools/build/shard_layout.py) and their sizes, the shard ranges and which of
+The splits (each an order over catalog rows, data_tools/builder/shard_layout.py) and their sizes, the shard ranges and which of
 them a part builds, the manifest's fields known before any image is read, and the fingerprint that parts, resumes
-and merges must match (data_tools/build/journal.py). Nothing here reads an image or writes to OUT.
+and merges must match (data_tools/builder/journal.py). Nothing here reads an image or writes to OUT.
 """
 
 from __future__ import annotations
 
-from data_tools.build.journal import fingerprint
-from data_tools.build.merge import LISTING_FAILURES_NAME
-from data_tools.build.shard_layout import (
+from data_tools.builder.journal import fingerprint
+from data_tools.builder.merge import LISTING_FAILURES_NAME
+from data_tools.builder.shard_layout import (
     Parts,
     RangeRef,
     ShardLayout,
@@ -18,9 +18,9 @@ from data_tools.build.shard_layout import (
     num_ranges,
     split_catalog,
 )
-from data_tools.build.shard_ranges import RangeTask
-from data_tools.build.sources.base import Source, SourceError, SourceSpec
-from data_tools.build.sources.list_files import source_name
+from data_tools.builder.shard_ranges import RangeTask
+from data_tools.builder.sources.base import Source, SourceError, SourceSpec
+from data_tools.builder.sources.list_files import source_name
 from vit_mpp import __version__
 from vit_mpp.data.image_prep import EncodeSettings
 
@@ -28,7 +28,7 @@ from vit_mpp.data.image_prep import EncodeSettings
 class BuildPlan:
     """What every machine computes the same: splits, sizes, the fingerprint and the manifest's fixed fields.
 
-    A build with plan parts has its own plan (data_tools/build/plan_parts.py, `PlannedBuild`) offering the same methods:
+    A build with plan parts has its own plan (data_tools/builder/plan_parts.py, `PlannedBuild`) offering the same methods:
     `ranges`, `task`, `header`, `listing_failures`, `accepts`, `describe`, `close`, and `fingerprint` and `reader`."""
 
     def __init__(self, source: Source, spec: SourceSpec, layout: ShardLayout, encode: EncodeSettings) -> None:

@@ -15,7 +15,7 @@ shard again with the Python reader, which gives the exact answer or the exact er
 result: whatever this counter accepts, it counts as the Python reader does (tests/data_tools/test_tar_count.py
 compares them on every kind of member).
 
-This module imports numba: data_tools/index/count_shard.py imports it only where the walker is used. The compiled code
+This module imports numba: data_tools/indexer/count_shard.py imports it only where the walker is used. The compiled code
 is cached on disk by numba (beside this file, or in the user's cache folder where that is read-only), so only the
 first run anywhere compiles (a few seconds); later processes load it.
 """
@@ -68,7 +68,7 @@ class NotSimple(Exception):
 
 @dataclass
 class Counts:
-    """What the walker found in one shard (see data_tools/index/count_shard.py's ShardIndex)."""
+    """What the walker found in one shard (see data_tools/indexer/count_shard.py's ShardIndex)."""
 
     bytes: int = 0
     samples: int = 0

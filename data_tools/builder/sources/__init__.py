@@ -1,4 +1,4 @@
-"""Sources: where the images come from, listed once into a catalog (data_tools/build/catalog.py) before anything is read.
+"""Sources: where the images come from, listed once into a catalog (data_tools/builder/catalog.py) before anything is read.
 
 `open_source` lists SOURCE into a `Source`: the catalog of inputs (an id, a label and a split per input), the class
 names, and a picklable `reader` that worker processes (or Ray tasks) use to fetch an input's original bytes. Only

@@ -24,8 +24,8 @@ import random
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from data_tools.build.catalog import CatalogWriter
-from data_tools.build.sources.base import (
+from data_tools.builder.catalog import CatalogWriter
+from data_tools.builder.sources.base import (
     FailureLog,
     LabelTable,
     Listing,
@@ -36,7 +36,7 @@ from data_tools.build.sources.base import (
     image_value_bytes,
     labelled_listing,
 )
-from data_tools.build.sources.hf_datasets import choose_splits, hf_error, pick_image_column, quiet_datasets
+from data_tools.builder.sources.hf_datasets import choose_splits, hf_error, pick_image_column, quiet_datasets
 from vit_mpp.data import urls
 from vit_mpp.data.labels import BadLabel
 
