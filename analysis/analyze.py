@@ -169,11 +169,13 @@ def param_report(model: torch.nn.Module, out: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def attention_figures(model: VisionTransformer, images: torch.Tensor, names: list[str], num_maps: int,
-                      mean: tuple[float, ...], std: tuple[float, ...], out: Path, device: str, batch_size: int,
+def attention_figures(model: VisionTransformer, loaded: tuple[torch.Tensor, list[str]],
+                      norm: tuple[tuple[float, ...], tuple[float, ...]], out: Path, args: argparse.Namespace,
                       advance: Callable[[int], None] = lambda n: None) -> dict[str, Any]:
-    """Attention maps for the first `num_maps` images and the mean attention distance over all of them; `advance(n)`
-    is told of each chunk of n images done."""
+    """Attention maps for the images given by name and the first `--num-maps` of the shards', and the mean attention
+    distance over all the `loaded` (images, names); `advance(n)` is told of each chunk of n images done."""
+    (images, names), (mean, std), device, batch_size = loaded, norm, args.device, args.batch_size
+    num_maps = len(args.images) + (min(args.num_maps, len(images) - len(args.images)) if args.shards else 0)
     grid, p, prefix = grid_size(model), patch_size(model), model.num_prefix_tokens
     dist_sum, maps = None, []
     for start in range(0, len(images), batch_size):  # chunks bound the memory of L x (B, heads, T, T) probabilities
@@ -241,10 +243,8 @@ def main(argv: list[str] | None = None) -> None:
     summary["images"] = names
     if len(images):
         model.to(args.device)
-        num_maps = len(args.images) + (min(args.num_maps, len(images) - len(args.images)) if args.shards else 0)
         with progress("attention", len(images)) as advance:
-            summary.update(attention_figures(model, images, names, num_maps, mean, std, out, args.device,
-                                              args.batch_size, advance))
+            summary.update(attention_figures(model, (images, names), (mean, std), out, args, advance))
     else:
         print("no --images and no --shards: attention maps and mean attention distance skipped")
     written = ["params.txt", "params.csv", "params.json", "position_similarity.png", "embedding_filters.png",

@@ -37,7 +37,7 @@ from PIL import Image
 
 from data_tools import inspect_shards
 from data_tools.builder import merge
-from data_tools.builder.build_shards import build
+from data_tools.builder.build_shards import BuildOptions, build
 from data_tools.builder.shard_layout import Parts, ShardLayout
 from data_tools.builder.sources.base import REPEATED_ROWS, UNLABELLED_ROWS, SourceSpec
 from data_tools.builder.sources.registry import KINDS
@@ -286,8 +286,8 @@ def _main(argv: list[str] | None) -> None:
     layout = ShardLayout(args.seed, val_fraction, args.shard_size, args.shard_bytes, args.plan_parts)
     encode = EncodeSettings(max_side=args.max_side, min_side=args.min_side, quality=args.quality, format=args.format,
                             resize_side=args.resize_side, max_pixels=args.max_pixels)
-    build(spec, args.out_dir, layout, encode, args.workers, executor=args.executor,
-          parts=Parts(args.part, args.num_parts), overwrite=args.overwrite, dry_run=args.dry_run)
+    build(spec, args.out_dir, layout, encode, BuildOptions(args.workers, args.executor, Parts(args.part, args.num_parts),
+                                                           args.overwrite, args.dry_run))
 
 
 def _terminate(signum: int, frame: Any) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import io
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from PIL import Image, ImageDraw
 from rich.console import Console
@@ -51,10 +51,19 @@ class _Hashing(io.RawIOBase):
         return len(data)
 
 
-def check_shard(location: str, name: str, count: int, size: int | None, digest: str | None, num_classes: int,
-                seen: set[str], decode: bool = False) -> list[str]:
+class ShardEntry(NamedTuple):
+    """One shard as its manifest lists it: name, samples, and (when recorded) bytes and sha256."""
+
+    name: str
+    count: int
+    size: int | None
+    digest: str | None
+
+
+def check_shard(location: str, entry: ShardEntry, num_classes: int, seen: set[str], decode: bool = False) -> list[str]:
     """Problems of one shard against its manifest entry; `seen` collects keys across shards. With `decode`, every
     sample's image is decoded too (the image members of one sample at a time are held)."""
+    name, count, size, digest = entry
     problems: list[str] = []
     keys: list[str] = []
     bad_labels: list[str] = []
@@ -117,8 +126,8 @@ def verify(location: str, info: dict, decode: bool = False) -> list[str]:
         sizes = split.get("shard_bytes", [None] * n)
         hashes = split.get("shard_sha256", [None] * n)
         seen: set[str] = set()
-        for name, count, size, digest in zip(split["filenames"], split["shard_lengths"], sizes, hashes):
-            problems += check_shard(location, name, count, size, digest, num_classes, seen, decode)
+        for entry in zip(split["filenames"], split["shard_lengths"], sizes, hashes):
+            problems += check_shard(location, ShardEntry(*entry), num_classes, seen, decode)
     return problems
 
 

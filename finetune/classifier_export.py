@@ -15,7 +15,7 @@ import torch
 from accelerate import Accelerator
 
 from vit_mpp.config.sections import ExportConfig, ModelConfig
-from vit_mpp.models.export import write_export
+from vit_mpp.models.export import Export, write_export
 from vit_mpp.models.pretrained import describe_checkpoint, hub_model_id
 from vit_mpp.run.hub import publish
 from vit_mpp.run.start import Run
@@ -56,9 +56,7 @@ class ClassifierExporter:
         if not self.accelerator.is_main_process:
             return
         finetune = {**self.record["finetune"], "step": step, "weights": "ema" if ema else "model"}
-        write_export(out_dir, state, self.model_cfg, kind="classifier", num_classes=self.num_classes, mean=self.mean,
-                     std=self.std, crop_pct=self.crop_pct, class_names=self.class_names,
-                     record={**self.record, "finetune": finetune, "metrics": metrics})
+        write_export(Export(out_dir, state, self.model_cfg, num_classes=self.num_classes, mean=self.mean, std=self.std, crop_pct=self.crop_pct, class_names=self.class_names, record={**self.record, "finetune": finetune, "metrics": metrics}), kind="classifier")
 
 
 def pretrain_record(checkpoint: str, kind: str = "auto") -> dict[str, Any]:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -70,30 +70,26 @@ def prepared_image(path: Path, decoder: ImageDecoder, pre: Pretrained) -> torch.
 
 @torch.no_grad()
 def predict(model: torch.nn.Module, pre: Pretrained, paths: list[Path], batch_size: int = 64, top_k: int = 1,
-            device: str | torch.device = "cpu", *, on_skip: Callable[[Path, str], None] = warn_skipped,
-            advance: Callable[[int], None] | None = None) -> Iterator[tuple[Path, list[tuple[int, float]]]]:
-    """(path, [(class index, probability)] best first) for each image; an image that cannot be read is passed to
-    `on_skip` (a warning by default) and skipped. `advance(n)` is told of every batch of n images done."""
+            device: str | torch.device = "cpu") -> Iterator[tuple[Path, list[tuple[int, float]] | None, str]]:
+    """(path, [(class index, probability)] best first, "") for each image in order; an image that cannot be read is
+    (path, None, why), and the labelling goes on."""
     decoder = ImageDecoder(pre.model.img_size, train=False, eval_crop_pct=pre.crop_pct or 0.875)
     model.to(device)
     for i in range(0, len(paths), batch_size):
         good, images = [], []
-        chunk = paths[i:i + batch_size]
-        for p in chunk:
+        for p in paths[i:i + batch_size]:
             try:
                 images.append(prepared_image(p, decoder, pre))
                 good.append(p)
             except (BadImage, OSError) as e:  # one bad file must not stop the labelling of the others
-                on_skip(p, str(e))
-        if advance is not None:
-            advance(len(chunk))
+                yield p, None, str(e)
         if not images:
             continue
         x = normalize(torch.stack(images).to(device), pre.mean, pre.std)
         probs = model(x).float().softmax(1)  # (B, K)
         top = probs.topk(min(top_k, probs.shape[1]), dim=1)
         for p, values, indices in zip(good, top.values.tolist(), top.indices.tolist()):
-            yield p, list(zip(indices, values))
+            yield p, list(zip(indices, values)), ""
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -128,8 +124,11 @@ def main(argv: list[str] | None = None) -> None:
 
     with contextlib.ExitStack() as stack, progress("labelling", len(paths)) as advance:
         writer = None
-        for path, top in predict(model, pre, paths, args.batch_size, args.top_k, args.device, on_skip=skip,
-                                 advance=advance):
+        for path, top, problem in predict(model, pre, paths, args.batch_size, args.top_k, args.device):
+            advance(1)
+            if top is None:
+                skip(path, problem)
+                continue
             if writer is None:  # opened at the first label: when no image can be read, nothing is written
                 out = stack.enter_context(open_out_file(args.out)) if args.out else sys.stdout
                 writer = csv.writer(out)

@@ -20,7 +20,7 @@ from pretrain.mpp import MaskedPatchPrediction
 from pretrain.validation import Validation
 from vit_mpp.config.engine import to_dict
 from vit_mpp.data.stream import to_device
-from vit_mpp.models.export import strip_prefix, write_export
+from vit_mpp.models.export import Export, strip_prefix, write_export
 from vit_mpp.models.vit import count_params, create_vit, norm_stats, patch_size
 from vit_mpp.run import dry_run
 from vit_mpp.run.accelerator import prepare_model
@@ -142,12 +142,10 @@ def export_encoder(run: Run, model: torch.nn.Module, norm: tuple[tuple[float, ..
     (mean, std), state = norm, accelerator.get_state_dict(model)
     if not accelerator.is_main_process:
         return
-    path = write_export(
-        Path(tc.run_dir) / "export", strip_prefix(state, "encoder."), cfg.model, kind="encoder", mean=mean,
-        std=std, crop_pct=cfg.data.eval_crop_pct, record={
+    path = write_export(Export(Path(tc.run_dir) / "export", strip_prefix(state, "encoder."), cfg.model, mean=mean, std=std, crop_pct=cfg.data.eval_crop_pct, record={
             "pretrain": {"steps": tc.steps, "batch_size": tc.batch_size, "target": cfg.mpp.target,
                          "mask_ratio": cfg.mpp.mask_ratio, "optimizer": cfg.optim.name, "lr": peak_lr},
-            "metrics": metrics, "data": data.record()})
+            "metrics": metrics, "data": data.record()}), kind="encoder")
     accelerator.print(f"exported encoder to {path}")
     url = publish(path, tc.run_dir, cfg.export, data.val_location, push_it=True)
     if url:

@@ -14,6 +14,7 @@ import os
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from data_tools.builder.build_plan import BuildPlan
@@ -101,12 +102,33 @@ def make_plan(spec: SourceSpec, layout: ShardLayout, encode: EncodeSettings, par
     return plan
 
 
-def run_ranges(plan: BuildPlan | PlannedBuild, store: LocalStore | RemoteStore, todo: list[RangeRef],
-               journal: Journal, encode: EncodeSettings, workers: int, executor: str, resumed: int,
-               total: int) -> tuple[int, float]:
+@dataclass(frozen=True)
+class BuildOptions:
+    """How a build runs (the command line's): its workers, who runs the ranges, this machine's part, and whether OUT
+    may be built again."""
+
+    workers: int = 1
+    executor: str = "local"  # or "ray"
+    parts: Parts = ONE_MACHINE
+    overwrite: bool = False
+    dry_run: bool = False
+
+
+@dataclass
+class Build:
+    """A build in flight: its plan, where it writes, how images are encoded, and its options."""
+
+    plan: BuildPlan | PlannedBuild
+    store: LocalStore | RemoteStore
+    encode: EncodeSettings
+    options: BuildOptions
+
+
+def run_ranges(b: Build, todo: list[RangeRef], journal: Journal, resumed: int, total: int) -> tuple[int, float]:
     """Write the ranges `todo`, journaling each as it completes; returns (workers used, seconds)."""
+    plan, store, encode, executor = b.plan, b.store, b.encode, b.options.executor
     ctx = WorkContext(plan.reader, encode)
-    workers = max(1, min(workers, len(todo)))
+    workers = max(1, min(b.options.workers, len(todo)))
     finished = [0]
     start = time.perf_counter()
     runner = RayExecutor(ctx, store) if executor == "ray" else LocalExecutor(ctx, store.staging(), workers)
@@ -135,9 +157,8 @@ def run_ranges(plan: BuildPlan | PlannedBuild, store: LocalStore | RemoteStore, 
     return workers, time.perf_counter() - start
 
 
-def build(source: SourceSpec, out: str, layout: ShardLayout, encode: EncodeSettings, workers: int, *,
-          executor: str = "local", parts: Parts = ONE_MACHINE, overwrite: bool = False, dry_run: bool = False,
-          ) -> dict | None:
+def build(source: SourceSpec, out: str, layout: ShardLayout, encode: EncodeSettings,
+          options: BuildOptions) -> dict | None:
     """Build (or finish building) OUT from SOURCE, or this machine's part of it. Returns the manifest; None for a
     part of a build still waiting for others (or a dry run)."""
     store = open_store(out)
@@ -146,7 +167,8 @@ def build(source: SourceSpec, out: str, layout: ShardLayout, encode: EncodeSetti
                           "run; choose an output folder outside SOURCE")
     if layout.existing_splits != source.existing_splits:
         raise ValueError("ShardLayout.val_fraction is None exactly when SourceSpec.existing_splits is set")
-    if executor == "ray":
+    parts, dry_run = options.parts, options.dry_run
+    if options.executor == "ray":
         require_ray()  # before anything is written
     if not dry_run:
         store.check()
@@ -164,7 +186,7 @@ def build(source: SourceSpec, out: str, layout: ShardLayout, encode: EncodeSetti
             if dry_run:
                 print(plan.describe(parts))
                 return None
-            return _build(plan, store, encode, workers, executor, parts, overwrite)
+            return _build(Build(plan, store, encode, options))
         finally:
             plan.close()
             store.cleanup()
@@ -175,8 +197,9 @@ def _key(record: dict) -> tuple[int | None, str, int]:
     return record.get("group"), record["split"], record["range"]
 
 
-def _build(plan: BuildPlan | PlannedBuild, store: LocalStore | RemoteStore, encode: EncodeSettings, workers: int,
-           executor: str, parts: Parts, overwrite: bool) -> dict | None:
+def _build(b: Build) -> dict | None:
+    plan, store, parts, overwrite = b.plan, b.store, b.options.parts, b.options.overwrite
+    workers, executor = b.options.workers, b.options.executor
     complete, sizes = prepare_out(store, plan.fingerprint, parts, overwrite)
     if complete is not None:
         print(f"{store} is already complete ({MANIFEST_NAME}); pass --overwrite to build it again")
@@ -207,7 +230,7 @@ def _build(plan: BuildPlan | PlannedBuild, store: LocalStore | RemoteStore, enco
         print(f"note: {len(todo)} shards to write with {workers} workers; a smaller --shard-size gives the "
               "workers more equal shares")
     if todo:
-        used, elapsed = run_ranges(plan, store, todo, journal, encode, workers, executor, resumed, total)
+        used, elapsed = run_ranges(b, todo, journal, resumed, total)
         rate = (total - resumed) / max(elapsed, 1e-9)
         who = f"{used} worker(s)" if executor == "local" else "Ray"
         print(f"throughput: {rate:,.0f} img/s with {who} ({rate / max(used, 1):,.0f} img/s per worker), "

@@ -56,8 +56,8 @@ from data_tools.builder.sources.base import (
     apply_repeated_rows,
     apply_unlabelled_rows,
 )
-from data_tools.builder.sources.list_files import ListFile, ListSource, resolve_list_files, source_name
-from data_tools.builder.sources.lists import list_rows
+from data_tools.builder.sources.list_files import ListFile, resolve_list_files, source_name
+from data_tools.builder.sources.lists import ListedInto, list_rows
 from data_tools.builder.sources.registry import detect_kind
 from vit_mpp import __version__
 from vit_mpp.data.image_prep import EncodeSettings
@@ -76,6 +76,15 @@ def assign_files(files: list[ListFile], count: int) -> list[list[ListFile]]:
     return [sorted(g, key=lambda f: f.name) for g in groups]
 
 
+@dataclass(frozen=True)
+class PartFiles:
+    """The list files of plan part `index`, and the reader of the inputs they name."""
+
+    index: int
+    files: list[ListFile]
+    reader: FileReader
+
+
 @dataclass
 class PlanPart:
     """One listed plan part: its files, catalog (in `source`), splits, and the record of it for the journal."""
@@ -86,16 +95,18 @@ class PlanPart:
     info: dict
 
 
-def list_plan_part(spec: SourceSpec, layout: ShardLayout, index: int, files: list[ListFile], reader: FileReader,
-                   workdir: Path, progress: Progress) -> PlanPart:
-    """List plan part `index` (its `files`) into its own catalog under `workdir` and plan its splits."""
+def list_plan_part(spec: SourceSpec, layout: ShardLayout, files: PartFiles, workdir: Path,
+                   progress: Progress) -> PlanPart:
+    """List plan part `files.index` (its `files.files`, read by `files.reader`) into its own catalog under `workdir`
+    and plan its splits."""
+    index, reader = files.index, files.reader
     folder = Path(workdir) / f"p{index:05d}"
     folder.mkdir()
     writer = CatalogWriter(folder, None if layout.existing_splits else list(HashSplit.NAMES), check_repeats=True)
     failures = FailureLog(folder / "listing_failures.jsonl")
     labels = LabelTable()
     split_of = None if layout.val_fraction is None else HashSplit(layout.seed, layout.val_fraction)
-    list_rows(files, spec, writer, failures, labels, progress, split_of)
+    list_rows(files.files, spec, ListedInto(writer, failures, labels, progress, split_of))
     if not labels.intlike:
         raise SourceError(f"--plan-parts: plan part {index} of {spec.path} has labels that are names (e.g. "
                           f"{next(k for k in labels.codes if not k.isdigit())!r}); with plan parts labels must be "
@@ -111,7 +122,7 @@ def list_plan_part(spec: SourceSpec, layout: ShardLayout, index: int, files: lis
     splits = {s.name: s for s in split_plan_part(catalog, layout, index)}
     included = catalog.splits != EXCLUDED
     labelled = included & (catalog.labels >= 0)
-    info = {"files": [f.name for f in files], "digest": catalog.digest,
+    info = {"files": [f.name for f in files.files], "digest": catalog.digest,
             "splits": {name: s.size for name, s in splits.items()}, "num_inputs": int(np.count_nonzero(included)),
             "num_labelled": int(np.count_nonzero(labelled)), "num_repeated": source.num_repeated,
             "max_label": int(catalog.labels.max(where=labelled, initial=-1)),  # no copy of the labels
@@ -124,7 +135,7 @@ class PlannedBuild:
     and the catalogs and splits of the plan parts it owns. Offers what BuildPlan offers to the build."""
 
     def __init__(self, spec: SourceSpec, layout: ShardLayout, encode: EncodeSettings, parts: Parts, workdir: Path,
-                 progress: Progress = lambda rows, done: None, listed: ListSource | None = None) -> None:
+                 progress: Progress = lambda rows, done: None) -> None:
         self.layout, self.unlabelled_rows = layout, spec.unlabelled_rows
         count = layout.plan_parts
         if spec.streaming or spec.kind not in ("auto", "list") or (spec.kind == "auto" and
@@ -135,7 +146,7 @@ class PlannedBuild:
             idle = f"part {count}" if parts.count == count + 1 else f"parts {count} to {parts.count - 1}"
             raise SourceError(f"--num-parts {parts.count} is more than --plan-parts {count}: {idle} would have no "
                               "files")
-        listed = listed or resolve_list_files(spec.path)
+        listed = resolve_list_files(spec.path)
         if count > len(listed.files):
             raise SourceError(f"--plan-parts {count} is more than the {len(listed.files)} list file(s) of {spec.path}")
         self.files = assign_files(listed.files, count)
@@ -148,7 +159,7 @@ class PlannedBuild:
         self.fingerprint = fingerprint(hashlib.sha256(plan).hexdigest(), {**self.base, **spec.row_rules()})
         self.owned: dict[int, PlanPart] = {}
         for g in (g for g in range(count) if parts.owns(g)):
-            self.owned[g] = list_plan_part(spec, layout, g, self.files[g], self.reader, workdir, progress)
+            self.owned[g] = list_plan_part(spec, layout, PartFiles(g, self.files[g], self.reader), workdir, progress)
         problem = unlabelled_mix([p.info for p in self.owned.values()], spec.unlabelled_rows, spec.path)
         if problem:  # plan parts with labels beside plan parts without: found here when one machine lists both
             raise SourceError(problem)

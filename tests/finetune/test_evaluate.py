@@ -14,7 +14,7 @@ from tests.helpers.models import SMALL, write_encoder_export
 from tests.helpers.processes import launch, run_module
 from vit_mpp.cli import run_main
 from vit_mpp.config.sections import ModelConfig
-from vit_mpp.models.export import write_export
+from vit_mpp.models.export import Export, write_export
 from vit_mpp.models.vit import create_vit
 
 N_VAL = 13  # the validation images of the `shards` fixture (tests/finetune/conftest.py)
@@ -28,8 +28,7 @@ def run(probe_run) -> Path:
 
 def classifier(out: Path, num_classes: int, class_names: list[str] | None) -> Path:
     cfg = ModelConfig(img_size=24, **SMALL)
-    return write_export(out, create_vit(cfg, num_classes).state_dict(), cfg, kind="classifier",
-                        num_classes=num_classes, mean=(0.5,) * 3, std=(0.5,) * 3, class_names=class_names)
+    return write_export(Export(out, create_vit(cfg, num_classes).state_dict(), cfg, num_classes=num_classes, mean=(0.5,) * 3, std=(0.5,) * 3, class_names=class_names), kind="classifier")
 
 
 def test_the_numbers_are_those_of_fine_tunings_final_evaluation(run, shards):

@@ -83,7 +83,7 @@ def test_predict_labels_a_folder(probe_run, tmp_path):
         assert float(r["prob"]) >= float(r["prob_2"])
     # Against what the model does on the same preprocessing: predictions agree with a direct forward.
     model, pre = predict.load_classifier(probe_run / "export" / "best")
-    (path, top), = predict.predict(model, pre, [images[0]])
+    (path, top, _), = predict.predict(model, pre, [images[0]])
     assert path == images[0] and 0 <= top[0][0] < pre.num_classes
 
 

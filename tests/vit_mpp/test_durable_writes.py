@@ -12,7 +12,7 @@ import time
 
 from tests.helpers.models import SMALL_MODEL
 from tests.helpers.processes import REPO, subprocess_env
-from vit_mpp.models.export import read_export, write_export
+from vit_mpp.models.export import Export, read_export, write_export
 from vit_mpp.models.vit import create_vit
 from vit_mpp.run.run_dir import MetricsLog
 
@@ -32,8 +32,7 @@ def test_exported_weights_follow_the_umask_like_their_config(tmp_path):
     # safetensors' save_file wrote the weights with mode 0600 while config.json followed the umask (0644).
     previous = os.umask(0o022)
     try:
-        out = write_export(tmp_path / "export", create_vit(SMALL_MODEL).state_dict(), SMALL_MODEL, kind="encoder",
-                           mean=(0.5,) * 3, std=(0.5,) * 3)
+        out = write_export(Export(tmp_path / "export", create_vit(SMALL_MODEL).state_dict(), SMALL_MODEL, mean=(0.5,) * 3, std=(0.5,) * 3), kind="encoder")
     finally:
         os.umask(previous)
     modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()}
@@ -43,13 +42,13 @@ def test_exported_weights_follow_the_umask_like_their_config(tmp_path):
 KILLED_EXPORT = """
 import sys, torch
 from vit_mpp.config.sections import ModelConfig
-from vit_mpp.models.export import read_export, write_export
+from vit_mpp.models.export import Export, read_export, write_export
 from vit_mpp.models.vit import create_vit
 cfg = ModelConfig(img_size=224, patch_size=16, embed_dim=384, depth=12, num_heads=6)
 state = create_vit(cfg).state_dict()
 print("ready", flush=True)
 while True:
-    write_export(sys.argv[1], state, cfg, kind="encoder", mean=(0.5,) * 3, std=(0.5,) * 3)
+    write_export(Export(sys.argv[1], state, cfg, mean=(0.5,) * 3, std=(0.5,) * 3), kind="encoder")
 """
 
 
@@ -67,8 +66,7 @@ def test_an_export_killed_while_writing_leaves_no_temporary_file(tmp_path):
         left = {p.name for p in out.iterdir()} if out.exists() else set()
         assert left <= expected, left - expected
     # Whatever the kill left, the next export completes and reads back.
-    write_export(out, create_vit(SMALL_MODEL).state_dict(), SMALL_MODEL, kind="encoder", mean=(0.5,) * 3,
-                 std=(0.5,) * 3)
+    write_export(Export(out, create_vit(SMALL_MODEL).state_dict(), SMALL_MODEL, mean=(0.5,) * 3, std=(0.5,) * 3), kind="encoder")
     assert {p.name for p in out.iterdir()} == {"model.safetensors", "config.json"}
 
     assert read_export(out).model.embed_dim == 32

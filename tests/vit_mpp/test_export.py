@@ -23,7 +23,7 @@ from tests.helpers.models import SMALL_MODEL
 from tests.helpers.shards import write_shard_set
 from vit_mpp.config.engine import to_dict
 from vit_mpp.config.sections import ModelConfig
-from vit_mpp.models.export import ExportError, read_export, write_export
+from vit_mpp.models.export import Export, ExportError, read_export, write_export
 from vit_mpp.models.pretrained import read_pretrained
 from vit_mpp.models.vit import create_vit
 
@@ -39,8 +39,7 @@ def classifier(pool: str, seed: int = 0) -> tuple[torch.nn.Module, ModelConfig]:
 @pytest.mark.parametrize("pool", ["token", "avg"])
 def test_a_classifier_export_is_a_timm_local_dir_model(tmp_path, pool):
     model, cfg = classifier(pool)
-    write_export(tmp_path, model.state_dict(), cfg, kind="classifier", num_classes=3, mean=(0.2, 0.3, 0.4),
-                 std=(0.5, 0.6, 0.7), crop_pct=0.9, class_names=["ant", "bee", "cat"])
+    write_export(Export(tmp_path, model.state_dict(), cfg, num_classes=3, mean=(0.2, 0.3, 0.4), std=(0.5, 0.6, 0.7), crop_pct=0.9, class_names=["ant", "bee", "cat"]), kind="classifier")
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["architecture"] == "vit_tiny_patch16_224" and config["num_classes"] == 3
     assert config["label_names"] == ["ant", "bee", "cat"] and config["global_pool"] == pool
@@ -103,8 +102,8 @@ def test_older_exports_still_load(tmp_path):
 def test_an_export_killed_between_its_renames_is_completed_on_read(tmp_path, monkeypatch):
     first, cfg = classifier("token", seed=0)
     second, _ = classifier("token", seed=1)
-    kwargs = dict(kind="classifier", num_classes=3, mean=(0.5,) * 3, std=(0.5,) * 3)
-    write_export(tmp_path, first.state_dict(), cfg, **kwargs)
+    kwargs = dict(num_classes=3, mean=(0.5,) * 3, std=(0.5,) * 3)
+    write_export(Export(tmp_path, first.state_dict(), cfg, **kwargs), kind="classifier")
     real_replace = os.replace
     calls = []
 
@@ -116,7 +115,7 @@ def test_an_export_killed_between_its_renames_is_completed_on_read(tmp_path, mon
 
     monkeypatch.setattr(os, "replace", replace_then_die)
     with pytest.raises(KeyboardInterrupt):
-        write_export(tmp_path, second.state_dict(), cfg, **kwargs)
+        write_export(Export(tmp_path, second.state_dict(), cfg, **kwargs), kind="classifier")
     monkeypatch.setattr(os, "replace", real_replace)
     assert calls == ["config.json", "model.safetensors"]
     ex = read_export(tmp_path)  # config.json is the second export's: its weights are taken from the .new file
@@ -129,8 +128,8 @@ def test_an_export_killed_between_its_renames_is_completed_on_read(tmp_path, mon
 def test_an_export_killed_before_its_renames_keeps_the_previous_one(tmp_path):
     first, cfg = classifier("token", seed=0)
     second, _ = classifier("token", seed=1)
-    kwargs = dict(kind="classifier", num_classes=3, mean=(0.5,) * 3, std=(0.5,) * 3)
-    write_export(tmp_path, first.state_dict(), cfg, **kwargs)
+    kwargs = dict(num_classes=3, mean=(0.5,) * 3, std=(0.5,) * 3)
+    write_export(Export(tmp_path, first.state_dict(), cfg, **kwargs), kind="classifier")
     (tmp_path / "model.safetensors.new").write_bytes(b"half a file")  # a kill while the new weights were written
     torch.testing.assert_close(read_export(tmp_path).state["head.weight"], first.state_dict()["head.weight"])
 
@@ -139,5 +138,5 @@ def test_weights_that_do_not_fit_are_not_exported(tmp_path):
     model, cfg = classifier("token")
     state = {k: v for k, v in model.state_dict().items() if k != "norm.bias"}
     with pytest.raises(ExportError, match=r"missing \['norm.bias'\]"):
-        write_export(tmp_path, state, cfg, kind="classifier", num_classes=3, mean=(0.5,) * 3, std=(0.5,) * 3)
+        write_export(Export(tmp_path, state, cfg, num_classes=3, mean=(0.5,) * 3, std=(0.5,) * 3), kind="classifier")
     assert not (tmp_path / "config.json").exists()

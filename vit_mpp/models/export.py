@@ -53,17 +53,19 @@ class ExportError(UserError):
 
 @dataclasses.dataclass
 class Export:
-    """An export read back: the weights, the model they fit exactly, and how to feed it."""
+    """An export: the weights, the model they fit exactly, and how to feed it (what `write_export` writes and
+    `read_export` reads back)."""
 
     path: Path
-    state: dict[str, torch.Tensor]
+    state: dict[str, torch.Tensor]  # timm key names; the head only for a classifier
     model: ModelConfig
-    num_classes: int
     mean: tuple[float, ...]
     std: tuple[float, ...]
-    crop_pct: float
-    class_names: list[str] | None
-    record: dict[str, Any]  # the vit_mpp record: kind, provenance, metrics ({} for a plain timm folder)
+    num_classes: int = 0
+    crop_pct: float = 0.875
+    class_names: list[str] | None = None
+    record: dict[str, Any] = dataclasses.field(default_factory=dict)  # the vit_mpp record: kind, provenance, metrics
+    # ({} for a plain timm folder)
 
     @property
     def grid(self) -> tuple[int, int]:
@@ -81,16 +83,15 @@ def strip_prefix(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch
     return out
 
 
-def write_export(out_dir: str | Path, state: dict[str, torch.Tensor], model_cfg: ModelConfig, *,
-                 kind: str, num_classes: int = 0, mean: tuple[float, ...], std: tuple[float, ...],
-                 crop_pct: float = 0.875, class_names: list[str] | None = None,
-                 record: dict[str, Any] | None = None) -> Path:
-    """Write an export of `state` (timm key names; the head only for a classifier) to `out_dir`, crash-safely.
+def write_export(export: Export, kind: str) -> Path:
+    """Write `export` to its path as an export of `kind` (encoder, classifier), crash-safely; its record is kept
+    beside the kind, the export id and the tool's version.
 
-    The weights must fit `model_cfg` with `num_classes` exactly (every key, every shape): a ExportError otherwise.
-    Returns `out_dir`.
+    The weights must fit the model with `num_classes` exactly (every key, every shape): a ExportError otherwise.
+    Returns the export's folder.
     """
-    out_dir = Path(out_dir)
+    out_dir, state, model_cfg, num_classes = Path(export.path), export.state, export.model, export.num_classes
+    mean, std, crop_pct, class_names, record = export.mean, export.std, export.crop_pct, export.class_names, export.record
     with torch.device("meta"):  # the architecture only: its keys, shapes and recorded constructor arguments
         model = create_vit(dataclasses.replace(model_cfg, drop_path_rate=0.0, grad_checkpointing=False),
                                num_classes)

@@ -11,10 +11,12 @@ through vit_mpp/data/urls.py, with its idle deadline on every read (a Parquet li
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import json
 import os
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from data_tools.builder.catalog import CatalogWriter
@@ -139,12 +141,24 @@ def _open_rows(file: ListFile) -> tuple[Any, _CountingReader | None, Iterator[Ro
 SplitOf = Callable[[str], int]  # an input's id -> its split code (planned builds: val by a hash of the id)
 
 
-def list_file(file: ListFile, spec: SourceSpec, writer: CatalogWriter, failures: FailureLog, labels: LabelTable,
-              progress: Progress, split_of: SplitOf | None = None) -> int:
+@dataclass
+class ListedInto:
+    """Where listed rows go: the catalog `writer`, the `failures` log, the `labels` table, `progress(rows, bytes
+    read)` and, for a planned build, `split_of` an input's id."""
+
+    writer: CatalogWriter
+    failures: FailureLog
+    labels: LabelTable
+    progress: Progress
+    split_of: SplitOf | None = None
+
+
+def list_file(file: ListFile, spec: SourceSpec, into: ListedInto) -> int:
     """Add the rows of one CSV, JSONL or Parquet list file (image paths with optional `label` and `split`) to
-    `writer`, ids relative to the SOURCE's root; returns the bytes read. `progress(rows, bytes read)` is called every
-    65,536 rows. Without `split_of` and --existing-splits, every row goes to split '' (split later, by the plan)."""
+    `into.writer`, ids relative to the SOURCE's root; returns the bytes read. `into.progress` is called every 65,536
+    rows. Without `split_of` and --existing-splits, every row goes to split '' (split later, by the plan)."""
     name, prefix = file.name, file.prefix
+    writer, failures, labels, progress, split_of = into.writer, into.failures, into.labels, into.progress, into.split_of
     lineno = 0
     default_split = 0 if spec.existing_splits else writer.split_code("") if split_of is None else -1
     count = None
@@ -201,15 +215,14 @@ def list_file(file: ListFile, spec: SourceSpec, writer: CatalogWriter, failures:
     return done
 
 
-def list_rows(files: list[ListFile], spec: SourceSpec, writer: CatalogWriter, failures: FailureLog,
-              labels: LabelTable, progress: Progress, split_of: SplitOf | None = None) -> None:
-    """`list_file` for each of `files` in turn; `progress` sees the bytes read over all of them."""
+def list_rows(files: list[ListFile], spec: SourceSpec, into: ListedInto) -> None:
+    """`list_file` for each of `files` in turn; `into.progress` sees the bytes read over all of them."""
     done = 0
     for file in files:
         def show(rows: int, read: int, before: int = done) -> None:
-            progress(rows, before + read)
+            into.progress(rows, before + read)
 
-        done += list_file(file, spec, writer, failures, labels, show, split_of)
+        done += list_file(file, spec, dataclasses.replace(into, progress=show))
 
 
 def list_path_list(spec: SourceSpec, writer: CatalogWriter, failures: FailureLog, seed: int,
@@ -218,6 +231,6 @@ def list_path_list(spec: SourceSpec, writer: CatalogWriter, failures: FailureLog
     names; items are read by their path, relative to their list's folder (or URL)."""
     source = resolve_list_files(spec.path)
     labels = LabelTable()
-    list_rows(source.files, spec, writer, failures, labels, progress)
+    list_rows(source.files, spec, ListedInto(writer, failures, labels, progress))
     details = {} if source.single else {"files": len(source.files)}
     return labelled_listing(FileReader(source.root), labels, details=details)
