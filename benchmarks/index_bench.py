@@ -3,7 +3,7 @@ the same number of workers of the same kind, measured in the same run.
 
     python -m benchmarks.index_bench [--shards 16] [--samples 2000] [--image-kib 20] [--workers 1 2 4]
                                      [--pools process thread] [--modes cold warm http capped] [--capped-mbps 100]
-                                     [--runs 3] [--readers compiled python] [--writer ours|webdataset]
+                                     [--runs 3] [--writer ours|webdataset]
                                      (from the repository root)
 
 Writes img2dataset-style shards (`KEY.jpg` of about `--image-kib` KiB, `KEY.txt`, `KEY.json`; no labels) with
@@ -11,7 +11,6 @@ build-shards' own writer (plain ustar headers) or `--writer webdataset`'s TarWri
 header before every member, for its float mtime), then for
 each mode, pool kind and worker count runs the plain loop and the index's reading of every shard
 (`data_tools.indexer.index_tars.read_shards`: read, group into samples as webdataset does, tally extensions and labels)
-with each of `--readers` (the compiled walker of data_tools/indexer/tar_walker.py, which needs numba, and the Python reader)
 `--runs` times, interleaved. Prints MB/s and shards/s (median) of each and its ratio to the plain loop. Modes:
 
 * `cold`: local files dropped from this machine's page cache before every pass (`posix_fadvise(DONTNEED)`), as
@@ -52,7 +51,6 @@ import webdataset as wds
 from PIL import Image
 
 from data_tools.builder.writer import ShardWriter
-from data_tools.indexer.count_shard import compiled_available
 from data_tools.indexer.find_tars import ShardRef
 from data_tools.indexer.index_tars import IndexOptions, read_shards
 from vit_mpp.data import urls
@@ -116,10 +114,10 @@ def plain(shard_urls: list[str], kind: str, workers: int) -> int:
         return sum(pool.map(read_all, shard_urls))
 
 
-def indexed(shard_urls: list[str], kind: str, workers: int, reader: str) -> int:
+def indexed(shard_urls: list[str], kind: str, workers: int) -> int:
     refs = [ShardRef("train", u, None) for u in shard_urls]
-    results = read_shards(refs, IndexOptions(workers=workers, pool=kind, reader=reader), lambda *_: None)
-    assert all(not r.problem and not r.read_again for r in results), [r.reason or r.read_again for r in results]
+    results = read_shards(refs, IndexOptions(workers=workers, pool=kind), lambda *_: None)
+    assert all(not r.problem for r in results), [r.reason for r in results]
     return sum(r.bytes for r in results)
 
 
@@ -198,12 +196,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def measure(shard_urls: list[str], kind: str, workers: int, runs: int, before: Callable[[], None],
-            readers: list[str]) -> dict:
-    """Median seconds of the plain loop and of the index with each reader over `runs` interleaved passes."""
-    passes: dict[str, Callable[[], int]] = {"plain": lambda: plain(shard_urls, kind, workers)}
-    for reader in readers:
-        passes[reader] = functools.partial(indexed, shard_urls, kind, workers, reader)
+def measure(shard_urls: list[str], kind: str, workers: int, runs: int, before: Callable[[], None]) -> dict:
+    """Median seconds of the plain loop and of the index over `runs` interleaved passes."""
+    passes: dict[str, Callable[[], int]] = {"plain": lambda: plain(shard_urls, kind, workers),
+                                            "index": functools.partial(indexed, shard_urls, kind, workers)}
     times: dict[str, list[float]] = {name: [] for name in passes}
     size = 0
     for _ in range(runs):
@@ -226,9 +222,6 @@ def main() -> None:
                         default=["cold", "warm", "http", "capped"])
     parser.add_argument("--capped-mbps", type=float, default=100.0, help="per connection, in the capped mode")
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--readers", nargs="+", choices=["compiled", "python"],
-                        default=["compiled", "python"] if compiled_available() else ["python"],
-                        help="the index's readers to measure (compiled: needs numba)")
     parser.add_argument("--writer", choices=["ours", "webdataset"], default="ours",
                         help="who writes the shards: build-shards (ustar) or webdataset's TarWriter (pax headers)")
     parser.add_argument("--serve", nargs=3, help=argparse.SUPPRESS)  # ROOT PORT MBPS: the server process
@@ -243,7 +236,7 @@ def main() -> None:
         print(f"{args.shards} shards x {args.samples} samples (jpg ~{args.image_kib} KiB, txt, json; written by "
               f"{'build-shards' if args.writer == 'ours' else 'webdataset'}): "
               f"{total / 1e6:,.0f} MB; {os.cpu_count()} cores; median of {args.runs} interleaved runs")
-        print(f"{'mode':5s} {'pool':8s} {'workers':>7s} {'reader':>8s} {'plain MB/s':>11s} {'index MB/s':>11s} "
+        print(f"{'mode':5s} {'pool':8s} {'workers':>7s} {'plain MB/s':>11s} {'index MB/s':>11s} "
               f"{'index shards/s':>15s} {'ratio':>6s}")
         servers = {mode: start_server(root, args.capped_mbps if mode == "capped" else 0)
                    for mode in args.modes if mode in ("http", "capped")}
@@ -256,12 +249,10 @@ def main() -> None:
                     plain(shard_urls, "thread", 1)  # into the page cache
                 for kind in args.pools:
                     for workers in args.workers:
-                        m = measure(shard_urls, kind, workers, args.runs, before, args.readers)
+                        m = measure(shard_urls, kind, workers, args.runs, before)
                         mb = m["bytes"] / 1e6
-                        for reader in args.readers:
-                            print(f"{mode:5s} {kind:8s} {workers:7d} {reader:>8s} {mb / m['plain']:11.0f} "
-                                  f"{mb / m[reader]:11.0f} {len(paths) / m[reader]:15.1f} "
-                                  f"{m['plain'] / m[reader]:5.2f}x", flush=True)
+                        print(f"{mode:5s} {kind:8s} {workers:7d} {mb / m['plain']:11.0f} {mb / m['index']:11.0f} "
+                              f"{len(paths) / m['index']:15.1f} {m['plain'] / m['index']:5.2f}x", flush=True)
         finally:
             for proc, _ in servers.values():
                 proc.terminate()

@@ -1,7 +1,6 @@
 """One shard of `build-shards index`, read in a worker: its samples counted (as webdataset groups them), their
-image extensions and labels tallied, and with `verify` every image decoded (data_tools/decode_check.py). Counting
-uses the compiled walker (data_tools/indexer/tar_walker.py) when numba is installed, and the Python reader for what the
-walker leaves to it; both give the same result.
+image extensions and labels tallied, and with `verify` every image decoded (data_tools/decode_check.py), by the
+project's one tar reader (vit_mpp/data/tar_scan.py), as training reads them.
 
 The result is a small `ShardIndex` (sent back to the main process): the counts, or the problem that makes the
 shard unusable (`damaged`: not a complete tar; `missing`; `unreadable`: every read attempt failed or stalled).
@@ -12,7 +11,6 @@ stalled shard costs bounded time and ends as one line naming it. The tar is only
 from __future__ import annotations
 
 import functools
-import importlib.util
 import signal
 import threading
 import urllib.error
@@ -29,19 +27,6 @@ from vit_mpp.data.urls import ReadPolicy
 
 IMAGES = frozenset(IMAGE_EXTENSIONS)
 DAMAGED, MISSING, UNREADABLE = "damaged", "missing", "unreadable"
-READERS = ("auto", "compiled", "python")  # --reader: the compiled walker (data_tools/indexer/tar_walker.py) or Python's
-
-
-@functools.cache
-def compiled_available() -> bool:
-    """Whether numba, which the compiled walker needs, is installed (`pip install '.[fast-index]'`)."""
-    return importlib.util.find_spec("numba") is not None
-
-
-def use_compiled(reader: str, verify: bool) -> bool:
-    """Whether shards are counted with the compiled walker: `--reader` (auto, compiled, python) asks for it where
-    numba is installed, and never with --verify, which decodes every image in Python anyway."""
-    return not verify and (reader == "compiled" or (reader == "auto" and compiled_available()))
 
 
 @dataclass
@@ -60,7 +45,6 @@ class ShardIndex:
     undecodable: KeyTally | None = None  # with verify only
     problem: str = ""
     reason: str = ""
-    read_again: str = ""  # why the compiled walker left this shard to the Python reader, if it did
 
     def add_label(self, raw: bytes, key: str) -> None:
         """Count a `.cls` as training reads it (vit_mpp/data/labels.py: negative is none, a bad one is recorded)."""
@@ -115,7 +99,7 @@ def _progress(n: int) -> None:
 
 class _Attempt:
     """The bytes one attempt at a shard has read, counted into the shared counter as they come, and taken back out
-    when the attempt fails (a retry, or the other reader, reads them again)."""
+    when the attempt fails (a retry reads them again)."""
 
     def __init__(self) -> None:
         self.read = 0
@@ -157,46 +141,11 @@ def _scan(stream: BinaryIO, url: str, verify: bool) -> ShardIndex:
     return result
 
 
-def _walk(stream: BinaryIO, url: str) -> ShardIndex:
-    """Count one shard's samples from its stream with the compiled walker (one attempt); NotSimple when the shard
-    needs the Python reader."""
-    from data_tools.indexer import tar_walker as tar_count  # numba: imported only where the walker is used
-
-    attempt = _Attempt()
+def index_shard(url: str, verify: bool = False, read: ReadPolicy = ReadPolicy()) -> ShardIndex:
+    """The `ShardIndex` of the shard at `url` (a path or URL); never raises for a bad shard, only when abandoned."""
     try:
-        counts = tar_count.count_stream(stream, attempt)
-    except BaseException:
-        attempt.undo()
-        raise
-    return ShardIndex(url, bytes=counts.bytes, samples=counts.samples, images=Counter(counts.images),
-                      labelled=counts.labelled, label_min=counts.label_min, label_max=counts.label_max,
-                      no_image=KeyTally(counts.no_image, counts.no_image_keys))
-
-
-def _read(url: str, verify: bool, read: ReadPolicy, reader: str) -> ShardIndex:
-    """One shard read by the compiled walker where it is used (`use_compiled`), else, or where the walker leaves
-    the shard to it, by the Python reader."""
-    why = ""
-    if use_compiled(reader, verify):
-        from data_tools.indexer.tar_walker import NotSimple
-
-        try:
-            return urls.read_stream(url, lambda stream: _walk(stream, url), read.timeout, read.retries,
-                                    read.wait_s, read_ahead=True)
-        except NotSimple as e:
-            why = str(e)
-    result = urls.read_stream(url, lambda stream: _scan(stream, url, verify), read.timeout, read.retries,
-                              read.wait_s)
-    result.read_again = why
-    return result
-
-
-def index_shard(url: str, verify: bool = False, read: ReadPolicy = ReadPolicy(),
-                reader: str = "auto") -> ShardIndex:
-    """The `ShardIndex` of the shard at `url` (a path or URL); never raises for a bad shard, only when abandoned.
-    `reader`: one of READERS (auto: the compiled walker when numba is installed)."""
-    try:
-        return _read(url, verify, read, reader)
+        return urls.read_stream(url, lambda stream: _scan(stream, url, verify), read.timeout, read.retries,
+                                read.wait_s)
     except TarDamaged as e:
         return ShardIndex(url, problem=DAMAGED, reason=describe(e))
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError):

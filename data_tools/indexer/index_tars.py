@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from data_tools.decode_check import KeyTally
-from data_tools.indexer.count_shard import DAMAGED, ShardIndex, index_shard, init_worker, use_compiled
+from data_tools.indexer.count_shard import DAMAGED, ShardIndex, index_shard, init_worker
 from data_tools.indexer.find_tars import (
     IndexInputError,
     Placement,
@@ -49,11 +49,7 @@ from vit_mpp.errors import UserError
 from vit_mpp.progress import progress
 from vit_mpp.tools.args import check_writable_place
 
-POOLS = ("auto", "process", "thread")  # auto: threads for the compiled walker (it releases the GIL), else processes
-# `--reader auto` walks shards compiled from this many bytes in all (or when their sizes are unknown): below it,
-# numba's start-up (about 0.7 s: its import and the cached machine code) costs about what the walk saves (measured:
-# 1.2 GB from the page cache took 0.9 s compiled, 0.8 s in Python with 4 processes on 2 cores)
-AUTO_COMPILED_BYTES = 4 << 30
+POOLS = ("auto", "process", "thread")  # auto: processes (parsing and --verify's decoding hold the GIL)
 
 SHOWN = 10  # problem lines printed per kind; the manifest has them all
 
@@ -67,12 +63,11 @@ class IndexOptions:
     """The options of `build-shards index` other than LOCATIONs, splits and --out."""
 
     workers: int = 4
-    pool: str = "auto"  # POOLS; check_reader resolves auto
+    pool: str = "auto"  # POOLS
     verify: bool = False
     skip_bad: bool = False
     overwrite: bool = False
     read: ReadPolicy = ReadPolicy()
-    reader: str = "auto"  # shard_index.READERS: the compiled walker (numba) or the Python reader
 
 
 def check_output(place: Placement, overwrite: bool) -> None:
@@ -139,15 +134,11 @@ def read_shards(shards: list[ShardRef], options: IndexOptions, show: Callable[[i
     results: dict[str, ShardIndex] = {}
     todo = iter(shards)
     pending: dict[Future, ShardRef] = {}
-    if use_compiled(options.reader, options.verify):
-        from data_tools.indexer.tar_walker import compile_walker  # numba: imported only where the walker is used
-
-        compile_walker()  # here, once: forked workers and threads inherit it
     pool = _pool(options, workers, counter, stop)
     try:
         while True:
             while len(pending) < 2 * workers and (ref := next(todo, None)) is not None:
-                pending[pool.submit(index_shard, ref.url, options.verify, options.read, options.reader)] = ref
+                pending[pool.submit(index_shard, ref.url, options.verify, options.read)] = ref
             if not pending:
                 break
             done, _ = wait(pending, timeout=0.25, return_when=FIRST_COMPLETED)
@@ -250,59 +241,8 @@ def report(info: dict, shards: list[ShardRef], results: list[ShardIndex]) -> lis
     return lines
 
 
-def chosen_reader(options: IndexOptions, shards: list[ShardRef]) -> str:
-    """`compiled` or `python`: --reader as asked, `auto` resolved (the compiled walker when numba is installed and
-    the shards are large enough for it to pay, see AUTO_COMPILED_BYTES); always `python` with --verify."""
-    if not use_compiled(options.reader, options.verify):
-        return "python"
-    sizes = [s.size for s in shards]
-    large = None in sizes or sum(sizes) >= AUTO_COMPILED_BYTES
-    return "compiled" if options.reader == "compiled" or large else "python"
-
-
-def walker_problem() -> str:
-    """Why the compiled walker cannot run in this environment (one line), or "": numba missing or broken (it refuses
-    to import beside a numpy release it does not support), or failing to compile."""
-    try:
-        from data_tools.indexer.tar_walker import compile_walker
-
-        compile_walker()
-    except Exception as e:  # whatever numba raises is the answer: the walk then goes to the Python reader
-        return " ".join(f"{type(e).__name__}: {e}".split())[:300]
-    return ""
-
-
-def check_reader(options: IndexOptions, shards: list[ShardRef]) -> IndexOptions:
-    """`options` with the reader resolved (`chosen_reader`); a compiled walker that cannot run here is one line when
-    asked for by name, and a warning and the Python reader under `auto`. `--pool auto` becomes threads for the
-    compiled walker (its walk releases the GIL, and threads pass no result between processes) and processes for
-    the Python reader (its parsing and --verify's decoding hold the GIL)."""
-    chosen = chosen_reader(options, shards)
-    problem = walker_problem() if chosen == "compiled" else ""
-    if problem and options.reader == "compiled":
-        raise IndexInputError(f"--reader compiled: the compiled walker cannot run here ({problem}); --reader python "
-                              "counts without it")
-    if problem:
-        print(f"warning: the compiled walker cannot run here ({problem}); counting with the Python reader",
-              flush=True)
-        chosen = "python"
-    pool = options.pool if options.pool != "auto" else "thread" if chosen == "compiled" else "process"
-    return replace(options, reader=chosen, pool=pool)
-
-
-def reader_note(options: IndexOptions, results: list[ShardIndex]) -> str:
-    """Which reader counted the shards (`options.reader` as `chosen_reader` resolved it), and how many the compiled
-    walker left to the Python reader, and why."""
-    if options.reader != "compiled":
-        return "Python reader"
-    again = [r.read_again for r in results if r.read_again]
-    if not again:
-        return "compiled reader"
-    return f"compiled reader; {len(again):,} shard(s) read again by the Python reader, the first for {again[0]}"
-
-
-def summary(info: dict, seconds: float, workers: int, pool: str, read_bytes: int, reader: str = "") -> str:
-    """The closing line: shards, samples, images by extension, labels, what was left out, throughput, reader."""
+def summary(info: dict, seconds: float, workers: int, pool: str, read_bytes: int) -> str:
+    """The closing line: shards, samples, images by extension, labels, what was left out, throughput."""
     splits = info["splits"].values()
     shards = sum(len(s["filenames"]) for s in splits)
     images: Counter = sum((Counter(s["image_extensions"]) for s in splits), Counter())
@@ -316,7 +256,7 @@ def summary(info: dict, seconds: float, workers: int, pool: str, read_bytes: int
     return (f"indexed {shards:,} shards: {sum(s['num_samples'] for s in splits):,} samples ({per_split}); images "
             f"{', '.join(f'{e} {n:,}' for e, n in images.items()) or 'none'}; {without:,} without image{checked}; "
             f"{labels}; {info['num_bad_shards']} bad shard(s) left out; {read_bytes / 1e6:,.1f} MB in "
-            f"{seconds:.1f} s ({rate}, {workers} {pool} worker(s){', ' + reader if reader else ''})")
+            f"{seconds:.1f} s ({rate}, {workers} {pool} worker(s))")
 
 
 def index(locations: list[str], splits: list[str] | None, out: str | None, options: IndexOptions) -> dict:
@@ -326,7 +266,7 @@ def index(locations: list[str], splits: list[str] | None, out: str | None, optio
     shards = list_shards(locations, splits, options.read.timeout, options.read.retries)
     place = place_manifest(shards, out)
     check_output(place, options.overwrite)
-    options = check_reader(options, shards)
+    options = replace(options, pool="process" if options.pool == "auto" else options.pool)
     sized = all(s.size is not None for s in shards)  # a listing gives sizes; a remote pattern does not
     with progress(f"indexing {len(shards):,} shards", sum(s.size or 0 for s in shards) if sized else None,
                   "bytes") as shown:
@@ -344,6 +284,6 @@ def index(locations: list[str], splits: list[str] | None, out: str | None, optio
     write_manifest_url(place.out, info)
     read_bytes = sum(r.bytes for r in results)
     print(summary(info, time.perf_counter() - start, max(1, min(options.workers, len(shards))), options.pool,
-                  read_bytes, reader_note(options, results)))
+                  read_bytes))
     print(f"manifest: {manifest_file(place.out)}" + (f" (shards in {place.location})" if place.location else ""))
     return info

@@ -42,24 +42,6 @@ _AREG, _REG = tarfile.AREGTYPE[0], tarfile.REGTYPE[0]
 _COMPRESSED = ((b"\x1f\x8b", "gzip"), (b"BZh", "bzip2"), (b"\xfd7zXZ\x00", "xz"), (b"\x28\xb5\x2f\xfd", "zstd"))
 
 
-# What `TarReader._resolve` does with each typeflag, as one table for readers that cannot run it (the compiled
-# counter, data_tools/indexer/tar_walker.py): a plain file (`0`), an old-style file (typeflag NUL, a directory when its name ends
-# in `/`), another file type, a header that describes the next member, a type whose data is skipped, or one without
-# data.
-KIND_FILE, KIND_OLD_FILE, KIND_OTHER_FILE, KIND_EXTENDED, KIND_SKIP_DATA, KIND_NO_DATA = range(6)
-
-
-def kind_rules() -> list[int]:
-    """The KIND_* rule of each typeflag byte, 0 to 255, from the same sets the reader uses."""
-    def rule(kind: int) -> int:
-        if kind in _EXTENDED:
-            return KIND_EXTENDED
-        if kind in _REGULAR:
-            return KIND_FILE if kind == _REG else KIND_OLD_FILE if kind == _AREG else KIND_OTHER_FILE
-        return KIND_SKIP_DATA if kind in _SKIP_DATA else KIND_NO_DATA
-    return [rule(k) for k in range(256)]
-
-
 @functools.cache
 def _webdataset_rules() -> tuple[str, str, re.Pattern, Callable[[str], tuple[str | None, str | None]]]:
     """webdataset's own rules for which tar members become sample fields, read from its module and signatures so

@@ -200,21 +200,13 @@ class _DeadlineReader(io.RawIOBase):
     The calls run in a daemon thread (`_DaemonCaller`); the caller waits on each with a timeout. On a timeout the
     stream is aborted from another thread (which unblocks the stuck call) and `StreamStalled` is raised; a call
     that stays stuck is abandoned and never keeps the process from exiting.
-
-    With `read_ahead`, each read also starts the next one in that thread before returning, so the caller's work on
-    a piece overlaps with the reading of the next, with no thread of its own (data_tools/indexer/tar_walker.py's compiled
-    walk, which parses faster than a second thread could hand pieces over). Its deadline runs from when the caller
-    waits for it; a read still running at `close()` is aborted, not waited for.
     """
 
-    def __init__(self, url: str, timeout: float, opener: Callable[[str, float], Any] = _open_raw,
-                 read_ahead: bool = False) -> None:
+    def __init__(self, url: str, timeout: float, opener: Callable[[str, float], Any] = _open_raw) -> None:
         super().__init__()
-        self.url, self.timeout, self.read_ahead = url, timeout, read_ahead
+        self.url, self.timeout = url, timeout
         self._stream: Any = None
         self._caller = _DaemonCaller()
-        self._next: concurrent.futures.Future | None = None  # the read started ahead
-        self._left = b""  # what a read ahead brought beyond the buffer it was read for
         self._stream = self._call(lambda: opener(url, timeout), "opening")
 
     def _call(self, fn: Callable[[], Any], doing: str) -> Any:
@@ -241,45 +233,27 @@ class _DeadlineReader(io.RawIOBase):
         """Abort the stream from another thread (a call stuck on it returns) and leave the caller thread."""
         threading.Thread(target=_abort, args=(self._stream,), daemon=True).start()
         self._caller.stop()
-        self._stream, self._next = None, None
+        self._stream = None
 
     def readable(self) -> bool:
         return True
 
     def readinto(self, buffer: Any) -> int:
-        data = self.read_piece(len(buffer))
-        buffer[: len(data)] = data
-        return len(data)
-
-    def read_piece(self, n: int) -> bytes:
-        """Up to `n` bytes as they were read, without the copy into a caller's buffer that `readinto` makes (a
-        reader of whole pieces, such as the compiled walker, gains a memory copy per piece); b"" at the end."""
         if self._stream is None:
             raise StreamStalled(f"{self.url}: the stream was aborted")
         stream = self._stream
-        if self._left:
-            data, self._left = self._left[:n], self._left[n:]
-        elif self._next is not None:
-            future, self._next = self._next, None
-            data = self._wait(future, "reading")
-        else:
-            data = self._call(lambda: _read_some(stream, n), "reading")
-        if self.read_ahead and data and not self._left and self._next is None:
-            self._next = self._caller.submit(lambda: _read_some(stream, n))
-        if len(data) > n:
-            data, self._left = data[:n], data[n:]
-        return data
+        data = self._call(lambda: _read_some(stream, len(buffer)), "reading")
+        buffer[: len(data)] = data
+        return len(data)
 
     def close(self) -> None:
         if self.closed:
             return
         try:
-            if self._next is not None and not self._next.done():
-                self._give_up()  # a read ahead nobody will use: not worth waiting for
             if self._stream is not None:
                 self._call(self._stream.close, "closing")
         finally:
-            self._stream, self._next = None, None
+            self._stream = None
             self._caller.stop()
             super().close()
 
@@ -343,12 +317,11 @@ class ReadPolicy:
     wait_s: float = WAIT_S
 
 
-def open_url(url: str, timeout: float = READ_TIMEOUT_S, read_ahead: bool = False) -> BinaryIO:
+def open_url(url: str, timeout: float = READ_TIMEOUT_S) -> BinaryIO:
     """A buffered binary stream of `url` (a local file or a remote stream) whose opening and every read have the
-    idle deadline `timeout`: `StreamStalled` when it passes. `read_ahead`: each read starts the next (see
-    `_DeadlineReader`)."""
+    idle deadline `timeout`: `StreamStalled` when it passes."""
     opener = _open_local if is_local(url) else _open_raw
-    return io.BufferedReader(_DeadlineReader(url, timeout, opener, read_ahead), buffer_size=BUFFER)
+    return io.BufferedReader(_DeadlineReader(url, timeout, opener), buffer_size=BUFFER)
 
 
 def worth_retrying(url: str, error: BaseException) -> bool:
@@ -412,16 +385,16 @@ def read_seekable(url: str, read: Callable[[BinaryIO], T], timeout: float | None
 
 
 def read_stream(url: str, read: Callable[[BinaryIO], T], timeout: float | None = None, retries: int | None = None,
-                wait_s: float | None = None, read_ahead: bool = False) -> T:
-    """`read(stream)` on `url` opened with `open_url` (every remote read under the idle deadline `timeout`; with
-    `read_ahead`, each read starts the next); an attempt that fails with an OSError (a stall, a reset, a body
+                wait_s: float | None = None) -> T:
+    """`read(stream)` on `url` opened with `open_url` (every remote read under the idle deadline `timeout`); an
+    attempt that fails with an OSError (a stall, a reset, a body
     shorter than its headers promised) is started again from the beginning, `retries` times with backoff, as
     `read_url` does (None: READ_TIMEOUT_S, READ_RETRIES and WAIT_S as they are when called). `read` must not have
     effects that a second attempt would repeat."""
     limit = READ_TIMEOUT_S if timeout is None else timeout
 
     def attempt() -> T:
-        with open_url(url, limit, read_ahead) as stream:
+        with open_url(url, limit) as stream:
             try:
                 return read(stream)
             except http.client.HTTPException as e:  # http.client's own type for a cut body: retried as an OSError
