@@ -1,9 +1,10 @@
-"""No import cycle among the project's modules, and no function of the product over 100 lines.
+"""The house's rules (docs/architecture.md): no import cycle among the project's modules, package `__init__`s
+included; the wings of vit_mpp/ import only wings below them; no stage imports another, and vit_mpp/ imports no
+stage; no function of the product over 100 lines or over 6 parameters.
 
 Every `import` and `from ... import` counts, at any depth (inside a function too), when it names a module of the
-packages checked; `from package import name` counts as an import of `package.name` when that is a module. A package
-`__init__` that re-exports its submodules is not taken as imported by them (their own imports name the module they
-use, e.g. `data_tools.builder.sources.base`, never the package).
+packages checked; `from package import name` counts as an import of `package.name` when that is a module, and an
+import of `a.b.c` also imports the packages `a.b` and `a` (Python runs their `__init__` first).
 """
 
 from __future__ import annotations
@@ -14,6 +15,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("data_tools", "vit_mpp", "pretrain", "finetune", "analysis")
 MAX_FUNCTION_LINES = 100
+MAX_PARAMETERS = 6  # beside self/cls: what a function needs beyond that travels as one object (a Run, a dataclass)
+# vit_mpp/'s floors, lowest first: a module imports only modules of its own floor or of floors below it
+WINGS = (("vit_mpp.errors", "vit_mpp.durable", "vit_mpp.launcher", "vit_mpp.progress", "vit_mpp.cli", "vit_mpp"),
+         ("vit_mpp.config",), ("vit_mpp.data",), ("vit_mpp.models",), ("vit_mpp.tools",), ("vit_mpp.run",))
+STAGES = ("data_tools", "pretrain", "finetune", "analysis")
 
 
 def module_files(packages: tuple[str, ...]) -> dict[str, Path]:
@@ -49,7 +55,8 @@ def imported_modules(name: str, path: Path, known: dict[str, Path]) -> set[str]:
         else:
             continue
         found |= {m for m in map(resolve, targets) if m and m != name}
-    return found
+    packages = {".".join(m.split(".")[:i]) for m in found for i in range(1, m.count(".") + 1)}  # their __init__s
+    return found | {p for p in packages if p in known and p != name}
 
 
 def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -103,6 +110,7 @@ def test_no_import_cycle():
     known = module_files(PACKAGES)
     graph = {name: imported_modules(name, path, known) for name, path in known.items()}
     assert len(graph) > 40 and graph["data_tools.builder.build_shards"]  # the walk found the modules and their imports
+    assert {"vit_mpp", "vit_mpp.data"} <= graph["vit_mpp.data.stream"]  # and the packages it lives in
     cycles = find_cycles(graph)
     assert not cycles, "import cycles: " + "; ".join(
         " <-> ".join(c) + " (" + ", ".join(f"{m} imports {sorted(graph[m] & set(c))}" for m in c) + ")"
@@ -118,3 +126,48 @@ def test_no_function_of_the_product_is_over_100_lines():
                 if lines > MAX_FUNCTION_LINES:
                     long.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name} ({lines} lines)")
     assert not long, long
+
+
+def floor(module: str) -> int:
+    """The floor of a vit_mpp module (see WINGS)."""
+    for i, wing in enumerate(WINGS):
+        if any(module == w or module.startswith(w + ".") for w in wing if w != "vit_mpp") or module in wing:
+            return i
+    raise AssertionError(f"{module} is on no floor of WINGS: add it there")
+
+
+def test_the_wings_of_vit_mpp_import_only_downwards():
+    known = module_files(PACKAGES)
+    up = []
+    for name, path in known.items():
+        if not name.startswith("vit_mpp"):
+            continue
+        for target in imported_modules(name, path, known):
+            if target.startswith("vit_mpp") and floor(target) > floor(name):
+                up.append(f"{name} (floor {floor(name)}) imports {target} (floor {floor(target)})")
+    assert not up, up
+
+
+def test_no_stage_imports_another_and_the_shared_code_imports_none():
+    known = module_files(PACKAGES)
+    crossing = []
+    for name, path in known.items():
+        own = name.split(".")[0]
+        for target in imported_modules(name, path, known):
+            other = target.split(".")[0]
+            if other != own and (other in STAGES or (own == "vit_mpp" and other != "vit_mpp")):
+                crossing.append(f"{name} imports {target}")
+    assert not crossing, crossing
+
+
+def test_no_function_of_the_product_takes_over_6_parameters():
+    many = []
+    for path in module_files(PACKAGES).values():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                args = node.args
+                names = [a.arg for a in (*args.posonlyargs, *args.args, *args.kwonlyargs)
+                         if a.arg not in ("self", "cls")]
+                if len(names) > MAX_PARAMETERS:
+                    many.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name} ({len(names)} parameters)")
+    assert not many, many
