@@ -1,20 +1,7 @@
 """`python -m analysis CHECKPOINT [--images a.jpg ...] [--shards DIR] [--out DIR]`: the ViT paper's analysis figures
-and a parameter/memory table for any checkpoint.
-
-CHECKPOINT is anything fine-tuning starts from (vit_mpp/models/pretrained.py): an export of either stage (its folder or
-`model.safetensors`; `local-dir:PATH`), `hf-hub:NAME` or a timm pretrained name, or a timm state dict
-(`.safetensors`, weights-only `.pth`) or original ViT `.npz` together with `--model NAME --img-size N`.
-Written to `--out` (default: `PATH-analysis` beside the export folder PATH, never inside an export):
-
-    attention_<i>_<name>.png   [class]-token attention rollout over each image, and per layer (paper figure 6)
-    position_similarity.png    cosine similarity of the position embeddings (figure 7, center)
-    embedding_filters.png      principal components of the patch-embedding filters (figure 7, left)
-    attention_distance.png     mean attention distance per head against depth (figure 7, right)
-    params.txt/.csv/.json      parameters and weight memory per module
-    summary.json               the numbers behind the figures, and what was analysed
-
-Attention needs images: `--images` (prepared as build-shards prepares its inputs), or `--num-images` samples of
-`--split` of the shards in `--shards`; with neither, the attention figures are skipped.
+(attention maps and rollout, position-embedding similarity, patch-embedding filters, mean attention distance) and a
+parameter and memory table, for any checkpoint fine-tuning starts from (vit_mpp/models/pretrained.py).
+See docs/analysis.md.
 """
 
 from __future__ import annotations
@@ -204,8 +191,8 @@ def attention_figures(model: VisionTransformer, loaded: tuple[torch.Tensor, list
 def default_out(checkpoint: str) -> Path:
     """`PATH-analysis` beside the export folder PATH, never inside an export (the folder is the model as trained and
     uploaded); `FILE-analysis` beside a bare weights file; for a Hub or timm name, `NAME-analysis` here. The same
-    rule as evaluation's (vit_mpp.models.pretrained.results_folder). The model card's figures are drawn into the export on
-    purpose, with --out (vit_mpp/run/hub.py)."""
+    rule as evaluation's (vit_mpp.models.pretrained.results_folder). The model card's figures are drawn into the
+    export on purpose, with --out (vit_mpp/run/hub.py)."""
     return results_folder(checkpoint, "analysis")
 
 

@@ -1,13 +1,6 @@
-"""The numbers behind the ViT paper's analysis figures (section 4.5, figures 6 and 7), computed from a timm ViT.
-
-* `attention_probs`: every block's attention probabilities. timm's fused attention never materialises them, so a
-  forward hook on each block's `attn` module recomputes softmax(q k^T * scale) from the module's input.
-* `attention_rollout` (Abnar & Zuidema 2020): how much each output token draws on each input token, through
-  the residual connections and all layers.
-* `mean_attention_distance`: per layer and head, the image-space distance (pixels) across which a head integrates.
-* `position_similarity`: cosine similarity between the learned position embeddings of all patch pairs.
-* `patch_embedding_pcs`: principal components of the patch-embedding filters.
-* `param_table`: parameter counts and weight memory per module.
+"""The numbers behind the ViT paper's analysis figures (section 4.5, figures 6 and 7), computed from a timm ViT:
+`attention_probs`, `attention_rollout`, `mean_attention_distance`, `position_similarity`, `patch_embedding_pcs`,
+and `param_table`. See docs/analysis.md#how-each-figure-is-computed.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
 """`python -m analysis summary RUN_DIR [RUN_DIR ...] [--csv FILE]`: a table of runs, one row each (like timm's
-summary.csv), as markdown on standard output (on a terminal, turned: a column per run) and, with --csv, as CSV.
-
-Each row comes from what the run directory holds: its config.yaml (stage, model, data, length, batch, optimizer,
-peak learning rate, the stage's recipe: target and corruption for pretraining, mode and init for fine-tuning), its
-export's record (the architecture actually trained: an export brings its own), and its metrics.jsonl (the final and
-the best value of each metric, and the training wall time from the records' `elapsed_s`). A folder without a
-config.yaml of either stage is not a run directory: one line `error: ...`.
+summary.csv), from what each run directory holds (config.yaml, its export's record, metrics.jsonl), as markdown on
+standard output and, with --csv, as CSV. See docs/analysis.md, "A table of runs".
 """
 
 from __future__ import annotations

@@ -1,25 +1,7 @@
-"""Build webdataset shards and their manifest from images, on one machine or many; resume; merge; inspect.
-
-    build-shards SOURCE OUT [--val-fraction 0.1 | --existing-splits] [--shard-size 1000] [--shard-bytes 0]
-                 [--max-side 512] [--resize-side longer] [--workers N] [--seed 0] [--overwrite]
-                 [--num-parts N --part I] [--executor local|ray] [--dry-run]
-    build-shards merge OUT
-    build-shards inspect OUT [--grid samples.png] [--no-verify] [--decode]
-    build-shards index LOCATION [LOCATION ...] [--split NAME ...] [--out DIR] [--verify] [--skip-bad]
-
-SOURCE is a class-folder tree, a plain tree of images (`--source-kind unlabelled`), a CSV/JSONL list of paths
-(local or an fsspec URL), or a Hugging Face dataset (`--streaming`: read from its parquet files without a full
-download); see data_tools/builder/sources/. OUT is a folder or an fsspec URL (`s3://bucket/shards`). It receives
-`train-000000.tar ...`, `val-000000.tar ...` (named by range), `_info.json` (the manifest and commit point; timm's
-`wds/` schema, extended), `failures.jsonl` (inputs not used, with reasons) and `_journal*.jsonl` (finished ranges,
-for resuming). Re-running the same command after an interruption finishes the build; docs/build_shards.md has the
-details.
-
-`build-shards index` writes a manifest for webdataset tars that already exist (img2dataset output, timm's `*-wds`
-sets), so they train as they are (data_tools/indexer/index_tars.py).
-
-This module is the command line only (parsing, the `merge`, `inspect` and `index` sub-commands, signals, exit
-statuses); the build itself is data_tools/builder/build_shards.py `build`. No module of data_tools imports this one.
+"""The `build-shards` command line (parsing, signals, exit statuses): build webdataset shards and their manifest from
+images, on one machine or many, resume, and the sub-commands `merge OUT`, `inspect OUT` and `index LOCATION ...`.
+The build itself is data_tools/builder/build_shards.py `build`; no module of data_tools imports this one.
+See docs/build_shards.md.
 """
 
 from __future__ import annotations
@@ -283,8 +265,8 @@ def _main(argv: list[str] | None) -> None:
     layout = ShardLayout(args.seed, val_fraction, args.shard_size, args.shard_bytes, args.plan_parts)
     encode = EncodeSettings(max_side=args.max_side, min_side=args.min_side, quality=args.quality, format=args.format,
                             resize_side=args.resize_side, max_pixels=args.max_pixels)
-    build(spec, args.out_dir, layout, encode, BuildOptions(args.workers, args.executor, Parts(args.part, args.num_parts),
-                                                           args.overwrite, args.dry_run))
+    build(spec, args.out_dir, layout, encode,
+          BuildOptions(args.workers, args.executor, Parts(args.part, args.num_parts), args.overwrite, args.dry_run))
 
 
 def _terminate(signum: int, frame: Any) -> None:

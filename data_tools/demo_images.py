@@ -1,11 +1,7 @@
-"""Generate the demo dataset: a class-folder tree of small JPEG images of drawn shapes (nothing downloaded).
+"""Generate the demo dataset: a class-folder tree of small JPEG images of drawn textures (nothing downloaded), four
+classes told apart by their spatial structure, never by their colours (docs/analysis.md, "Example").
 
-    python -m data_tools.demo_images OUT_DIR [--per-class 250] [--size 48] [--seed 0]
-
-Four texture classes (checks, dots, horizontal and vertical stripes), each drawn in two random colours with a
-random period and phase, inside a random ellipse on a noisy background of a third random colour. The class is in
-the spatial structure, never in the colours, so a classifier has to look at patterns, and the mean-colour
-pretraining target (which depends on the colours) stays far from trivial.
+    python -m data_tools.demo_images OUT_DIR [--per-class 500] [--size 48] [--seed 0]
 """
 
 from __future__ import annotations

@@ -1,14 +1,6 @@
-"""Check a finished build and look at it: summary table, every shard verified, a grid of sample images.
-
-    build-shards inspect OUT [--grid OUT/_samples.png] [--samples 32] [--no-verify] [--decode]
-
-Every shard is read once, as a stream (OUT may be a URL, or a manifest's `.json` file), and checked against the
-manifest: present, its size and sha256 (when the manifest has them), a readable tar (not empty, not truncated), its
-sample count, keys unique within and across shards, and each `.cls` a class index below num_classes (read as
-training reads labels, vit_mpp/data/labels.py: a negative `.cls` is no label); with `--decode` also every sample's image,
-decoded as `build-shards index --verify` does (data_tools/decode_check.py). Each mismatch is reported as a problem,
-never a crash: exit status 0 when there is none, 1 otherwise. A missing or unusable `_info.json` is a one-line
-error (exit status 2).
+"""`build-shards inspect OUT [--grid PNG] [--decode]`: a finished build checked against its manifest, shard by shard
+(`verify`, `check_shard`), with a summary table and a grid of sample images (`sample_grid`). Each mismatch is a
+problem, never a crash: exit status 0 when there is none, 1 otherwise. See docs/build_shards.md#inspect.
 """
 
 from __future__ import annotations

@@ -1,14 +1,7 @@
-"""OUT, where a build writes: a local folder, or an fsspec URL (`s3://bucket/shards`, `gs://...`, `memory://...`).
-
-Both kinds offer the same few operations, so the build, the journal and merge never ask which one they have:
-
-* `publish(tmp, name)`: a finished temporary tar becomes shard `name`. Locally the tar was written in OUT itself
-  and is synced, then renamed (atomic; the rename is synced, vit_mpp/durable.py); remotely it was written to
-  local scratch space (`staging()`), is uploaded as one object (a multipart upload that is interrupted is never
-  visible) and then deleted. Only then is it journaled, so an interrupted upload is redone on resume.
-* `write_text(name, text)`: small files (journal snapshots, failures.jsonl, the manifest) written whole: locally
-  with `vit_mpp.durable.write_atomic` (synced, then renamed into place), remotely as one upload.
-* `list_sizes()`: every file name in OUT with its size, in one listing (no request per shard on resume).
+"""OUT, where a build writes: a local folder (`LocalStore`) or an fsspec URL (`RemoteStore`), with the same few
+operations, so the build, the journal and merge never ask which one they have: `publish` (a finished tar becomes a
+shard: synced and renamed, or uploaded whole), `write_text` (small files, whole), `list_sizes` (one listing).
+See docs/build_shards.md#object-storage.
 """
 
 from __future__ import annotations

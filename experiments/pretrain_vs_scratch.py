@@ -111,8 +111,8 @@ def pixel_baseline(items: dict[str, list[tuple[str, int]]], per_class: int, seed
 
 def build_shards(source: Path, out: Path) -> None:
     """`build-shards` with the source's own train/val splits, PNG bytes kept as they are."""
-    # `python -m data_tools.builder.build_shards` is the `build-shards` command, without relying on the venv's bin/ on PATH.
-    cmd = [sys.executable, "-m", "data_tools.builder.build_shards", str(source), str(out), "--existing-splits",
+    # `python -m data_tools.cli` is the `build-shards` command, without relying on the venv's bin/ on PATH.
+    cmd = [sys.executable, "-m", "data_tools.cli", str(source), str(out), "--existing-splits",
            "--format", "png", "--shard-size", "250", "--min-side", "8", "--max-side", "0", "--workers", "1",
            "--overwrite"]
     subprocess.run(cmd, check=True, cwd=REPO, capture_output=True, text=True)

@@ -1,18 +1,7 @@
-"""Training augmentations of fine-tuning, from timm: RandAugment in the data-loader workers; colour jitter, random
-erasing and mixup/cutmix on the device.
-
-Where each runs, and why:
-
-* Crops and flips run in the workers (vit_mpp/data/stream.py's ImageDecoder), and so does RandAugment
-  (`RandAugmentU8`): timm's own `rand_augment_transform`, whose ops are PIL operations, applied to a PIL image of the
-  worker's uint8 crop and turned back into a uint8 tensor. So a timm string means exactly what it means in timm and
-  in the MAE/DeiT recipes; torchvision's tensor RandAugment has other ops and scales (no `inc` variants, no magnitude
-  noise). It costs about as much (1.3 against 1.1 ms of CPU per 224 px image, conversions included;
-  docs/finetune.md).
-* Colour jitter works on the uint8-valued batch before normalisation; mixup/cutmix mix the normalised batch.
-* Random erasing (timm's `RandomErasing`) runs on the normalised batch on the device, before mixup, as timm's own
-  loader does it. Its `pixel` noise is N(0, 1) in normalised units, which uint8 pixels cannot hold: with the ViT
-  normalisation (mean = std = 0.5) a third of the noise values would be clipped to 0 or 255 before normalisation.
+"""Training augmentations of fine-tuning, from timm: RandAugment in the data-loader workers (`RandAugmentU8`, timm's
+own PIL ops on the worker's uint8 crop); colour jitter, random erasing and mixup/cutmix on the device
+(`color_jitter`, `build_random_erasing`, `build_mixup`). Where each runs, why, and what it costs:
+docs/finetune.md#where-each-augmentation-runs-and-what-it-costs.
 """
 
 from __future__ import annotations

@@ -56,7 +56,9 @@ class ClassifierExporter:
         if not self.accelerator.is_main_process:
             return
         finetune = {**self.record["finetune"], "step": step, "weights": "ema" if ema else "model"}
-        write_export(Export(out_dir, state, self.model_cfg, num_classes=self.num_classes, mean=self.mean, std=self.std, crop_pct=self.crop_pct, class_names=self.class_names, record={**self.record, "finetune": finetune, "metrics": metrics}), kind="classifier")
+        write_export(Export(out_dir, state, self.model_cfg, num_classes=self.num_classes, mean=self.mean,
+                            std=self.std, crop_pct=self.crop_pct, class_names=self.class_names,
+                            record={**self.record, "finetune": finetune, "metrics": metrics}), kind="classifier")
 
 
 def pretrain_record(checkpoint: str, kind: str = "auto") -> dict[str, Any]:

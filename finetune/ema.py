@@ -1,10 +1,5 @@
-"""Model EMA (`train.ema_decay`): timm's ModelEmaV3, an exponential moving average of the weights, kept on the device.
-
-After every optimizer step `ema = decay * ema + (1 - decay) * weights`, starting from the initial weights; it
-averages over about 1 / (1 - decay) steps. Every process keeps its own copy, updated from its own replica of the
-model, which data parallelism keeps identical, so the copies stay equal without communication. Accelerate saves
-the EMA weights in each checkpoint (the main process writes them) and restores them on every process with
-`load_state`, exactly.
+"""Model EMA (`train.ema_decay`): timm's ModelEmaV3, an exponential moving average of the weights, kept on the device
+by every process (`build_ema`), saved in every checkpoint and restored exactly. See docs/finetune.md#recipes.
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
-"""Evaluation without training: a fine-tuned classifier on a split of shards, like timm's validate.py.
+"""Evaluation without training, like timm's validate.py: a fine-tuned classifier on a split of shards, through
+fine-tuning's own `evaluate` (finetune/scoring.py), each image counted once whatever the number of processes.
 
     python -m finetune.evaluate --checkpoint runs/demo/finetune/export/best --shards runs/demo/shards [--split val]
-    accelerate launch --multi_gpu --num_processes 8 -m finetune.evaluate --checkpoint ... --shards ...
 
-The numbers come from fine-tuning's own `evaluate` (finetune/scoring.py): every process reads its range of the
-split, padded with invalid samples, and the sums and the confusion matrix are reduced once, so each image counts
-exactly once whatever the number of processes. The export gives the model and its preprocessing (input size,
-normalisation, evaluation crop); the images are decoded as in fine-tuning's evaluations.
-
-Prints loss, top-1, top-5 (more than 5 classes), mean per-class accuracy and per-class accuracy; writes
-`evaluation.json` (all of it, with the confusion matrix), `confusion_matrix.json` and `confusion_matrix.png` to
-`--out`, by default the folder `PATH-eval-SPLIT` beside the export folder PATH (never into an export). Progress
-(rate, ETA) goes to standard error while it reads (vit_mpp/progress.py).
+See docs/finetune.md, "Evaluate an export".
 """
 
 from __future__ import annotations

@@ -54,8 +54,8 @@ def build_classifier(init: InitConfig, model_cfg: ModelConfig, num_classes: int,
 def resolve_architecture(init: InitConfig, model_cfg: ModelConfig) -> ModelConfig:
     """`model_cfg` with the architecture `init.checkpoint` names (an export, a Hub model: read from its config, not
     its weights), so that the run's config.yaml records the model it trains; `model_cfg` itself when the checkpoint
-    names none (timm and npz weights, whose file is looked at now: vit_mpp.models.pretrained.look_at_weights_file) or there
-    is none. Called before a run writes anything: an architecture key the user set that differs from the
+    names none (timm and npz weights, whose file is looked at now: vit_mpp.models.pretrained.look_at_weights_file) or
+    there is none. Called before a run writes anything: an architecture key the user set that differs from the
     checkpoint's is a ConfigError. `build_classifier` checks the same on the weights it loads."""
     if init.checkpoint:
         look_at_weights_file(init.checkpoint, init.kind)
@@ -76,7 +76,7 @@ def _with_architecture(asked: ModelConfig, checkpoint: ModelConfig) -> ModelConf
 def _check_same_architecture(asked: ModelConfig, checkpoint: ModelConfig) -> None:
     """An architecture key set in the fine-tuning config must agree with the checkpoint's (it cannot change). The
     sizes default to null, so a size that is set was asked for; `model.name` has a default, so it counts only when
-    the user wrote it (vit_mpp.config.given_keys): otherwise a fine-tuning of a ViT-Tiny export with
+    the user wrote it (vit_mpp.config.engine.given_keys): otherwise a fine-tuning of a ViT-Tiny export with
     `model.name=vit_base_patch16_224` would train the tiny model under the base model's name."""
     given = {k: getattr(asked, k) for k in ARCH_KEYS
              if getattr(asked, k) is not None and (k != "name" or k in given_keys(asked))}

@@ -56,7 +56,7 @@ class KeepBest:
         accelerator, exporter, run_dir = self.run.accelerator, self.exporter, self.run.run_dir
         mean, std, num_classes = exporter.mean, exporter.std, exporter.num_classes
         result, confusion = evaluate(accelerator, model, self.loader, mean, std, num_classes)
-        ema_result = evaluate(accelerator, ema.module, self.loader, mean, std, num_classes)[0] if ema is not None else {}
+        ema_result = {} if ema is None else evaluate(accelerator, ema.module, self.loader, mean, std, num_classes)[0]
         self.meter.log_eval(step, {**result, **{f"ema_{k}": v for k, v in ema_result.items()}}, label=label,
                             split_size=self.run.data.val_split.num_samples,
                             details={"val_per_class_acc": per_class_accuracy(confusion).tolist(),

@@ -1,17 +1,9 @@
-"""Label images with a fine-tuned export: `python -m finetune.predict --checkpoint runs/x/export --images DIR`.
+"""Label images with a fine-tuned export: each image prepared exactly as the shards were (`prepare_image`), then as
+the validation split is; CSV rows `path,class_index,class_name,prob` to `--out` or standard output.
 
-    python -m finetune.predict --checkpoint runs/demo/finetune/export --images photos/ [--out preds.csv]
-    python -m finetune.predict --checkpoint runs/demo/finetune/export/best --images a.jpg b.png --top-k 3
+    python -m finetune.predict --checkpoint runs/demo/finetune/export/best --images photos/ a.jpg [--top-k 3]
 
-The export gives the architecture, input size, normalisation, evaluation crop and class names. Each image is
-prepared exactly as the shards were (build-shards' own `prepare_image`, with the encoder settings recorded from the
-shards' manifest: RGB conversion, EXIF rotation, 16-bit scaling, resizing), then gets the validation preprocessing
-of fine-tuning (resize, centre crop). Writes CSV rows `path,class_index,class_name,prob` (plus the next-best
-classes with `--top-k`) to `--out` or standard output.
-
-An image that cannot be read is skipped with a warning and the others are labelled; when no image at all can be,
-that is one line `error: ...` (exit 2) and nothing is written. Progress (rate, ETA) goes to standard error
-(vit_mpp/progress.py).
+See docs/finetune.md#predict.
 """
 
 from __future__ import annotations

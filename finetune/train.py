@@ -76,7 +76,7 @@ def _train(cfg: FinetuneConfig, signals: StopSignals) -> None:
     # Resume from the newest complete checkpoint of this run directory, if any, also on another layout.
     resumed = run.resume(total_steps, schedule)
     augment = RandAugmentU8(cfg.augment.auto_augment, cfg.model.img_size, mean) if cfg.augment.auto_augment else None
-    batches = iter(run.train_loader(resumed, num_classes, augment))  # this rank's share, from its own stream
+    batches = run.train_loader(resumed, num_classes, augment)  # this rank's share, from its own stream
     accelerator.print(about)
     start_trackers(accelerator, tc, cfg)
     exporter = ClassifierExporter.for_run(run, model_cfg, mean, std, peak_lr)
@@ -114,6 +114,7 @@ def _train(cfg: FinetuneConfig, signals: StopSignals) -> None:
                                                **meter.checkpoint_state()})
 
     checkpointer.close()
+    batches.close()  # now, not at the interpreter's exit
     meter.draw()
     audit.flush()
     finish(run, keep_best, model, ema, total_steps)

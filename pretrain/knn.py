@@ -1,18 +1,7 @@
-"""A representation-quality signal during pretraining: k-NN classification of validation images by their nearest
-labelled training images, in the encoder's feature space.
-
-The MPP loss says how well corrupted patches are predicted, not how useful the encoder is; the k-NN top-1 is what
-self-supervised learning users watch to choose a checkpoint. At each evaluation, when the shards carry labels:
-
-* features of the first `knn.train_images` images of the labelled split (`knn.train_split`, default the training
-  split) and of the first `knn.val_images` validation images, with evaluation preprocessing (resize, centre crop),
-  from the encoder's output after its final norm: the [class] token, and the mean of the patch tokens;
-* every validation image gets the classes of its `knn.k` most similar references (cosine), each vote weighted by
-  exp(similarity / `knn.temperature`) as in DINO's k-NN evaluation; top-1 accuracy is reported as
-  `knn_top1_cls` and `knn_top1_avg`.
-
-The cost is bounded: one forward pass (no backward) over at most train_images + val_images images per evaluation,
-split across processes, and a (val_images x train_images) similarity matrix.
+"""A representation-quality signal during pretraining (`knn_monitor`): k-NN classification of validation images by
+their nearest labelled training images in the encoder's feature space, with DINO's weighted vote, reported as
+`knn_top1_cls` (the [class] token) and `knn_top1_avg` (the mean of the patch tokens).
+See docs/pretrain.md#the-k-nn-monitor-pretrainknnpy.
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
-"""Masked-patch-prediction targets, computed from the un-normalised uint8 pixels of a batch.
-
-Quantisation (docs/method.md): a value v in 0..255 falls in level floor(v * 2**bits / 256); with 3 bits the levels are
-0..7 and a colour (r, g, b) is the class r * 64 + g * 8 + b (one of 512). Means are computed exactly in integers,
-so a patch whose mean sits on a bin edge always lands in the upper bin.
-
-- `mean_color`: the patch's mean colour, one class per patch                      -> (B, N) int64
-- `pixels_4x4`: the patch average-pooled to 4x4, one class per pooled pixel      -> (B, N, 16) int64 (raster order)
-- `l2`: the patch's normalised pixels, flattened in (row, column, channel) order -> (B, N, P*P*3) float
+"""Masked-patch-prediction targets, computed exactly in integers from the un-normalised uint8 pixels of a batch:
+`mean_color_target` and `pixels_4x4_target` (colour classes at `bits` bits per channel), `l2_target` (normalised
+pixels). The quantisation: docs/method.md#masked-patch-prediction-pretraining; the shapes: docs/pretrain.md.
 """
 
 from __future__ import annotations

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 from functools import partial
-from pathlib import Path
 
 import torch
 
@@ -73,7 +72,7 @@ def _train(cfg: PretrainConfig, signals: StopSignals) -> None:
     if resumed.own is not None and "mpp_generator" in resumed.own and not resumed.layout_changed:
         gen.set_state(resumed.own["mpp_generator"])
 
-    batches = iter(run.train_loader(resumed))  # this rank's share of every step, from its own stream
+    batches = run.train_loader(resumed)  # this rank's share of every step, from its own stream
     validation = Validation(run, mean, std) if data.val_split is not None else None
     accelerator.print(summary(run, encoder, warmup))
     start_trackers(accelerator, tc, cfg)
@@ -109,6 +108,7 @@ def _train(cfg: PretrainConfig, signals: StopSignals) -> None:
                                 lambda: {"mpp_generator": gen.get_state()})
 
     checkpointer.close()
+    batches.close()  # now, not at the interpreter's exit
     meter.draw()
     audit.flush()
     export_encoder(run, model, (mean, std), last_eval, peak_lr)
@@ -142,10 +142,11 @@ def export_encoder(run: Run, model: torch.nn.Module, norm: tuple[tuple[float, ..
     (mean, std), state = norm, accelerator.get_state_dict(model)
     if not accelerator.is_main_process:
         return
-    path = write_export(Export(Path(tc.run_dir) / "export", strip_prefix(state, "encoder."), cfg.model, mean=mean, std=std, crop_pct=cfg.data.eval_crop_pct, record={
-            "pretrain": {"steps": tc.steps, "batch_size": tc.batch_size, "target": cfg.mpp.target,
-                         "mask_ratio": cfg.mpp.mask_ratio, "optimizer": cfg.optim.name, "lr": peak_lr},
-            "metrics": metrics, "data": data.record()}), kind="encoder")
+    record = {"pretrain": {"steps": tc.steps, "batch_size": tc.batch_size, "target": cfg.mpp.target,
+                           "mask_ratio": cfg.mpp.mask_ratio, "optimizer": cfg.optim.name, "lr": peak_lr},
+              "metrics": metrics, "data": data.record()}
+    path = write_export(Export(run.run_dir / "export", strip_prefix(state, "encoder."), cfg.model, mean=mean, std=std,
+                               crop_pct=cfg.data.eval_crop_pct, record=record), kind="encoder")
     accelerator.print(f"exported encoder to {path}")
     url = publish(path, tc.run_dir, cfg.export, data.val_location, push_it=True)
     if url:

@@ -1,14 +1,6 @@
-"""Entry-point plumbing: a user error (bad config, path, file or data) becomes one line, `error: ...`, and exit 2.
-
-Under a launcher (`accelerate launch`, torchrun: several processes) every rank usually meets the same error: the
-main process prints it and the others stay silent, so it appears once. A silent rank must not exit first: the
-launcher would then stop the main process before it printed anything. So it waits (`QUIET_WAIT_S`) for the
-launcher to stop it, which happens as soon as the main process has printed and exited; if it is still running
-then (the main process did not meet the error), it prints the error itself. An error from a rank's own data (a bad
-shard in its range) is printed by that rank at once, with its rank named. Every rank exits with status 2. The
-launcher itself then reports the failed ranks and exits with its own status (torch elastic: 1); that part is its
-own.
-"""
+"""Entry-point plumbing: a user error (bad config, path, file or data) becomes one line, `error: ...`, and exit 2,
+printed once under a launcher (the main process prints it; a rank's own data error is printed by that rank); a
+preempted run exits 75. See docs/reliability.md."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 Every stage's entry point (`vit_mpp.cli.run_main`) turns a `UserError` into one line, `error: ...`, and exit status 2.
 Anything else is a bug and keeps its traceback. Subclasses live beside the code that raises them (ConfigError in
-vit_mpp/config.py, ManifestError in vit_mpp/data/manifest.py, ...), so a module never needs the CLI to raise one.
+vit_mpp/config/engine.py, ManifestError in vit_mpp/data/manifest.py, ...), so a module never needs the CLI to raise one.
 """
 
 from __future__ import annotations

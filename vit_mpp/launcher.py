@@ -1,16 +1,5 @@
-"""Being one rank of a launched group (`accelerate launch`, torchrun): never outlive the launcher, and stop with one
-line when a peer fails.
-
-* A launcher killed with -9 cannot stop its ranks; they would train on, holding the run directory. So each rank asks
-  the kernel to send it SIGTERM when its parent dies (Linux `PR_SET_PDEATHSIG`), first thing, before any heavy
-  import, and checks that the parent is still the one it started with; elsewhere a thread watches the parent. SIGTERM,
-  not SIGKILL: a launcher that dies because a scheduler signalled the whole job (torch elastic does not handle
-  SIGUSR1, which SLURM's `--signal=USR1@120` sends to every process) leaves its ranks the time to save the step, as
-  for any preemption (vit_mpp/run/preemption.py); a rank still starting has nothing to save and ends at once.
-* A rank that stops with an error writes its rank into the process group's store before it exits. A peer whose
-  collective then breaks (gloo: the connection closes; NCCL: the launcher stops it) finds that note and says
-  `error: [rank R] stopped: rank Q failed (its error is above)` instead of a traceback from the collective.
-"""
+"""Being one rank of a launched group (`accelerate launch`, torchrun): never outlive the launcher (the kernel sends
+SIGTERM when it dies), and stop with one line naming the failed peer when a collective breaks. See docs/cluster.md."""
 
 from __future__ import annotations
 

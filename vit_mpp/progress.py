@@ -1,14 +1,7 @@
-"""Progress on long work, the same in every tool (predict, evaluate, analysis; build-shards can take it too):
-
-    with progress("labelling", total=len(paths), unit="images") as advance:
-        for batch in batches:
-            ...
-            advance(len(batch))
-
-On a terminal: a rich progress bar with count, rate and ETA, on standard error, gone when the work is done (the
-tool's own closing line gives the totals). Otherwise (a log file, a pipe, CI): no escape codes, only a plain line
-every `every_s` seconds (`labelling: 1200/5000 images (24%), 85 images/s, eta 0m44s`), so short work prints
-nothing and long work leaves a readable trace. Standard output stays the tool's own (predict's CSV).
+"""Progress on long work, the same in every tool (predict, evaluate, analysis, build-shards), on standard error: on
+a terminal a rich bar with count, rate and ETA; otherwise a plain line every `every_s` seconds. Standard output
+stays the tool's own. Use: `with progress("labelling", total=len(paths)) as advance: ... advance(len(batch))`.
+See docs/finetune.md, "Evaluate an export".
 """
 
 from __future__ import annotations

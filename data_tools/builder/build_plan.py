@@ -1,8 +1,8 @@
 """The build plan: what every machine of a build computes the same from the listed SOURCE and the options.
 
-The splits (each an order over catalog rows, data_tools/builder/shard_layout.py) and their sizes, the shard ranges and which of
-them a part builds, the manifest's fields known before any image is read, and the fingerprint that parts, resumes
-and merges must match (data_tools/builder/journal.py). Nothing here reads an image or writes to OUT.
+The splits (each an order over catalog rows, data_tools/builder/shard_layout.py) and their sizes, the shard ranges
+and which of them a part builds, the manifest's fields known before any image is read, and the fingerprint that
+parts, resumes and merges must match (data_tools/builder/journal.py). Nothing here reads an image or writes to OUT.
 """
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ from vit_mpp.data.image_prep import EncodeSettings
 class BuildPlan:
     """What every machine computes the same: splits, sizes, the fingerprint and the manifest's fixed fields.
 
-    A build with plan parts has its own plan (data_tools/builder/plan_parts.py, `PlannedBuild`) offering the same methods:
-    `ranges`, `task`, `header`, `listing_failures`, `accepts`, `describe`, `close`, and `fingerprint` and `reader`."""
+    A build with plan parts has its own plan (data_tools/builder/plan_parts.py, `PlannedBuild`) offering the same
+    methods: `ranges`, `task`, `header`, `listing_failures`, `accepts`, `describe`, `close`, and `fingerprint` and
+    `reader`."""
 
     def __init__(self, source: Source, spec: SourceSpec, layout: ShardLayout, encode: EncodeSettings) -> None:
         self.source, self.layout = source, layout

@@ -1,11 +1,7 @@
-"""Building shards: list SOURCE, plan, write this machine's ranges, and (on one machine) merge. `build` is the
-whole of `build-shards SOURCE OUT` (the command line is data_tools/cli.py).
-
-A build lists SOURCE into a catalog (data_tools/builder/sources/), plans it (data_tools/builder/build_plan.py), checks what OUT
-holds (data_tools/builder/out_state.py), writes the ranges left to write with an executor (data_tools/builder/executors.py) while
-the committer publishes and journals each finished range (data_tools/builder/committer.py), and, when it is the only part,
-merges: failures.jsonl, then `_info.json`, the commit point (data_tools/builder/merge.py). Re-running the same command
-after an interruption resumes from the journal.
+"""Building shards: list SOURCE into a catalog, plan it, check what OUT holds, write this machine's ranges with an
+executor while the committer publishes and journals each one, and (on one machine) merge. `build` is the whole of
+`build-shards SOURCE OUT` (the command line is data_tools/cli.py); re-running the same command after an
+interruption resumes from the journal. See docs/build_shards.md#one-machine.
 """
 
 from __future__ import annotations
@@ -243,9 +239,3 @@ def _build(b: Build) -> dict | None:
     conclude(info, store.url)
     return info
 
-
-if __name__ == "__main__":  # `python -m data_tools.builder.build_shards`: run the command line as a script. runpy rather
-    # than an import, so that this module never depends on data_tools.cli (which imports it).
-    import runpy
-
-    runpy.run_module("data_tools.cli", run_name="__main__", alter_sys=True)

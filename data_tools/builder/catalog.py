@@ -1,13 +1,7 @@
-"""The catalog: every listed input (its id, label and split) in listing order, with bounded memory.
-
-SOURCE is listed once into a catalog before any image is read (data_tools/builder/sources/). The ids go to a spill file on
-local disk, read back by offset when a range is written; the labels, split codes and id offsets are numpy arrays
-(13 bytes per input, no Python object per input), so lists of many millions of inputs fit. The catalog's digest
-covers every id, label and split: it is part of the build's fingerprint (data_tools/builder/journal.py).
-
-Rows of a list that name a path listed before (`repeats`) are found when its catalog is finished: an 8-byte hash
-per row, sorted, and the ids of rows whose hashes meet read back and compared, so the answer is exact (a hash
-collision is checked away) and does not depend on the process's hash seed.
+"""The catalog: every listed input (its id, label and split) in listing order, with bounded memory (`CatalogWriter`,
+`Catalog`): ids in a spill file on local disk, labels and splits in numpy arrays, a digest that is part of the
+build's fingerprint, and the rows that repeat a path, found exactly.
+See docs/build_shards.md#planning-in-bounded-memory.
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
-"""Committing finished ranges: their shards are published in OUT, then the range is journaled, in that order.
-
-A range is journaled only once every one of its shards is published (synced and renamed into a local OUT, or
-uploaded whole to a remote one), so a journaled range is always complete, and a shard that was not published is
-written again on resume. Publishing runs in background threads, a bounded number at a time: the main process keeps
-handing out ranges while a disk syncs or an upload runs. The workers never sync: a worker waiting for its shard's
-sync (about 4 ms a 100-image shard on the development machine's disk, 3% of a worker's time) wrote no image
-meanwhile, and a slower disk makes that wait longer.
+"""Committing finished ranges (`Committer`): their shards are published in OUT (synced and renamed, or uploaded
+whole), then the range is journaled, in that order, so a journaled range is always complete. Publishing runs in a
+bounded number of background threads of the main process; the workers never sync.
+See docs/build_shards.md#one-machine.
 """
 
 from __future__ import annotations

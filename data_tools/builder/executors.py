@@ -1,17 +1,7 @@
-"""Executors: who runs the range tasks of a build. Both yield each finished range's record as it completes.
-
-* `LocalExecutor` (`--executor local`, the default): worker processes on this machine (`--workers`). The main
-  process publishes and journals what they write. A worker that dies (the OOM killer, a crash inside an image
-  decoder) stops the build with `WorkerDied` instead of a hang (what `multiprocessing.Pool` does when it loses a
-  task).
-* `RayExecutor` (`--executor ray`, the optional `[ray]` extra): one Ray task per range on the cluster that
-  `ray.init()` finds (`RAY_ADDRESS`; a local instance without it). Each task publishes its own shards (rename in
-  a shared OUT folder, or upload to an object store) and returns the record; the driver journals it. Ray retries a
-  task whose worker died; a range is written the same way by whoever writes it.
-
-Ray rather than Spark or Dask: a range task is a plain Python function with a small argument and a small result,
-which is what Ray's task API is (no dataframe, no JVM, no scheduler to run beside the cluster), and Ray is what
-img2dataset's distributed mode uses for the same job.
+"""Executors: who runs the range tasks of a build; both yield each finished range's record as it completes.
+`LocalExecutor` (`--executor local`): worker processes on this machine, one that dies stopping the build with
+`WorkerDied` instead of a hang; `RayExecutor` (`--executor ray`, the `[ray]` extra): one Ray task per range, each
+publishing its own shards. See docs/build_shards.md#ray-one-command-a-cluster.
 """
 
 from __future__ import annotations

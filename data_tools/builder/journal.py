@@ -1,15 +1,7 @@
-"""Resumable builds: every machine journals the ranges it finished, so an interrupted build (even `kill -9`) is
-finished by re-running the same command, without duplicates or loss, and `merge` knows when all parts are done.
-
-Each part keeps its own journal in OUT: `_journal.jsonl` for a one-machine build, `_journal-part-00003-of-00008.jsonl`
-for part 3 of 8. The first line names the build: its fingerprint (every option that changes the output, and every
-listed input with its label and split) and the manifest fields known before any image is read. Each later line is
-one finished range, written once all its shards are published: their names, sample counts, bytes and sha256, and
-the range's failures. A torn last line, from a kill mid-write, is ignored.
-
-Local OUT: lines are appended and fsynced one by one. Remote OUT: object stores cannot append, so the journal is
-kept in local scratch space and uploaded whole (one object, replaced) at most every `SNAPSHOT_S` seconds and when
-the part ends or stops; a range finished after the last upload is simply written again on resume (same bytes).
+"""Resumable builds: every part journals the ranges it finished (`Journal`), so an interrupted build (even `kill -9`)
+is finished by re-running the same command, without duplicates or loss, and `merge` knows when all parts are done.
+The first line names the build (`fingerprint`), each later line is one published range; a remote OUT's journal is
+uploaded whole at most every `SNAPSHOT_S` seconds. See docs/build_shards.md#resuming-and-interruptions.
 """
 
 from __future__ import annotations

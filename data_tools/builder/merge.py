@@ -1,12 +1,6 @@
-"""Finishing a build: check that every range of every split is in OUT, then write failures.jsonl and `_info.json`.
-
-    build-shards merge OUT
-
-A one-machine build does this itself when its ranges are done; a build run as parts (`--num-parts N --part I`)
-needs it once all parts are done. It reads every journal in OUT (all must name the same build), checks that every
-range of every split is journaled and its shards are in OUT with their recorded sizes, and writes the failures and,
-last, the manifest (the commit point). What it writes depends only on the journals' contents, so a build made of
-parts is byte for byte the build one machine would have made.
+"""Finishing a build (`build-shards merge OUT`; a one-machine build does it itself): check that every range of every
+split is journaled and in OUT, then write failures.jsonl and, last, `_info.json`, the commit point (`finalize`).
+What it writes depends only on the journals. See docs/build_shards.md#parts-on-any-scheduler.
 """
 
 from __future__ import annotations
@@ -177,7 +171,7 @@ def _read_listing_failures(store: LocalStore | RemoteStore, name: str, expected:
     return [json.loads(line) for line in text.splitlines()]
 
 
-# ---------------------------------------------------------------- builds with plan parts (data_tools/builder/plan_parts.py)
+# ------------------------------------------------------------ builds with plan parts (data_tools/builder/plan_parts.py)
 
 def listing_failures_name(group: int) -> str:
     """The file in OUT with the inputs that plan part `group`'s listing met and did not use (its part writes it)."""

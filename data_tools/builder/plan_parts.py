@@ -1,25 +1,6 @@
-"""Builds planned part by part (`--plan-parts G`): every machine lists only its own list files.
-
-A list SOURCE made of many files (a folder or pattern of Parquet, CSV or JSONL lists: sources/list_files.py) is
-dealt into G *plan parts* before any file is opened, from the folder's listing alone (names and sizes): largest
-file first, each to the plan part with the fewest bytes so far (ties to the lower number), so the parts hold about
-the same number of bytes, hence of rows. Each plan part is then planned on its own, as a small build:
-
-* its files are listed (in name order) into its own catalog;
-* each row's split is decided by the row itself: with --val-fraction, by a keyed hash of its id
-  (layout.HashSplit); with --existing-splits, by its `split` column;
-* each split is shuffled with the seed, the plan part and its name, and cut into ranges of --shard-size;
-* its shards and keys carry its number (`train-p00003-000042.tar`, key `train_p00003_000000042`).
-
-`--num-parts N --part I` builds the plan parts whose number is I modulo N, and lists only their files: memory
-and listing time follow the machine's share, not the whole input. A one-machine build with the same --plan-parts
-plans the very same parts, so parts + merge are byte for byte the one-machine build of that plan. The price is the
-shuffle: a shard holds rows of one plan part's files only; rows of different parts meet at training time (the
-loader's shard shuffle and shuffle buffer), not in the shards.
-
-What is only known once every part has been listed (the number of classes, the inputs per split) is recorded per
-plan part in its journal's header and summed by merge (data_tools/builder/merge.py). Labels must therefore be class indices
-(integers) or absent: string labels are sorted over every file into class numbers, which no part can do alone.
+"""Builds planned part by part (`--plan-parts G`): the files of a list SOURCE are dealt into G plan parts by size
+(`assign_files`), and each plan part is listed and planned on its own, as a small build (`list_plan_part`), so that
+every machine lists only its own files. See docs/build_shards.md#lists-of-many-files-plan-parts.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
-"""The layout of a build: how the catalog's inputs are shuffled, split and cut into shard ranges.
-
-Every machine that takes part in a build computes the same layout from the same catalog and options, so parts need
-no coordination:
-
-* each split is an order over catalog rows (`SplitOrder`): train and val from one seeded shuffle of every input
-  (data_tools/builder/shuffle.py), or the source's own splits, each shuffled with the seed and its name;
-* **ranges** (the unit of work and of shard names) are arithmetic: range k of a split covers fixed positions, and
-  part `I` of `N` (`Parts`) builds the ranges whose global number is I modulo N.
+"""The layout of a build (`ShardLayout`): how the catalog's inputs are shuffled, split (`SplitOrder`, `HashSplit`) and
+cut into shard ranges. Every machine computes the same layout from the same catalog and options, so parts
+(`Parts`: part I of N builds the ranges numbered I modulo N) need no coordination.
+See docs/build_shards.md#planning-in-bounded-memory.
 """
 
 from __future__ import annotations

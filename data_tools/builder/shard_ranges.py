@@ -1,11 +1,7 @@
-"""Shard ranges, the unit of parallel work: a worker turns a range of inputs into finished, named tars.
-
-A split's inputs (in their shuffled order) are cut into ranges by `--shard-size` before anything is read, so the
-cut never depends on the images, on `--workers`, on the executor or on the number of parts. A worker reads, checks
-and encodes the images of one range and writes them to a temporary tar in its staging folder (OUT itself for a
-local OUT); `--shard-bytes` may split a range into several tars. Shard names come from the split and the range
-index (layout.shard_name), so whoever writes a range names it the same way; a range whose inputs all failed writes
-no shard. Image bytes never pass between processes.
+"""Shard ranges, the unit of parallel work: a worker turns a range of inputs into finished, named tars
+(`write_range`). Ranges are cut by `--shard-size` before anything is read, so the cut never depends on the images,
+the workers, the executor or the number of parts; image bytes never pass between processes.
+See docs/build_shards.md#shards.
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
-"""One shard of `build-shards index`, read in a worker: its samples counted (as webdataset groups them), their
-image extensions and labels tallied, and with `verify` every image decoded (data_tools/decode_check.py), by the
-project's one tar reader (vit_mpp/data/tar_scan.py), as training reads them.
-
-The result is a small `ShardIndex` (sent back to the main process): the counts, or the problem that makes the
-shard unusable (`damaged`: not a complete tar; `missing`; `unreadable`: every read attempt failed or stalled).
-Remote reads go through vit_mpp/data/urls.py `read_stream`: an idle deadline on every read and bounded retries, so a
-stalled shard costs bounded time and ends as one line naming it. The tar is only ever opened for reading.
+"""One shard of `build-shards index`, read in a worker (`index_shard`): its samples counted as webdataset groups them
+(by vit_mpp/data/tar_scan.py, as training reads them), image extensions and labels tallied, and with `verify` every
+image decoded; the result is a small `ShardIndex`, the counts or what makes the shard unusable.
+See docs/build_shards.md#indexing-shards-you-already-have.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
-"""Which tars `build-shards index` reads, and where its manifest goes.
-
-A LOCATION is a folder (local, or a URL fsspec lists: `s3://`, `gs://`, `hf://datasets/...`, an http(s) index
-page), one `.tar` file or URL, or a brace pattern (`s3://bucket/laion/{00000..01023}.tar`, expanded with
-braceexpand, as webdataset does). A folder gives its `*.tar` files sorted by name; a pattern gives its names in
-order. Remote listings run under the idle deadline and bounded retries of vit_mpp/data/urls.py. Every mistake here (a
-missing folder or shard, a folder without tars, a shard named twice, splits that do not match the LOCATIONs, no
-place for the manifest) is one line, found before any shard is read.
+"""Which tars `build-shards index` reads (`list_shards`: folders, `.tar` files or URLs, brace patterns) and where
+its manifest goes (`place_manifest`); every mistake here is one line, found before any shard is read.
+See docs/build_shards.md#indexing-shards-you-already-have.
 """
 
 from __future__ import annotations

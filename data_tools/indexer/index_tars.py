@@ -1,15 +1,7 @@
-"""A manifest for webdataset tars that already exist (img2dataset output, timm's `*-wds` sets, your own):
-`build-shards index LOCATION [LOCATION ...]`, so they train without being written again.
-
-    build-shards index LOCATION [LOCATION ...] [--split NAME ...] [--out DIR] [--verify] [--skip-bad]
-
-Each LOCATION (a folder, a URL of one, or a brace pattern; data_tools/indexer/find_tars.py) is listed, then every shard is
-read once, as a stream, by `--workers` processes (data_tools/indexer/count_shard.py): its samples counted as webdataset
-groups them for training, their image extensions and `.cls` labels tallied, and with `--verify` every image
-decoded. The tars are only read. The manifest (`_info.json`, timm's `wds/` schema plus what training and a user
-need) goes beside the shards, or into `--out DIR` with a `location` field naming the shards' folder. Every
-problem (a damaged, missing or unreadable shard, an output that cannot be written) is found before anything is
-written and is one line, unless `--skip-bad` records damaged shards in the manifest and leaves them out.
+"""A manifest for webdataset tars that already exist (img2dataset output, timm's `*-wds` sets, your own), so they
+train without being written again: `build-shards index LOCATION [LOCATION ...]` (`index`). The LOCATIONs are listed
+(find_tars.py), every shard is read once by `--workers` (count_shard.py), and every problem is one line before
+anything is written. See docs/build_shards.md#indexing-shards-you-already-have.
 """
 
 from __future__ import annotations

@@ -162,7 +162,7 @@ def test_s3_list_and_out_on_a_loopback_server_interrupted_then_resumed(tmp_path,
     build_main([str(tmp_path / "data" / "list.csv"), str(tmp_path / "local"), *args])
     expected = {k: v for k, v in result_files(tmp_path / "local").items() if k != "_info.json"}
 
-    command = [sys.executable, "-m", "data_tools.builder.build_shards", "s3://bucket/data/list.csv", "s3://bucket/out", *args]
+    command = [sys.executable, "-m", "data_tools.cli", "s3://bucket/data/list.csv", "s3://bucket/out", *args]
     child_env = {**subprocess_env(), **env}
     proc = subprocess.Popen(command, env=child_env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, preexec_fn=ctrl_c_enabled)

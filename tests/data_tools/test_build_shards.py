@@ -154,12 +154,12 @@ def test_hf_imagefolder(tmp_path, hf_cache):
 
 def test_hub_name_without_network_is_one_line_error(tmp_path):
     env = {**subprocess_env(), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    result = subprocess.run([sys.executable, "-m", "data_tools.builder.build_shards", "someone/no-such-dataset",
+    result = subprocess.run([sys.executable, "-m", "data_tools.cli", "someone/no-such-dataset",
                              str(tmp_path / "out")], capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1, result.stderr
     assert lines[0].startswith("error: could not load Hugging Face dataset 'someone/no-such-dataset'")
-    result = run_module("data_tools.builder.build_shards", str(tmp_path / "missing" / "folder"), str(tmp_path / "out"))
+    result = run_module("data_tools.cli", str(tmp_path / "missing" / "folder"), str(tmp_path / "out"))
     assert result.returncode == 2 and result.stderr.strip() == f"error: source not found: {tmp_path}/missing/folder"
 
 
@@ -261,7 +261,7 @@ def test_a_torn_journal_line_is_ignored_and_its_range_written_again(tmp_path):
     assert len(lines) == 4 and all(len(json.loads(x).get("shards", [1, 1])) > 1 for x in lines)  # pieces per range
     journal.write_text("\n".join(lines[:-1]) + "\n" + lines[-1][: len(lines[-1]) // 2])
     (tmp_path / "out" / "_info.json").unlink()
-    result = run_module("data_tools.builder.build_shards", str(tmp_path / "src"), str(tmp_path / "out"), *args)
+    result = run_module("data_tools.cli", str(tmp_path / "src"), str(tmp_path / "out"), *args)
     assert result.returncode == 0 and "resuming: 20 of 30" in result.stdout, result.stdout + result.stderr
     assert shard_bytes(tmp_path / "out") == shard_bytes(tmp_path / "clean")
 
@@ -283,9 +283,9 @@ def test_rerun_is_a_noop_other_settings_need_overwrite(tmp_path):
     make_tree(tmp_path / "src", {"a": 6})
     build(tmp_path / "src", tmp_path / "out")
     before = shard_bytes(tmp_path / "out")
-    result = run_module("data_tools.builder.build_shards", str(tmp_path / "src"), str(tmp_path / "out"))
+    result = run_module("data_tools.cli", str(tmp_path / "src"), str(tmp_path / "out"))
     assert result.returncode == 0 and "already complete" in result.stdout
-    result = run_module("data_tools.builder.build_shards", str(tmp_path / "src"), str(tmp_path / "out"), "--seed", "1")
+    result = run_module("data_tools.cli", str(tmp_path / "src"), str(tmp_path / "out"), "--seed", "1")
     assert result.returncode == 2 and "--overwrite" in result.stderr
     build(tmp_path / "src", tmp_path / "out", "--seed", "1", "--overwrite")
     assert shard_bytes(tmp_path / "out") != before
@@ -305,7 +305,7 @@ def test_kill_9_at_a_random_moment_then_rerun_finishes_the_build(tmp_path, limit
     target = 1  # journal lines (header + one per range); the build writes 50 ranges
     for _ in range(2):  # two interruptions, each at a random shard and a random moment within it
         target += int(rng.integers(2, 16))
-        proc = subprocess.Popen([sys.executable, "-m", "data_tools.builder.build_shards", *args], env=env,
+        proc = subprocess.Popen([sys.executable, "-m", "data_tools.cli", *args], env=env,
                                 cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.time() + 60
         while proc.poll() is None and time.time() < deadline and (
@@ -317,7 +317,7 @@ def test_kill_9_at_a_random_moment_then_rerun_finishes_the_build(tmp_path, limit
     assert not (tmp_path / "out" / "_info.json").exists(), f"the build finished before it was interrupted (seed {seed})"
     assert len(list((tmp_path / "tmp").iterdir())) == 1  # a killed build's catalog is left behind (the second build
     # removed the first's) ...
-    result = subprocess.run([sys.executable, "-m", "data_tools.builder.build_shards", *args], env=env, cwd=REPO,
+    result = subprocess.run([sys.executable, "-m", "data_tools.cli", *args], env=env, cwd=REPO,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and "resuming" in result.stdout, f"seed {seed}: {result.stderr}"
     assert "removed 1 scratch folder(s) of killed builds" in result.stdout  # ... and removed by the next build
@@ -387,14 +387,14 @@ def test_timm_and_hf_datasets_read_our_shards(demo_shards, tmp_path):
 def test_inspect_verifies_and_draws_a_grid(tmp_path):
     make_tree(tmp_path / "src", {"a": 5, "b": 5})
     build(tmp_path / "src", tmp_path / "out", "--shard-size", "3")
-    result = run_module("data_tools.builder.build_shards", "inspect", str(tmp_path / "out"), "--grid", str(tmp_path / "g.png"))
+    result = run_module("data_tools.cli", "inspect", str(tmp_path / "out"), "--grid", str(tmp_path / "g.png"))
     assert result.returncode == 0, result.stdout + result.stderr
     assert "verified" in result.stdout and Image.open(tmp_path / "g.png").width > 0
     shard = tmp_path / "out" / "train-000000.tar"
     data = bytearray(shard.read_bytes())
     data[600] ^= 0xFF  # flip a byte inside the first sample's image
     shard.write_bytes(bytes(data))
-    result = run_module("data_tools.builder.build_shards", "inspect", str(tmp_path / "out"), "--grid", str(tmp_path / "g.png"))
+    result = run_module("data_tools.cli", "inspect", str(tmp_path / "out"), "--grid", str(tmp_path / "g.png"))
     assert result.returncode == 1 and "sha256" in result.stdout
 
 
@@ -424,7 +424,8 @@ def test_only_the_scratch_folders_of_builds_no_longer_running_are_swept(tmp_path
 def test_build_shards_does_not_import_torch():
     # torch is 2 s of start-up and 600 MB a process: every worker forked from a main process holding it took
     # 10 ms to fork and as long to join, on every build. build-shards needs none of it.
-    code = ("import sys, data_tools.cli, data_tools.builder.build_shards, data_tools.indexer.index_tars, data_tools.inspect_shards; "
+    code = ("import sys, data_tools.cli, data_tools.builder.build_shards, data_tools.indexer.index_tars, "
+            "data_tools.inspect_shards; "
             "print(sorted(m for m in ('torch', 'timm', 'safetensors') if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=subprocess_env(), capture_output=True,
                             text=True, timeout=120)

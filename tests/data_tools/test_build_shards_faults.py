@@ -37,7 +37,7 @@ def failures(out: Path) -> list[dict]:
 
 
 def run(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "data_tools.builder.build_shards", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "data_tools.cli", *args], capture_output=True, text=True,
                           env=subprocess_env(), cwd=REPO, timeout=timeout)
 
 
@@ -385,7 +385,7 @@ def test_out_under_a_file_or_not_writable_is_one_line(tmp_path, capsys):
 def test_ctrl_c_is_one_line_and_the_same_command_resumes(tmp_path):
     make_tree(tmp_path / "src", {"a": 150, "b": 150}, size=64)
     args = [str(tmp_path / "src"), str(tmp_path / "out"), "--shard-size", "5", "--max-side", "40", "--workers", "2"]
-    proc = subprocess.Popen([sys.executable, "-m", "data_tools.builder.build_shards", *args], env=subprocess_env(), cwd=REPO,
+    proc = subprocess.Popen([sys.executable, "-m", "data_tools.cli", *args], env=subprocess_env(), cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=ctrl_c_enabled)
     journal = tmp_path / "out" / "_journal.jsonl"
     deadline = time.time() + 60

@@ -150,7 +150,7 @@ def test_ctrl_c_while_a_worker_waits_on_a_stalled_image_is_one_line_at_once(tmp_
     (tmp_path / "list.csv").write_text("path\n" + "".join(f"{p}\n" for p in paths))
     with serve_faulty(tmp_path) as base:
         FaultyHandler.faults[f"/{paths[3]}"] = ("stall", 100)
-        proc = subprocess.Popen([sys.executable, "-m", "data_tools.builder.build_shards", f"{base}/list.csv",
+        proc = subprocess.Popen([sys.executable, "-m", "data_tools.cli", f"{base}/list.csv",
                                  str(tmp_path / "out"), "--workers", "2", "--shard-size", "2", "--val-fraction", "0"],
                                 env=subprocess_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, preexec_fn=ctrl_c_enabled)

@@ -28,7 +28,8 @@ def run(probe_run) -> Path:
 
 def classifier(out: Path, num_classes: int, class_names: list[str] | None) -> Path:
     cfg = ModelConfig(img_size=24, **SMALL)
-    return write_export(Export(out, create_vit(cfg, num_classes).state_dict(), cfg, num_classes=num_classes, mean=(0.5,) * 3, std=(0.5,) * 3, class_names=class_names), kind="classifier")
+    return write_export(Export(out, create_vit(cfg, num_classes).state_dict(), cfg, num_classes=num_classes,
+                               mean=(0.5,) * 3, std=(0.5,) * 3, class_names=class_names), kind="classifier")
 
 
 def test_the_numbers_are_those_of_fine_tunings_final_evaluation(run, shards):

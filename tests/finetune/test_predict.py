@@ -26,7 +26,8 @@ def test_predict_labels_a_bmp_and_a_tiff_as_build_shards_reads_them(tmp_path):
     # predict once kept its own list (jpg, jpeg, png, webp) and skipped .bmp/.tif files that build-shards accepts.
     torch.manual_seed(0)
     model = create_vit(SMALL_MODEL, num_classes=3)
-    export = write_export(Export(tmp_path / "export", model.state_dict(), SMALL_MODEL, num_classes=3, mean=(0.5,) * 3, std=(0.5,) * 3, class_names=["a", "b", "c"]), kind="classifier")
+    export = write_export(Export(tmp_path / "export", model.state_dict(), SMALL_MODEL, num_classes=3, mean=(0.5,) * 3,
+                                 std=(0.5,) * 3, class_names=["a", "b", "c"]), kind="classifier")
     images = tmp_path / "images"
     images.mkdir()
     rng = np.random.default_rng(0)
@@ -45,7 +46,8 @@ def test_predict_labels_a_bmp_and_a_tiff_as_build_shards_reads_them(tmp_path):
 def export(tmp_path_factory):
     torch.manual_seed(0)
     cfg = SMALL_MODEL
-    return write_export(Export(tmp_path_factory.mktemp("export"), create_vit(cfg, 3).state_dict(), cfg, num_classes=3, mean=(0.5,) * 3, std=(0.5,) * 3, class_names=["a", "b", "c"]), kind="classifier")
+    return write_export(Export(tmp_path_factory.mktemp("export"), create_vit(cfg, 3).state_dict(), cfg, num_classes=3,
+                               mean=(0.5,) * 3, std=(0.5,) * 3, class_names=["a", "b", "c"]), kind="classifier")
 
 
 def predict(*args: str) -> subprocess.CompletedProcess:

@@ -22,5 +22,5 @@ def split_loader(split: Split, data: DataConfig, size: int, batch: int, *, rank:
 
 def eval_loader(split: Split, data: DataConfig, size: int, batch: int, *, rank: int = 0,
                 world_size: int = 1) -> DataLoader:
-    return eval_split_loader(split, data, ImageDecoder.for_evaluation(data, size), loader_layout(data, batch, world_size),
-                             rank=rank)
+    return eval_split_loader(split, data, ImageDecoder.for_evaluation(data, size),
+                             loader_layout(data, batch, world_size), rank=rank)

@@ -45,8 +45,8 @@ def probe(accelerator, shards: str, workers: int, batch: int, epochs: int, seed:
     train = [{"keys": keys.get(e, []), "steps_all_ranks": steps_all} for e in range(epochs)]
 
     val_split, _ = load_split(shards, "val")
-    val_loader = eval_split_loader(val_split, data, ImageDecoder.for_evaluation(data, 8), loader_layout(data, batch, world),
-                                   rank=rank)
+    val_loader = eval_split_loader(val_split, data, ImageDecoder.for_evaluation(data, 8),
+                                   loader_layout(data, batch, world), rank=rank)
     val_keys, val_batches = [], 0
     totals = torch.zeros(3, device=accelerator.device)  # valid samples, label sum, label == 0 hits
     labels_all = []

@@ -1,5 +1,5 @@
-"""Config values as users write them (vit_mpp/config.py): YAML 1.1 reads `no`, `off`, `yes`, `on` as booleans, yet
-`train.mixed_precision=no` means the choice "no". Every choice of every string-choice field of both stages is
+"""Config values as users write them (vit_mpp/config/engine.py): YAML 1.1 reads `no`, `off`, `yes`, `on` as booleans,
+yet `train.mixed_precision=no` means the choice "no". Every choice of every string-choice field of both stages is
 accepted unquoted, in a YAML file and as key=value; and the loader records which keys the user set."""
 
 from __future__ import annotations

@@ -32,7 +32,8 @@ def test_exported_weights_follow_the_umask_like_their_config(tmp_path):
     # safetensors' save_file wrote the weights with mode 0600 while config.json followed the umask (0644).
     previous = os.umask(0o022)
     try:
-        out = write_export(Export(tmp_path / "export", create_vit(SMALL_MODEL).state_dict(), SMALL_MODEL, mean=(0.5,) * 3, std=(0.5,) * 3), kind="encoder")
+        out = write_export(Export(tmp_path / "export", create_vit(SMALL_MODEL).state_dict(), SMALL_MODEL,
+                                  mean=(0.5,) * 3, std=(0.5,) * 3), kind="encoder")
     finally:
         os.umask(previous)
     modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()}
@@ -66,7 +67,8 @@ def test_an_export_killed_while_writing_leaves_no_temporary_file(tmp_path):
         left = {p.name for p in out.iterdir()} if out.exists() else set()
         assert left <= expected, left - expected
     # Whatever the kill left, the next export completes and reads back.
-    write_export(Export(out, create_vit(SMALL_MODEL).state_dict(), SMALL_MODEL, mean=(0.5,) * 3, std=(0.5,) * 3), kind="encoder")
+    write_export(Export(out, create_vit(SMALL_MODEL).state_dict(), SMALL_MODEL, mean=(0.5,) * 3, std=(0.5,) * 3),
+                 kind="encoder")
     assert {p.name for p in out.iterdir()} == {"model.safetensors", "config.json"}
 
     assert read_export(out).model.embed_dim == 32

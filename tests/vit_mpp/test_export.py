@@ -1,4 +1,5 @@
-"""The hand-off format (vit_mpp/models/export.py) and the one route from a checkpoint to a model (vit_mpp/models/pretrained.py):
+"""The hand-off format (vit_mpp/models/export.py) and the one route from a checkpoint to a model
+(vit_mpp/models/pretrained.py):
 exports load in timm exactly, predict and analysis rebuild the trained classifier exactly (token and avg pooling),
 older exports still load, and an interrupted export is never half-visible."""
 
@@ -39,7 +40,8 @@ def classifier(pool: str, seed: int = 0) -> tuple[torch.nn.Module, ModelConfig]:
 @pytest.mark.parametrize("pool", ["token", "avg"])
 def test_a_classifier_export_is_a_timm_local_dir_model(tmp_path, pool):
     model, cfg = classifier(pool)
-    write_export(Export(tmp_path, model.state_dict(), cfg, num_classes=3, mean=(0.2, 0.3, 0.4), std=(0.5, 0.6, 0.7), crop_pct=0.9, class_names=["ant", "bee", "cat"]), kind="classifier")
+    write_export(Export(tmp_path, model.state_dict(), cfg, num_classes=3, mean=(0.2, 0.3, 0.4), std=(0.5, 0.6, 0.7),
+                        crop_pct=0.9, class_names=["ant", "bee", "cat"]), kind="classifier")
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["architecture"] == "vit_tiny_patch16_224" and config["num_classes"] == 3
     assert config["label_names"] == ["ant", "bee", "cat"] and config["global_pool"] == pool

@@ -33,9 +33,10 @@ def hub_manifest() -> dict:
 
 def test_a_pretraining_card_parses_with_its_metadata_and_loads_this_folder(tmp_path):
     torch.manual_seed(0)
-    export = write_export(Export(tmp_path / "export", create_vit(SMALL_MODEL).state_dict(), SMALL_MODEL, mean=(0.5,) * 3, std=(0.5,) * 3, record={
-                              "pretrain": PRETRAIN, "metrics": {"val_loss": 3.2, "knn_top1_cls": 0.61},
-                              "data": data_record("/data/textures", hub_manifest())}), kind="encoder")
+    record = {"pretrain": PRETRAIN, "metrics": {"val_loss": 3.2, "knn_top1_cls": 0.61},
+              "data": data_record("/data/textures", hub_manifest())}
+    export = write_export(Export(tmp_path / "export", create_vit(SMALL_MODEL).state_dict(), SMALL_MODEL,
+                                 mean=(0.5,) * 3, std=(0.5,) * 3, record=record), kind="encoder")
     card = model_card(export, ExportConfig(license="apache-2.0"))
     card.save(export / "README.md")
     loaded = ModelCard.load(export / "README.md")
@@ -63,7 +64,9 @@ def test_a_fine_tuning_from_a_hub_model_names_its_base_model_and_carries_the_pre
     from huggingface_hub import constants
 
     torch.manual_seed(0)
-    write_export(Export(hub_cache(tmp_path / "hub", "someone/tiny-mpp"), create_vit(SMALL_MODEL).state_dict(), SMALL_MODEL, mean=(0.5,) * 3, std=(0.5,) * 3, record={"pretrain": PRETRAIN, "data": data_record("/data/textures", hub_manifest())}), kind="encoder")
+    record = {"pretrain": PRETRAIN, "data": data_record("/data/textures", hub_manifest())}
+    write_export(Export(hub_cache(tmp_path / "hub", "someone/tiny-mpp"), create_vit(SMALL_MODEL).state_dict(),
+                        SMALL_MODEL, mean=(0.5,) * 3, std=(0.5,) * 3, record=record), kind="encoder")
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     shards = write_shard_set(tmp_path / "shards", {"train": [16], "val": [6]})

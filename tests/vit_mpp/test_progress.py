@@ -54,7 +54,8 @@ def test_without_a_terminal_plain_lines_and_no_escape_codes():
 def test_predict_reports_nothing_but_its_own_lines_when_not_on_a_terminal(tmp_path, capsys):
     torch.manual_seed(0)
     cfg = SMALL_MODEL
-    export = write_export(Export(tmp_path / "export", create_vit(cfg, 3).state_dict(), cfg, num_classes=3, mean=(0.5,) * 3, std=(0.5,) * 3, class_names=["a", "b", "c"]), kind="classifier")
+    export = write_export(Export(tmp_path / "export", create_vit(cfg, 3).state_dict(), cfg, num_classes=3,
+                                 mean=(0.5,) * 3, std=(0.5,) * 3, class_names=["a", "b", "c"]), kind="classifier")
     rng = np.random.default_rng(0)
     for i in range(3):
         Image.fromarray(rng.integers(0, 256, (20, 20, 3), dtype=np.uint8)).save(tmp_path / f"{i}.png")

@@ -143,7 +143,8 @@ def test_a_mixture_draws_its_sets_in_the_weights_proportions(uneven, other):
 def test_fewer_samples_than_parts_is_a_clear_error(uneven):
     with pytest.raises(DataError, match="fewer than processes x workers"):
         TrainStream(train_sets(uneven), ImageDecoder.for_training(DataConfig(), 8),
-                    first_generation(Layout(8, 4, 1, 1), [24], 0), rank=0, resume_step=0, read=read_settings(DataConfig()))
+                    first_generation(Layout(8, 4, 1, 1), [24], 0), rank=0, resume_step=0,
+                    read=read_settings(DataConfig()))
 
 
 def zeroed_in_place(root: Path) -> Path:

@@ -1,18 +1,9 @@
-"""Typed, strict configuration: dataclasses filled from YAML, overridden by `key.sub=value` arguments.
+"""Typed, strict configuration: dataclasses filled from YAML, overridden by `section.key=value` arguments.
 
-Every stage describes its config as nested dataclasses. `parse_args` reads `--config FILE` and any number of
-`section.key=value` overrides (values parsed as YAML), checks every key and type, and returns the filled
-dataclass. Unknown keys and wrong types raise `ConfigError` with a one-line message that names the key.
-
-Values are read as users write them: YAML 1.1 reads `no`, `off`, `yes`, `on` (and `true`, `false`) as booleans and
-`~`, `null` or nothing as null, so the loader keeps the word written beside what YAML made of it (`Word`). A bool
-field takes the boolean; a string-choice field (`Literal[...]`) or a `str` field takes the word itself
-(`mixed_precision: no` is "no"); a null in a `str` field that does not allow null is "", which every such field
-reads as "none".
-
-The loader also records which keys the user set, in the YAML file or as key=value, per section (`given_keys`): a
-default and a value written equal to it are otherwise indistinguishable, and a checkpoint that fixes a value must
-refuse only what the user asked for.
+`parse_args` and `load_config` check every key and type against the stage's nested dataclasses (fields declared with
+`opt`, their rules as `Check`) and raise `ConfigError`, one line naming the key. The loader keeps the word a user
+wrote beside what YAML 1.1 made of it (`Word`) and records which keys were set (`given_keys`).
+See docs/reliability.md#user-mistakes-are-one-line-exit-2.
 """
 
 from __future__ import annotations

@@ -1,16 +1,7 @@
-"""Image checks and encoding: fully decode every input; keep the original bytes when they are fine as they are.
-
-An input keeps its original bytes when it is a JPEG, PNG or WebP, decodes completely, is plain RGB with 8 bits per
-channel, has no EXIF rotation and fits `max_side`. Anything else is converted to RGB (EXIF orientation applied, alpha
-composited on white, 16-bit scaled to 8-bit, CMYK and palette converted), resized if needed and re-encoded once.
-
-`prepare_image` is the one function that turns input bytes into the stored image; whatever else must see images
-as training does (prediction on new images) calls it too.
-
-16-bit colour: PIL decodes a 16-bit RGB(A) PNG or TIFF into its 8-bit modes by keeping the high byte of each
-sample (v >> 8, which is floor(v / 256)); the right 8-bit value is round(v * 255 / 65535), up to one level higher.
-`_exact_16bit` decodes such a file a second time with the byte order of the unpacker swapped, which yields the low
-bytes, and rebuilds the exact 16-bit values from both.
+"""Image checks and encoding: fully decode every input; keep the original bytes when they are fine as they are,
+else convert to 8-bit RGB (EXIF rotation, alpha, exact 16-bit scaling, CMYK, palette), resize and re-encode once.
+`prepare_image` is the one function that turns input bytes into the stored image; whatever else must see images as
+training does (prediction on new images) calls it too. See docs/build_shards.md#images.
 """
 
 from __future__ import annotations

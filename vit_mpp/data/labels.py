@@ -1,12 +1,8 @@
-"""A sample's class label, as every part of the project reads it: `build-shards index` counts labels with
-`cls_label`, `build-shards inspect` checks them with it, and the training and evaluation streams read them with
-`sample_label`, so a label the index counted is the label training meets, and a `.cls` the index refused is no
-label to training either.
-
-A label is the text of a sample's `.cls` member: a decimal integer (webdataset's convention). A negative one means
-"no label". Text that is not an integer, or an index at or above `MAX_CLASSES`, is a bad label: `index` and
-`inspect` report it with its key, and training reads it as no label (pretraining does not need one; fine-tuning
-refuses a split holding such samples before it starts, from the index's `num_unlabelled`, or at the sample).
+"""A sample's class label, as every part of the project reads it: the decimal integer of its `.cls` member; a
+negative one is no label, and text that is not an integer or an index at or above `MAX_CLASSES` is a bad label.
+`build-shards index` counts labels with `cls_label`, `build-shards inspect` checks them with it, and the training
+and evaluation streams read them with `sample_label`, so a label the index counted is the label training meets.
+See docs/data_stream.md#bad-samples.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
-"""The shard manifest (`_info.json`): what `build-shards` writes and what training reads instead of scanning tars.
-
-The schema is timm's `wds/` info file (so `timm.data.create_dataset("wds/...")` trains on our shards):
-
-    {"name": ..., "splits": {"train": {"name": "train", "num_samples": N, "filenames": [...],
-                                        "shard_lengths": [...]}, ...}}
-
-extended with what a user needs to trust the shards: per-shard bytes and sha256 (`shard_bytes`, `shard_sha256`),
-`class_names`, `num_classes`, `source`, `seed`, `encoder` settings and `tool_version`.
+"""The shard manifest (`_info.json`): what `build-shards` writes and what training reads instead of scanning tars,
+timm's `wds/` info file extended with what a user needs to trust the shards. `read_manifest`, `load_split`,
+`write_manifest`, and `check_manifest`, the one check of a whole manifest that training, evaluation and
+`build-shards inspect` share. See docs/build_shards.md#manifest-_infojson.
 """
 
 from __future__ import annotations

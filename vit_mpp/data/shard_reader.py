@@ -1,11 +1,7 @@
-"""Reading raw samples (dicts of member extension -> bytes, plus `__key__`) from webdataset shards, by sample range,
-with deadlines: what the training and evaluation streams are made of. Nothing is decoded here, and only the members
-training uses (the image, the `.cls`: READ_MEMBERS) are read into memory; the tar is parsed by vit_mpp/data/tar_scan.py.
-
-A split is one virtual sequence of samples, its shards in a given order; `range_segments` turns a range of that
-sequence into pieces of shards, and `read_segment` reads one piece, reopening a remote stream that breaks or stalls
-(vit_mpp/data/urls.py) and refusing a shard shorter than the manifest says.
-"""
+"""Reading raw samples (member extension -> bytes, plus `__key__`) from webdataset shards by sample range, with
+deadlines: `range_segments` turns a range of a split into pieces of shards, `read_segment` reads one, reopening a
+stream that breaks or stalls and refusing a shard shorter than its manifest says. Only the image and `.cls` members
+are held; nothing is decoded. See docs/data_stream.md."""
 
 from __future__ import annotations
 

@@ -1,37 +1,12 @@
-"""The training and evaluation streams over webdataset shards, shared by pretrain and finetune.
-
-Training (`TrainStream`): an endless stream of micro-batches per rank, drawn from one shard set or a weighted
-mixture of several. Which samples each data-loader worker reads, in which order, is decided by
-vit_mpp/data/stream_plan.py from the seed, the sets' sizes and the run's layout history, so that:
-
-* every data-loader worker of every rank (G = processes x workers *parts*) reads a contiguous, near-equal block of
-  each epoch of each set, whose shards are ordered by the seed and the epoch (the same on every rank): the shard
-  count need not divide anything, fewer shards than parts works (a shard is then read in part by several workers,
-  which costs I/O, not correctness; rank 0 warns), and every sample is read once per epoch of its set;
-* micro-batches are always full and every rank runs the same number of steps (the streams are endless; a
-  micro-batch may hold the end of one epoch and the start of the next);
-* each slot of a micro-batch comes from a set chosen by a deterministic low-discrepancy sequence of the weights,
-  the same on every worker, so each global batch holds the sets in their proportions and all parts of a set
-  advance together;
-* a resumed run continues exactly where it stopped; on another layout (processes, workers, micro-batch) it
-  continues the epoch with every remaining sample exactly once.
-
-Undecodable samples (or samples without an image) are replaced by the previous good sample of the same set and
-counted; more than `max_bad_fraction` of them (checked from the 100th sample of a worker's set, and at the end of
-each block it reads) is a ShardError. A shard shorter than its manifest entry is a ShardError, never a short stream
-(which would hang the other ranks in a collective). Remote reads have deadlines (vit_mpp/data/urls.py).
-
-Evaluation (`EvalStream`): one ordered pass over one split, cut into G ranges of ceil(N / G) samples padded with
-blank samples whose `valid` flag is False, so every rank runs the same number of batches and each sample counts once.
-
-Batches leave the workers as uint8 images (B, 3, H, W); `to_device` moves them (non-blocking) and `normalize` turns
-them into float on the device, so the MPP targets can be computed from the raw pixels. The loaders are deliberately
-*not* passed through `accelerator.prepare`: they already split themselves across ranks, and accelerate would either
-re-split them or make rank 0 decode for everyone.
-"""
+"""The training and evaluation streams over webdataset shards, shared by both stages: `TrainStream`, endless full
+micro-batches per rank from one set or a weighted mixture, each sample once per epoch on any layout and resumed
+exactly (the plan: vit_mpp/data/stream_plan.py); `EvalStream`, one ordered pass over a split, padded so that every
+rank runs the same batches; `Batches`, a rank's training batches that close when told. Batches leave the workers as
+uint8 images. See docs/data_stream.md."""
 
 from __future__ import annotations
 
+import atexit
 import functools
 import hashlib
 import itertools
@@ -40,6 +15,7 @@ import os
 import signal
 import sys
 import threading
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -180,6 +156,7 @@ class TrainStream(IterableDataset):
                  resume_step: int, read: ReadSettings) -> None:
         super().__init__()
         self.sets, self.decoder, self.gen, self.rank, self.read = sets, decoder, generation, rank, read
+        self._open: weakref.WeakSet = weakref.WeakSet()  # this process's iterations, which `close` ends
         layout = generation.layout
         self.batches_done = (resume_step - generation.start_step) * layout.accum  # this rank's, in the generation
         for s in sets:
@@ -197,7 +174,23 @@ class TrainStream(IterableDataset):
         epoch = samples_per_epoch([s.split.num_samples for s in self.sets], [s.weight for s in self.sets])
         return max(1, epoch // (layout.world * layout.micro))
 
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "_open"}  # a worker's copy starts with none open
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _open=weakref.WeakSet())
+
+    def close(self) -> None:
+        """End every iteration of this stream in this process now: their open shard reads are closed."""
+        for batches in list(self._open):
+            batches.close()
+
     def __iter__(self) -> Iterator[dict[str, Any]]:
+        batches = self._batches()
+        self._open.add(batches)
+        return batches
+
+    def _batches(self) -> Iterator[dict[str, Any]]:
         info = get_worker_info()
         worker = info.id if info is not None else 0
         layout = self.gen.layout
@@ -213,9 +206,13 @@ class TrainStream(IterableDataset):
         skips = composition.counts(rounds * layout.micro)
         readers = [SetReader(s, i, part_pieces(self.gen.sets[i], layout.parts, part, s.split.num_samples, skips[i]),
                              self.decoder, self.read, part) for i, s in enumerate(self.sets)]
-        for rnd in itertools.count(rounds):
-            slots = composition.slots(rnd * layout.micro, layout.micro).tolist()
-            yield _batch([(*next(readers[i]), i) for i in slots])
+        try:
+            for rnd in itertools.count(rounds):
+                slots = composition.slots(rnd * layout.micro, layout.micro).tolist()
+                yield _batch([(*next(readers[i]), i) for i in slots])
+        finally:
+            for reader in readers:
+                reader.items.close()
 
 def check_label(label: int, key: str, num_classes: int | None) -> None:
     """With `num_classes` (a classifier's), every label must be one of its classes."""
@@ -326,6 +323,40 @@ def _sigterm_from_parent_only(parent: int) -> None:
     while True:
         if signal.sigwaitinfo({signal.SIGTERM}).si_pid == parent:
             os._exit(0)
+
+
+class Batches:
+    """A rank's endless training batches (`next(batches)`) that end when told: `close()` closes the stream's open
+    shard reads (a loader without workers reads in this process) and stops the loader's workers. Whatever is still
+    open when the interpreter exits is closed first (`atexit`), never by the garbage collector during the exit,
+    when no thread runs and a deadlined close would wait forever."""
+
+    def __init__(self, stream: TrainStream, loader: DataLoader) -> None:
+        self.stream, self._batches = stream, iter(loader)
+        _live.add(self)
+
+    def __iter__(self) -> Batches:
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        return next(self._batches)
+
+    def close(self) -> None:
+        batches, self._batches = self._batches, iter(())
+        shutdown = getattr(batches, "_shutdown_workers", None)  # torch's own end of a loader's worker processes
+        if shutdown is not None:
+            shutdown()
+        self.stream.close()
+        _live.discard(self)
+
+
+_live: weakref.WeakSet = weakref.WeakSet()  # Batches not closed yet
+
+
+@atexit.register
+def _close_live() -> None:
+    for batches in list(_live):
+        batches.close()
 
 
 def make_loader(stream: TrainStream | EvalStream, data: DataConfig) -> DataLoader:

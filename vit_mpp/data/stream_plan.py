@@ -1,28 +1,8 @@
 """Which samples each data-loader worker of each rank reads, and in which order: a pure function of the seed, the
-sizes of the shard sets and the run's layout history. Any rank computes it alone, and a resumed run continues
-exactly where it stopped, also on another number of processes, workers or micro-batch size. No I/O here (the
-data stream, vit_mpp/data/stream.py, reads what this module names); no torch either, so it is cheap to test.
-
-    layout      processes x workers x micro-batch (x accumulation steps). A *part* is one data-loader worker of one
-                rank: G = processes x workers parts; part = rank * workers + worker.
-    epoch       one pass over one set: its shards in an order drawn from (seed, set, epoch), seen as one sequence V
-                of N samples (the manifest gives the counts: no tar is scanned).
-    blocks      the layout that starts an epoch cuts V into G near-equal contiguous blocks (sizes differ by one at
-                most, nothing is dropped); part p reads block p through a shuffle buffer seeded by (seed, set,
-                epoch, G, p). Those emissions, block after block, are the epoch's *canonical order* S: position
-                s of S is one sample, whatever happens later.
-    generation  a stretch of the run with one layout, from `start_step`. Per set, its parts first share what earlier
-                generations left of the epochs they started (`pending`: intervals of S, cut near-equally among the
-                parts), then read whole epochs from `next_epoch` on, each cut into blocks by this layout.
-    round       every worker of every rank makes one micro-batch per round. Which slots of a round's micro-batch
-                come from which set is the same on every worker (`Composition`), so all parts of a set advance
-                together and take the same share of it.
-
-A resume on the same layout continues the generation: each worker skips what its part already emitted (without
-decoding it). A resume on another layout ends the generation at the resumed step: `next_generation` computes from
-the old layout what every part had emitted, hence which positions of which epochs are left, and the new layout
-shares them out. Every sample is therefore read once per epoch of its set, whatever the layouts, and the order of
-what was not yet read is kept as far as the new layout allows (each old part's remainder stays in its order).
+sizes of the shard sets and the run's layout history (no I/O, no torch), so any rank computes it alone and a resume
+continues exactly, also on another layout. `resume_generation` (`first_generation`, `next_generation`) makes the
+`Generation`, `Composition` fills each micro-batch from the sets, `part_pieces` is what a part reads.
+See docs/data_stream.md#how-the-work-is-split-vit_mppdatastream_planpy.
 """
 
 from __future__ import annotations

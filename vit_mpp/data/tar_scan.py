@@ -1,17 +1,8 @@
 """Reading a webdataset tar once, as a stream, fast: its members' names (and the bytes of the few members asked
-for), grouped into samples exactly as webdataset groups them. The one tar reader of the project: `build-shards
-index` counts with it, and the training and evaluation streams read with it (vit_mpp/data/shard_reader.py), so the
-stream meets the samples the manifest counted.
-
-Why not `tarfile` plus `webdataset.tariterators`: they cost 40-150 us per member in Python, so on a shard of small
-images they parse at 40-80 MB/s, far below what a disk or an object store delivers; this reader walks the
-512-byte headers in 1 MiB chunks (about 2 us per member) and never copies the data of members nobody asked for.
-What it accepts is what `tarfile` accepts (ustar prefixes, GNU long names, pax `path`/`size` records, V7
-directories, base-256 sizes, both checksum conventions), and which members form a sample is decided by
-webdataset's own functions and defaults (`base_plus_ext`, the `__meta__` rules, lower-cased suffixes), so shards
-read here are read as webdataset reads them. One difference, on purpose: where `tarfile` silently ends an archive
-at a damaged header after the first one (and webdataset then yields a short shard), this reader reports the damage
-(`TarDamaged`), so a damaged shard is never indexed, nor trained on, as a short, healthy one.
+for), grouped into samples exactly as webdataset groups them, damage reported (`TarDamaged`), never a short shard.
+The one tar reader of the project (`TarReader`, `samples`, `count_samples`): `build-shards index` counts with it and
+the training and evaluation streams read with it (vit_mpp/data/shard_reader.py), so the stream meets the samples
+the manifest counted. See docs/build_shards.md#indexing-shards-you-already-have.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 and the one set evaluation reads (`data.val_shards`, default the first training set). Only manifests are read here.
 
 A mixture's epoch is one pass over the set that runs out first at the given proportions (with the default weights,
-proportional to the sets' sizes, every set runs out together); each set keeps its own epochs (vit_mpp/data/stream_plan.py).
+proportional to the sets' sizes, every set runs out together); each set keeps its own epochs
+(vit_mpp/data/stream_plan.py).
 """
 
 from __future__ import annotations

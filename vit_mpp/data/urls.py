@@ -1,26 +1,7 @@
-"""Reading bytes by path or URL, with deadlines: shards, manifests and list files are all opened here.
-
-Local paths (and `file://` URLs) are files; everything else is remote. Every stream read has a deadline, so neither
-a server that stops sending nor a hung network mount can hang a run:
-
-* `http(s)://`: the standard library (urllib); the socket timeout bounds connecting and each wait for data;
-* `pipe:CMD`: the standard output of a shell command (webdataset's convention, e.g. `pipe:aws s3 cp s3://b/x.tar -`);
-  a command that exits with an error status is an error, not a short stream;
-* any other scheme (`s3://`, `gs://`, `hf://`, ...): fsspec, with the backend package it names (s3fs, gcsfs, ...);
-* a file that must seek (parquet): `open_seekable`, through fsspec for every remote scheme (http too).
-
-On top of each, opening and every read run under an idle deadline (`timeout`, default `READ_TIMEOUT_S`): when no
-byte arrives in that time, the stream is aborted (socket closed, command killed) and `StreamStalled` (an OSError)
-is raised (`open_seekable`: every seek too). Callers retry a bounded number of times
-(`vit_mpp.data.stream.read_segment`, `read_url`, `read_seekable`, `read_stream`), then fail with one line. Listing a
-remote folder (`list_folder`, fsspec `ls`) has the same deadline and retries.
-
-A local file read with `open_url` or `read_url` (shards, manifests, list files) has the same deadline: a read stuck
-on a hung network mount (NFS, Lustre, a FUSE bucket) cannot be interrupted from Python, but the caller stops waiting
-for it, leaves it to its daemon thread, and retries or reports. Local stalls are retried; other local errors (a
-missing file, a refused permission, an I/O error) are raised at once, since reading again does not change them.
-Seekable local files (`open_seekable`: Parquet lists, read once while planning) are opened directly.
-"""
+"""Reading bytes by path or URL, with deadlines: shards, manifests and list files are all opened here (local files,
+`http(s)://`, `pipe:CMD`, and fsspec's schemes such as `s3://`). Opening and every read run under an idle deadline
+(`StreamStalled` when no byte arrives in time) and callers retry a bounded number of times, so neither a silent
+server nor a hung network mount can hang a run. See docs/data_stream.md and docs/reliability.md."""
 
 from __future__ import annotations
 
@@ -30,6 +11,7 @@ import io
 import os
 import queue
 import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -231,7 +213,10 @@ class _DeadlineReader(io.RawIOBase):
 
     def _give_up(self) -> None:
         """Abort the stream from another thread (a call stuck on it returns) and leave the caller thread."""
-        threading.Thread(target=_abort, args=(self._stream,), daemon=True).start()
+        if sys.is_finalizing():  # no thread starts while the interpreter exits (start() would wait forever)
+            _abort(self._stream)
+        else:
+            threading.Thread(target=_abort, args=(self._stream,), daemon=True).start()
         self._caller.stop()
         self._stream = None
 
@@ -250,7 +235,12 @@ class _DeadlineReader(io.RawIOBase):
         if self.closed:
             return
         try:
-            if self._stream is not None:
+            if self._stream is not None and sys.is_finalizing():
+                # A stream left to the garbage collector at interpreter exit: the caller thread no longer runs (a
+                # daemon thread is frozen then), so a call handed to it would wait out its deadline and then
+                # start a thread, which never starts: the process would never exit. Close it here.
+                _abort(self._stream)
+            elif self._stream is not None:
                 self._call(self._stream.close, "closing")
         finally:
             self._stream = None
@@ -381,7 +371,8 @@ def read_seekable(url: str, read: Callable[[BinaryIO], T], timeout: float | None
         with open_seekable(url, timeout, retries=0) as f:
             return read(f)
 
-    return _with_retries(attempt, url, READ_RETRIES if retries is None else retries, WAIT_S if wait_s is None else wait_s)
+    return _with_retries(attempt, url, READ_RETRIES if retries is None else retries,
+                         WAIT_S if wait_s is None else wait_s)
 
 
 def read_stream(url: str, read: Callable[[BinaryIO], T], timeout: float | None = None, retries: int | None = None,
@@ -400,7 +391,8 @@ def read_stream(url: str, read: Callable[[BinaryIO], T], timeout: float | None =
             except http.client.HTTPException as e:  # http.client's own type for a cut body: retried as an OSError
                 raise OSError(f"{url}: {type(e).__name__}: {e}") from None
 
-    return _with_retries(attempt, url, READ_RETRIES if retries is None else retries, WAIT_S if wait_s is None else wait_s)
+    return _with_retries(attempt, url, READ_RETRIES if retries is None else retries,
+                         WAIT_S if wait_s is None else wait_s)
 
 
 def list_folder(url: str, timeout: float | None = None, retries: int | None = None,
@@ -428,7 +420,8 @@ def list_folder(url: str, timeout: float | None = None, retries: int | None = No
         found = [(e["name"], e.get("size")) for e in entries if e.get("type") == "file"]
         return sorted((name if "://" in name else fs.unstrip_protocol(name), size) for name, size in found)
 
-    return _with_retries(attempt, url, READ_RETRIES if retries is None else retries, WAIT_S if wait_s is None else wait_s)
+    return _with_retries(attempt, url, READ_RETRIES if retries is None else retries,
+                         WAIT_S if wait_s is None else wait_s)
 
 
 def _bounded(fn: Callable[[], Any], timeout: float) -> None:

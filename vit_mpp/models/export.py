@@ -1,24 +1,7 @@
-"""The hand-off between stages: an export folder holds a model's weights and everything needed to use them.
-
-    PATH/model.safetensors   the weights with timm's key names (a pretraining export has no head; a classifier has)
-    PATH/config.json         timm's Hugging Face config: architecture, num_classes, label_names, model_args (every
-                             constructor argument that differs from the named model: img_size, patch_size, ...,
-                             global_pool), pretrained_cfg (input_size, mean, std, interpolation, crop_pct); and this
-                             tool's own record under "vit_mpp" (below)
-
-So `timm.create_model("local-dir:PATH", pretrained=True)` rebuilds exactly the exported model, and the same folder
-pushed to the Hugging Face Hub loads with `timm.create_model("hf-hub:OWNER/NAME", pretrained=True)`.
-
-The "vit_mpp" record: `kind` (`encoder` from pretraining, `classifier` from fine-tuning), `model` (the ModelConfig it
-was built from), `export_id`, and provenance (pretraining recipe, data, fine-tuning init and mode, step, metrics).
-
-Writing is crash-safe: both files are written under `.new` names, then config.json and model.safetensors are
-renamed into place, in that order. The weights carry the export id in their safetensors metadata; a reader that
-finds the weights one step behind config.json (a kill between the two renames) completes the swap from
-`model.safetensors.new`. An export is therefore never half-written, and `PATH/best` never truncated.
-
-Exports written before this format (`encoder.safetensors` + `encoder.json`, `model.safetensors` + `model.json`)
-are still read.
+"""The hand-off between stages: an export folder holds a model's weights (`model.safetensors`, timm's key names) and
+timm's Hugging Face `config.json` with this tool's record under "vit_mpp", so that
+`timm.create_model("local-dir:PATH", pretrained=True)` rebuilds the model exactly. `write_export` writes one,
+crash-safely; `read_export` reads it (older formats too). See docs/exports.md.
 """
 
 from __future__ import annotations
@@ -91,7 +74,8 @@ def write_export(export: Export, kind: str) -> Path:
     Returns the export's folder.
     """
     out_dir, state, model_cfg, num_classes = Path(export.path), export.state, export.model, export.num_classes
-    mean, std, crop_pct, class_names, record = export.mean, export.std, export.crop_pct, export.class_names, export.record
+    mean, std, crop_pct, class_names, record = (export.mean, export.std, export.crop_pct, export.class_names,
+                                                export.record)
     with torch.device("meta"):  # the architecture only: its keys, shapes and recorded constructor arguments
         model = create_vit(dataclasses.replace(model_cfg, drop_path_rate=0.0, grad_checkpointing=False),
                                num_classes)

@@ -1,24 +1,7 @@
 """From any checkpoint a user brings to a timm ViT at any input size: the one route fine-tuning, predict and
-analysis all take (`read_pretrained`, then `build_model`).
-
-Formats (`kind`; `auto` tells them apart from the name alone):
-
-* `export`: an export of this tool (vit_mpp/models/export.py; its folder or weights file, current or older format), or any
-  timm Hugging Face folder (config.json + model.safetensors); `local-dir:PATH` names one explicitly;
-* `hub`: `hf-hub:OWNER/NAME[@REVISION]`, a Hugging Face Hub repo in that layout, or a timm model name with pretrained
-  weights (`vit_base_patch16_224.augreg_in21k`), resolved through huggingface_hub and timm. Offline, a model in the
-  local cache works; any other is a one-line error;
-* `timm`: a state dict with timm's key names: `.safetensors`, or a weights-only `.pth`/`.pt`/`.bin` (read with
-  `torch.load(weights_only=True)`: pickled objects are refused, never executed); a dict that wraps it under
-  "model" or "state_dict" is unwrapped, a `module.`/`_orig_mod.` prefix stripped;
-* `npz`: the original ViT (JAX/Flax) checkpoints, converted by timm's own converter at the checkpoint's grid.
-
-An export or hub model brings its architecture, input size and normalisation. For `timm` and `npz` the architecture
-comes from the caller's ModelConfig and the grid from the position embeddings (assumed square) or `grid`.
-
-`build_model` makes the model at the size asked: the patch size stays, the position embeddings are resized on the
-2D grid (the [class] row kept as it is: the fine-tuning rule of the ViT paper), and a classifier head is kept or
-dropped. Every key must fit, or a CheckpointError lists the missing and unexpected ones.
+analysis all take (`read_pretrained`, then `build_model`; `load_classifier` for a fine-tuned export). The formats
+(`kind`: `export`, `hub`, `timm`, `npz`, or `auto` from the name), how each is read, and the resize of the position
+embeddings: docs/finetune.md#what-it-starts-from-init.
 """
 
 from __future__ import annotations

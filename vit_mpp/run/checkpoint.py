@@ -1,16 +1,6 @@
-"""Training-state checkpoints: `run_dir/checkpoints/step_NNNNNN/`, what a resumed run starts from.
-
-Layout of a run directory:
-
-    run_dir/config.yaml                      resolved config of the run
-    run_dir/metrics.jsonl                    one JSON object per logged step / evaluation
-    run_dir/checkpoints/step_000500/         accelerate state (model, optimizer, scaler, RNG) + trainer_state.json
-    run_dir/export/                          the weights handed on (vit_mpp/models/export.py)
-
-Every rank saves and loads its part of the state; a checkpoint is complete once its marker (trainer_state.json) is
-written, after every rank's files are synced, so a crash at any moment leaves a complete checkpoint or one that
-resume ignores.
-"""
+"""Training-state checkpoints, `run_dir/checkpoints/step_NNNNNN/`: saved by every rank and marked complete
+(trainer_state.json) only once every file is synced, so a crash at any moment leaves a complete checkpoint or one that
+resume ignores; `Checkpointer` decides when to save. See docs/pretrain.md and docs/reliability.md."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""Training curves as a picture, from runs' metrics.jsonl: no tracker needed.
-
-Every run writes `run_dir/curves.png` at each evaluation and at the end (vit_mpp/run/step_meter.py), and
-`python -m analysis plot RUN_DIR [RUN_DIR ...]` overlays several runs (e.g. from scratch against pretrained). A
-panel is drawn for each group of metrics that some run logged: pretraining shows loss, MPP accuracy, the learning
-rate, images/s, the validation numbers and the k-NN monitor; fine-tuning shows the training loss, validation top-1
-and top-5, and the learning rate.
+"""Training curves as a picture, from runs' metrics.jsonl: no tracker needed. Every run writes `run_dir/curves.png`
+at each evaluation and at the end (`write_run_curves`), and `python -m analysis plot RUN_DIR ...` overlays runs
+(`plot_curves`), a panel for each group of metrics some run logged. See docs/pretrain.md#trackers-and-curves.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""`--dry-run`: everything a run checks at start, and what it would do, printed; nothing written.
-
-Checked: the config, the trackers' packages, Hub access, every shard set's manifest and the first sample of each
-(read and decoded: the shards are readable), the checkpoint fine-tuning starts from (the stage builds its model), and
-whether the run directory could be used (its lock, what a resume may change, `train.resume`, `train.extend`).
-Printed: the resolved config, the stage's start-up summary (model, data, batch plan, optimizer, augmentations and
-regularisers), the learning rate at a few steps, and where the run would start.
+"""`--dry-run`: everything a run checks at start, and what it would do, printed; nothing written. `probe` reads and
+decodes the first sample of a shard set; `report` prints the resolved config, the stage's start-up summary, the
+learning rate at a few steps and where the run would start. See docs/pretrain.md#run-directory-checkpoints-resume.
 """
 
 from __future__ import annotations

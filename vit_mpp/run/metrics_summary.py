@@ -27,6 +27,7 @@ def best_metrics(records: list[dict[str, Any]]) -> dict[str, float]:
 
 def wall_time_s(records: list[dict[str, Any]]) -> float | None:
     """Seconds of training, from the `elapsed_s` the records carry (the run's training time when each was written,
-    a resumed run's included: vit_mpp/run/step_meter.py). None when the records carry no time (runs of older versions)."""
+    a resumed run's included: vit_mpp/run/step_meter.py). None when the records carry no time (runs of older
+    versions)."""
     times = _numbers(records, "elapsed_s")
     return max(times) if times else None

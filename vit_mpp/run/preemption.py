@@ -1,18 +1,7 @@
-"""Preemption and time-based checkpoints: a run that is told to stop saves where it is and says how to go on.
-
-Clusters stop jobs with a signal: SLURM sends SIGTERM (or, with `--signal=USR1@120`, SIGUSR1 two minutes ahead),
-Kubernetes SIGTERM and then waits its grace period, torch elastic forwards the signal it gets to every rank. On any
-rank, a signal of `train.preempt_signals` only raises a flag. At the next step boundary all ranks agree in one small
-collective (the flag, and whether `train.ckpt_every_minutes` have passed on the main rank's clock), save a checkpoint
-of that step, and exit with status 75 (EX_TEMPFAIL: run the same command again to resume) and one line:
-
-    preempted at step N: checkpoint saved; run the same command to resume
-
-A second signal during the save changes nothing (the flag is already up); a kill during it leaves the checkpoint
-incomplete, and resume skips it (vit_mpp/run/checkpoint.py). A signal is also seen at once by a watcher thread, so a rank
-blocked in a collective whose peer failed still stops with one line (vit_mpp/launcher.py), and a run signalled
-before its first step, with nothing new to save, exits straight away.
-"""
+"""Preemption and time-based checkpoints: a signal of `train.preempt_signals` on any rank raises a flag; at a step
+boundary every rank agrees in one small collective to save that step, and the run exits 75 with one line. A watcher
+thread sees a signal at once, so a rank blocked in a broken collective or still starting also ends. See
+docs/cluster.md and docs/reliability.md."""
 
 from __future__ import annotations
 

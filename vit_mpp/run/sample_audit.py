@@ -1,13 +1,6 @@
-"""The sample audit (`train.record_samples=true`): which samples each rank used at every optimizer step.
-
-    run_dir/samples/rank_<R>.jsonl    {"step": N, "keys": [...], "epochs": [...]} per optimizer step: every sample
-                                      of every accumulation micro-batch of that rank, and the epoch of its set it
-                                      was read in; a mixture adds "sets" (each key's set), and "bad" lists
-                                      undecodable samples that were replaced by another
-
-Users read it to see which images made a loss spike; tests read it to prove that every sample is used once per
-epoch. Lines are buffered and flushed at every checkpoint; a resumed run cuts every rank's file back to its step, as
-metrics.jsonl, including the files of ranks a smaller resumed run no longer has.
+"""The sample audit (`train.record_samples=true`, `SampleAudit`): which samples each rank used at every optimizer
+step, one JSON line per step in `run_dir/samples/rank_<R>.jsonl`, flushed at every checkpoint and cut back to the
+resumed step on resume. See docs/data_stream.md#the-sample-audit.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 from vit_mpp.config.engine import is_dry_run
 from vit_mpp.data.image_decoder import ImageDecoder
 from vit_mpp.data.manifest import Split
-from vit_mpp.data.stream import EvalStream, TrainStream, loader_layout, make_loader, read_settings
+from vit_mpp.data.stream import Batches, EvalStream, TrainStream, loader_layout, make_loader, read_settings
 from vit_mpp.data.stream_plan import Generation, Layout, resume_generation
 from vit_mpp.data.training_data import TrainingData, load_training_data
 from vit_mpp.models.vit import architecture
@@ -93,16 +93,16 @@ class Run:
         return Resumed(step, state, own, generation, saved_world != accelerator.num_processes)
 
     def train_loader(self, resumed: Resumed, num_classes: int | None = None,
-                     augment: Callable[[torch.Tensor], torch.Tensor] | None = None) -> DataLoader:
-        """This rank's endless training loader, from where `resumed` says; with `num_classes` every label must be
-        one of the classes; `augment` runs in the workers after the crop. Not passed to `accelerator.prepare`: the
-        stream splits itself across processes and workers (accelerate would re-split it, or make rank 0 decode for
-        everyone)."""
+                     augment: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Batches:
+        """This rank's endless training batches, from where `resumed` says (close them when the loop ends); with
+        `num_classes` every label must be one of the classes; `augment` runs in the workers after the crop. The
+        loader is not passed to `accelerate.prepare`: the stream splits itself across processes and workers
+        (accelerate would re-split it, or make rank 0 decode for everyone)."""
         cfg = self.cfg
         stream = TrainStream(self.data.sets, ImageDecoder.for_training(cfg.data, cfg.model.img_size, augment),
                              resumed.generation, rank=self.rank, resume_step=resumed.step,
                              read=read_settings(cfg.data, cfg.train.seed, num_classes))
-        return make_loader(stream, cfg.data)
+        return Batches(stream, make_loader(stream, cfg.data))
 
     def eval_loader(self, split: Split, num_classes: int | None = None, limit: int | None = None) -> DataLoader:
         """One ordered pass over `split` (its first `limit` samples) for this rank, at the micro-batch size."""

@@ -1,19 +1,6 @@
-"""The bookkeeping of a training loop's steps, the same for both stages: sums, averages, progress line, records.
-
-    meter = StepMeter(accelerator, log, cfg.train, start_step=..., total_steps=...)   # or run.meter(...)
-    for step in ...:
-        meter.add(outputs)                      # what the step's micro-batches produced (loss, metrics, bad_samples)
-        meter.log(step + 1, lr, epoch=...)      # prints and records when a log is due
-        meter.log_eval(step + 1, result, label="step N", split_size=n)   # an evaluation's numbers
-    meter.draw()                                # curves.png, also after every evaluation
-
-A log averages each metric over the optimizer steps actually summed since the previous log (a resumed run's first
-log may cover fewer than `log_every` steps), then over processes; undecodable samples are summed over processes.
-Every record also carries `elapsed_s`, the run's training time so far: this process's time since it started training,
-added to the `elapsed_s` of the last record kept from before a resume (the time a killed process spent after that
-record is not counted).
-What is written to metrics.jsonl is also sent to the trackers, named by vit_mpp/run/tracking.py's rule.
-"""
+"""The bookkeeping of a training loop's steps, the same for both stages: `StepMeter` sums what each step produced,
+and at log steps averages it over steps and processes, prints the progress line, writes metrics.jsonl (with the run's
+training time, `elapsed_s`) and sends it to the trackers. See docs/pretrain.md."""
 
 from __future__ import annotations
 

@@ -1,23 +1,7 @@
-"""Experiment trackers through Accelerate (TensorBoard, W&B, MLflow, ...): checked before training starts, each run
-named, its numbers grouped, and its hyperparameters tied to its final metrics.
-
-    train.trackers: [tensorboard]      # any of vit_mpp.config.TRACKERS; each needs its own package
-    train.project: vit-mpp             # W&B/MLflow project; TensorBoard writes to run_dir/logs/<project>/<run name>/
-    train.run_name: ...                # the run's name in every tracker (default: the run directory's path)
-
-What a tracker receives:
-
-* at the start, the whole resolved config flattened to dotted keys (`optim.base_lr`), so runs can be filtered on any
-  setting (W&B config, MLflow params; TensorBoard keeps them for the end, see below);
-* every logged number, named `<group>/<name>` by one rule (`tracker_key`): a metrics.jsonl key starting with
-  `val_`, `knn_` or `ema_` is in that group with the prefix taken off (`val_top1` -> `val/top1`, `knn_top1_cls` ->
-  `knn/top1_cls`, `ema_val_top1` -> `ema/val_top1`), every other key of a training log is in `train/` (`train/loss`,
-  `train/lr`, `train/acc`, `train/epoch`). metrics.jsonl itself keeps its flat keys;
-* `curves.png` and the confusion matrix as images whenever they are drawn (`curves`, `val/confusion_matrix`);
-* at the end (`finish_trackers`), the final metrics as `final/<key>` and the best of the run as `best/<key>`
-  (`final/val_top1`, `best/val_top1`, `best/val_loss`). TensorBoard gets the hyperparameters there too, in the run's
-  own folder, so its HPARAMS tab shows each run's settings beside its final metrics. (Accelerate's own TensorBoard
-  tracker writes them at the start into a separate, timestamped sub-run with no metric attached.)
+"""Experiment trackers through Accelerate (TensorBoard, W&B, MLflow, ...): checked before training starts
+(`check_trackers`), each run named, its numbers grouped as `<group>/<name>` (`tracker_key`), and its hyperparameters
+tied to its final and best metrics (`start_trackers`, `log_scalars`, `log_images`, `finish_trackers`).
+See docs/pretrain.md#trackers-and-curves.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
-"""What every kind of source shares: the user's `SourceSpec`, the listed `Source`, readers, labels, failures.
-
-A kind of source (one module each beside this one: folders.py, lists.py, hf_datasets.py, hf_stream.py) is a
-*lister*: a function `(spec, writer, failures, seed, progress) -> Listing` that adds every input of SOURCE to the
-catalog writer (data_tools/builder/catalog.py: an id, a label and a split per input, never image bytes), records the inputs
-it meets and does not use in the `FailureLog`, and returns a picklable `Reader` that worker processes (or Ray
-tasks) read an input's original bytes with, the class names and the manifest's details. registry.py picks the kind
-and turns a `Listing` into a `Source`. This module imports no kind.
+"""What every kind of source shares: the user's `SourceSpec`, the listed `Source`, readers, labels, failures. A kind
+is a lister, `(spec, writer, failures, seed, progress) -> Listing`, that adds every input of SOURCE to the catalog
+writer (ids, labels, splits: never image bytes), records what it does not use in the `FailureLog`, and returns a
+picklable `Reader` with the class names. registry.py turns a `Listing` into a `Source`; this module imports no
+kind. See docs/build_shards.md#sources.
 """
 
 from __future__ import annotations
@@ -54,8 +51,8 @@ class SourceSpec:
     allow_outside_paths: bool = False  # list rows may name absolute paths, URLs or paths above the list's folder
 
     def row_rules(self) -> dict[str, str]:
-        """What is done with unlabelled and repeated rows: part of a build's fingerprint (data_tools/builder/journal.py),
-        since it changes which inputs are written."""
+        """What is done with unlabelled and repeated rows: part of a build's fingerprint
+        (data_tools/builder/journal.py), since it changes which inputs are written."""
         return {"unlabelled_rows": self.unlabelled_rows, "repeated_rows": self.repeated_rows}
 
 

@@ -1,11 +1,6 @@
-"""Source kinds `folder` (a class-folder tree: one sub-folder of images per class, labels are the sorted sub-folder
-names, as torchvision and HF do) and `unlabelled` (every image under SOURCE, recursively, label -1).
-
-Trees are walked depth first with each folder's entries sorted by name (the order of `sorted(rglob)`), following
-symbolic links, straight into the catalog: only the sorted entries of the folders on the current path are held.
-Whatever is met and not used is recorded with its reason: unreadable folders, dangling links, links that loop back
-to a folder that contains them, files that are not images, files outside any class or split folder. Hidden entries
-(names starting with '.') are not inputs and are passed over.
+"""Source kinds `folder` (one sub-folder of images per class, labels the sorted sub-folder names) and `unlabelled`
+(every image under SOURCE, recursively, label -1): trees walked depth first, sorted, straight into the catalog,
+whatever is met and not used recorded with its reason. See docs/build_shards.md#sources.
 """
 
 from __future__ import annotations

@@ -1,18 +1,7 @@
-"""Source kind `hf` with `--streaming`: a Hugging Face dataset read from its parquet files where they are, without
-a full download (`build-shards NAME OUT --streaming`).
-
-`datasets` resolves the dataset's data files (`load_dataset_builder(...).config.data_files`, the files that
-`load_dataset(..., streaming=True)` would stream: local paths, or `hf://` URLs on the Hub), and its features (the
-image column, a ClassLabel's names) from the parquet schema. Then, as `datasets`' own streaming parquet reader does,
-the files are read where they are with pyarrow, row group by row group:
-
-* listing reads each file's footer (row counts) and, for a labelled dataset, its label column only;
-* the order is fixed by the files and the seed: each split's files are shuffled with the seed, rows keep their
-  order within a file (a streaming source is not shuffled input by input; training mixes shards and samples);
-* a range's worker reads only the row groups its rows are in, and only the image column.
-
-Remote files are read through vit_mpp/data/urls.py's seekable opener: every open, read and seek has its idle deadline,
-and a read that fails is retried a bounded number of times (`read_seekable`), then reported.
+"""Source kind `hf` with `--streaming`: a Hugging Face dataset read from its parquet files where they are, row group
+by row group with pyarrow, without a full download (`list_streamed_dataset`, `ParquetStreamReader`). Remote files
+are read through vit_mpp/data/urls.py's seekable opener, with its idle deadline and bounded retries.
+See docs/build_shards.md#sources.
 """
 
 from __future__ import annotations

@@ -1,16 +1,6 @@
-"""Which files a list SOURCE is made of: one list file, a folder of list files, or a glob pattern of them.
-
-Datasets such as LAION and DataComp ship their lists as many Parquet (or CSV, JSONL) files in one folder; a list
-SOURCE may be that folder or a pattern (`lists/*.parquet`, `s3://bucket/lists/part-*.parquet`), local or at a URL.
-Its files are taken in the order of their names, each with its size (from the folder's listing: nothing is
-opened). A folder's names starting with '.' or '_' (`_SUCCESS`, `.crc` files that Spark and Hadoop leave) are
-passed over, as pyarrow's datasets do, and so are its sub-folders (they may hold the images); any other file that
-is not a list file (a `notes.txt`) is a one-line error, as is a folder or pattern with no list file at all.
-`--source-kind auto` takes a folder for a folder of lists only when it has no sub-folder (else it is a class-folder
-tree, as before); `--source-kind list` says so for any folder.
-
-List rows' paths are relative to their own file's folder; as ids they are written relative to the SOURCE's root
-(the folder, or the pattern's folder before its first wildcard), so one reader serves every file.
+"""Which files a list SOURCE is made of: one list file, a folder of list files, or a glob pattern of them, in name
+order with their sizes, from the listing alone (`resolve_list_files`); `is_list_folder` tells a folder of lists from
+a class-folder tree. See docs/build_shards.md#sources ("Many list files").
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
 """Source kind `list`: CSV, JSONL or Parquet lists of image paths (one file, or a folder or pattern of them:
-list_files.py), local or at a URL, listed as a stream.
-
-Columns (CSV header, JSONL keys, Parquet columns): `path`, optional `label` and `split`. Paths are relative to the
-list's folder (or URL); a path that is absolute, a URL or leads above that folder is refused unless
-`allow_outside_paths`, and a `pipe:` command never runs. Rows without a usable path or label are recorded and left
-out. The list is read once, front to back, whether local or remote; no row is kept in memory. Remote lists are read
-through vit_mpp/data/urls.py, with its idle deadline on every read (a Parquet list through its seekable opener).
+list_files.py), local or at a URL, read once as a stream (`list_path_list`). Paths are relative to the list's
+folder; one leading out of it is refused unless `allow_outside_paths`. See docs/build_shards.md#sources.
 """
 
 from __future__ import annotations
