@@ -1,11 +1,11 @@
-"""What the cluster features cost per optimizer step: the preemption/time check (one all-reduce of two numbers) and
-the sample audit (one JSON line of the step's keys), against a training step of the tiny model, in the same run.
+"""What the cluster features cost per optimizer step: the stop agreement (one all-reduce of two numbers on the host,
+gloo) and the sample audit (one JSON line of the step's keys), against a training step of the tiny model, in the same run.
 
     python benchmarks/step_overhead_bench.py [--steps 200]                       # one process
     accelerate launch --multi_gpu --num_processes 2 benchmarks/step_overhead_bench.py   # two (gloo on CPU)
 
 It trains configs/pretrain/tiny.yaml's model (MPP, batch 8 in all) on random images held in memory (no loader, so
-only the step is timed), and times, interleaved step by step: the step alone, `StepBoundary.check()` and the audit's
+only the step is timed), and times, interleaved step by step: the step alone, `StopGate.agree()` and the audit's
 `add` + `write` of that step's keys. Prints the mean of each and each cost as a share of a step (target: under 1%
 each).
 """
@@ -31,7 +31,7 @@ from vit_mpp.config.engine import load_config  # noqa: E402
 from vit_mpp.models.vit import create_vit, norm_stats  # noqa: E402
 from vit_mpp.run.accelerator import make_accelerator, prepare_model  # noqa: E402
 from vit_mpp.run.optimizer import build_optimizer  # noqa: E402
-from vit_mpp.run.preemption import StepBoundary, StopSignals  # noqa: E402
+from vit_mpp.run.preemption import StopGate, StopSignals  # noqa: E402
 from vit_mpp.run.sample_audit import SampleAudit  # noqa: E402
 
 
@@ -60,13 +60,13 @@ def main() -> None:
         optimizer.zero_grad(set_to_none=True)
 
     with StopSignals(["SIGUSR2"]) as signals:
-        boundary = StepBoundary(accelerator, signals, every_minutes=60.0)
+        gate = StopGate(accelerator, signals, every_minutes=60.0)
         times: dict[str, list[float]] = {"step": [], "check": [], "audit": []}
         for i in range(args.steps + 20):
             t0 = time.perf_counter()
             step()
             t1 = time.perf_counter()
-            boundary.check()
+            gate.agree()
             t2 = time.perf_counter()
             audit.add(batch)
             audit.write(i + 1)
@@ -76,11 +76,10 @@ def main() -> None:
                     times[name].append(took)
     audit.flush()
     if accelerator.is_main_process:
-        # Means: a check that launches the collective every few steps costs what it costs on average per step.
         mean = {k: statistics.fmean(v) for k, v in times.items()}
         world = accelerator.num_processes
         print(f"{world} process(es), tiny model, global batch {cfg.train.batch_size}, {args.steps} steps "
-              f"(OMP threads {os.environ.get('OMP_NUM_THREADS', 'unset')}); checks every {boundary.every} step(s)")
+              f"(OMP threads {os.environ.get('OMP_NUM_THREADS', 'unset')}); the agreement at every step")
         print(f"step {mean['step'] * 1e3:.2f} ms | check {mean['check'] * 1e6:.1f} us "
               f"({mean['check'] / mean['step']:.2%} of a step) | audit {mean['audit'] * 1e6:.1f} us "
               f"({mean['audit'] / mean['step']:.2%} of a step)")

@@ -30,6 +30,7 @@ from vit_mpp.data.training_data import TrainingData
 from vit_mpp.models.vit import count_params
 from vit_mpp.run import dry_run
 from vit_mpp.run.accelerator import prepare_model
+from vit_mpp.run.checkpoint import RunState, saved_step
 from vit_mpp.run.optimizer import build_optimizer
 from vit_mpp.run.preemption import StopSignals
 from vit_mpp.run.schedule import describe_lr, itstime, lr_at, scaled_lr, set_lr, warmup_steps
@@ -40,7 +41,7 @@ from vit_mpp.run.tracking import finish_trackers, start_trackers
 
 def train(cfg: FinetuneConfig) -> None:
     """Run the stage for a loaded config; preemption signals are caught for the whole run."""
-    with StopSignals(cfg.train.preempt_signals) as signals:
+    with StopSignals(cfg.train.preempt_signals, partial(saved_step, cfg.train.run_dir)) as signals:
         _train(cfg, signals)
 
 
@@ -80,17 +81,20 @@ def _train(cfg: FinetuneConfig, signals: StopSignals) -> None:
     accelerator.print(about)
     start_trackers(accelerator, tc, cfg)
     exporter = ClassifierExporter.for_run(run, model_cfg, mean, std, peak_lr)
-    checkpointer = run.checkpointer(total_steps, signals)
     meter = run.meter(resumed, total_steps)
     keep_best = KeepBest.for_run(run, exporter, meter, resumed.state)  # evaluates, exports the best so far
+    checkpointer = run.checkpointer(resumed, total_steps, signals, RunState(trainer=lambda: {
+        "config": to_dict(cfg), "stream": resumed.generation.to_dict(), "steps_per_epoch": steps_per_epoch,
+        **keep_best.state(), **meter.checkpoint_state()}))
     set_train_mode(accelerator.unwrap_model(model), tc.mode)
     signals.in_loop = True
     for step in range(resumed.step, total_steps):
+        micro_batches = checkpointer.next_step(batches, gbatch.accum_steps)  # a stop is agreed here (as pretraining)
         lr = schedule(step)
         set_lr(optimizer, lr)
         outputs = []
-        for _ in range(gbatch.accum_steps):  # gradients are synchronised on the last micro-batch only
-            batch = to_device(next(batches), accelerator.device)
+        for batch in micro_batches:  # gradients are synchronised on the last micro-batch only
+            batch = to_device(batch, accelerator.device)
             with accelerator.accumulate(model):
                 out = objective(model, batch)  # device-side augmentation, classifier and loss
                 accelerator.backward(out["loss"])
@@ -104,16 +108,14 @@ def _train(cfg: FinetuneConfig, signals: StopSignals) -> None:
         if ema is not None:
             ema.update(accelerator.unwrap_model(model))
         done = step + 1
+        checkpointer.completed(done)
         audit.write(done)
         meter.log(done, lr, epoch=done / steps_per_epoch)
         if keep_best.evaluates and itstime(done, steps_per_epoch * tc.eval_every_epochs, total_steps):
             keep_best(model, ema, done, label=f"epoch {plain_number(done / steps_per_epoch)}")
             set_train_mode(accelerator.unwrap_model(model), tc.mode)
-        checkpointer.after_step(done, lambda: {"config": to_dict(cfg), "stream": resumed.generation.to_dict(),
-                                               "steps_per_epoch": steps_per_epoch, **keep_best.state(),
-                                               **meter.checkpoint_state()})
+        checkpointer.save_if_due()
 
-    checkpointer.close()
     batches.close()  # now, not at the interpreter's exit
     meter.draw()
     audit.flush()

@@ -23,6 +23,7 @@ from vit_mpp.models.export import Export, strip_prefix, write_export
 from vit_mpp.models.vit import count_params, create_vit, norm_stats, patch_size
 from vit_mpp.run import dry_run
 from vit_mpp.run.accelerator import prepare_model
+from vit_mpp.run.checkpoint import RunState, saved_step
 from vit_mpp.run.hub import publish
 from vit_mpp.run.optimizer import build_optimizer
 from vit_mpp.run.preemption import StopSignals
@@ -42,7 +43,7 @@ def corruption_generator(device: torch.device, seed: int, rank: int, step: int =
 
 def train(cfg: PretrainConfig) -> None:
     """Run the stage for a loaded config; preemption signals are caught for the whole run."""
-    with StopSignals(cfg.train.preempt_signals) as signals:
+    with StopSignals(cfg.train.preempt_signals, partial(saved_step, cfg.train.run_dir)) as signals:
         _train(cfg, signals)
 
 
@@ -76,17 +77,22 @@ def _train(cfg: PretrainConfig, signals: StopSignals) -> None:
     validation = Validation(run, mean, std) if data.val_split is not None else None
     accelerator.print(summary(run, encoder, warmup))
     start_trackers(accelerator, tc, cfg)
-    checkpointer = run.checkpointer(tc.steps, signals)
     meter = run.meter(resumed, tc.steps)
+    checkpointer = run.checkpointer(resumed, tc.steps, signals, RunState(
+        trainer=lambda: {"config": to_dict(cfg), "stream": resumed.generation.to_dict(), **meter.checkpoint_state()},
+        rank=lambda: {"mpp_generator": gen.get_state()}))
     last_eval: dict[str, float] = {}
     model.train()
     signals.in_loop = True
     for step in range(resumed.step, tc.steps):
+        # This rank's micro-batches of the step, once every rank has its own: a stop is agreed here, before any rank
+        # commits to the step, and the last step is saved (vit_mpp/run/checkpoint.py).
+        micro_batches = checkpointer.next_step(batches, gbatch.accum_steps)
         lr = schedule(step)
         set_lr(optimizer, lr)
         outputs = []
-        for _ in range(gbatch.accum_steps):  # gradients are synchronised on the last micro-batch only
-            batch = to_device(next(batches), accelerator.device)
+        for batch in micro_batches:  # gradients are synchronised on the last micro-batch only
+            batch = to_device(batch, accelerator.device)
             with accelerator.accumulate(model):
                 out = model(batch["image"], generator=gen)  # corruption, encoder, head and loss (pretrain/mpp.py)
                 accelerator.backward(out["loss"])
@@ -98,16 +104,14 @@ def _train(cfg: PretrainConfig, signals: StopSignals) -> None:
             audit.add(batch)
         meter.add(outputs)
         done = step + 1
+        checkpointer.completed(done)
         audit.write(done)
         meter.log(done, lr)
         if validation is not None and itstime(done, tc.eval_every, tc.steps):
-            last_eval = validation(model)
+            last_eval = validation(model)  # its batches pass the same stop agreement
             meter.log_eval(done, last_eval, label=f"step {done}", split_size=data.val_split.num_samples)
-        checkpointer.after_step(done, lambda: {"config": to_dict(cfg), "stream": resumed.generation.to_dict(),
-                                               **meter.checkpoint_state()},
-                                lambda: {"mpp_generator": gen.get_state()})
+        checkpointer.save_if_due()
 
-    checkpointer.close()
     batches.close()  # now, not at the interpreter's exit
     meter.draw()
     audit.flush()

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 
 from vit_mpp import launcher
-from vit_mpp.errors import EXIT_PREEMPTED, Preempted, UserError
+from vit_mpp.errors import Preempted, StoppedUnsaved, UserError
 from vit_mpp.launcher import is_peer_error, note_failure, peer_failure_line, process_rank, stop_if_peer_failed
 
 QUIET_WAIT_S = 10.0
@@ -40,14 +40,15 @@ def error_line(error: BaseException) -> str:
 
 def run_main(main: Callable[[list[str] | None], object], argv: list[str] | None = None) -> None:
     """Call `main(argv)`; print a user error as `error: ...` on one line (once per run) and exit with status 2; a
-    preempted run prints its line and exits with status 75; a rank whose collective broke because a peer went away
-    prints one line naming the peer and exits with status 2. Anything else is a bug and keeps its traceback."""
+    preempted run prints its line and exits with status 75 when a checkpoint of the step it names exists, 128 + the
+    signal's number when nothing was saved; a rank whose collective broke because a peer went away prints one line
+    naming the peer and exits with status 2. Anything else is a bug and keeps its traceback."""
     try:
         main(argv)
-    except Preempted as e:
+    except (Preempted, StoppedUnsaved) as e:
         if process_rank() == 0:
             print(e, flush=True)
-        sys.exit(EXIT_PREEMPTED)
+        sys.exit(e.status)
     except UserError as e:
         rank, line, world = process_rank(), error_line(e), int(os.environ.get("WORLD_SIZE", "1"))
         if world == 1 or (rank == 0 and not e.rank_local):
@@ -63,8 +64,7 @@ def run_main(main: Callable[[list[str] | None], object], argv: list[str] | None 
     except Exception as e:
         if is_peer_error(e):
             stop_if_peer_failed()  # before the signal: the launcher's SIGTERM may follow the peer's failure
-            if not launcher.signalled:  # a peer preempted first: this rank's own signal is on its way
-                print(peer_failure_line(e), file=sys.stderr, flush=True)
-            os._exit(EXIT_PREEMPTED if launcher.signalled else 2)  # the group is broken: no clean-up can finish
+            print(peer_failure_line(e, signalled=launcher.signalled), file=sys.stderr, flush=True)
+            os._exit(2)  # the group is broken: no clean-up can finish, and nothing was saved now
         note_failure()
         raise

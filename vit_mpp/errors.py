@@ -19,12 +19,26 @@ class UserError(Exception):
     rank_local = False
 
 
-EXIT_PREEMPTED = 75  # sysexits.h EX_TEMPFAIL: a temporary failure, the same command resumes
+EXIT_PREEMPTED = 75  # sysexits.h EX_TEMPFAIL: a checkpoint of the step named exists; the same command resumes
 
 
 class Preempted(Exception):
-    """The run stopped at `step` on a preemption signal, its state saved."""
+    """The run stopped on a preemption signal at `step`, whose checkpoint exists: saved now, or before (a run
+    stopped before its first new step). Exit status 75."""
 
-    def __init__(self, step: int) -> None:
-        super().__init__(f"preempted at step {step}: checkpoint saved; run the same command to resume")
+    status = EXIT_PREEMPTED
+
+    def __init__(self, step: int, saved_now: bool = True) -> None:
+        saved = "checkpoint saved" if saved_now else "its checkpoint was saved before"
+        super().__init__(f"preempted at step {step}: {saved}; run the same command to resume")
         self.step = step
+
+
+class StoppedUnsaved(Exception):
+    """The run stopped on signal `signum` before anything was saved (a new run, before its first step): exit status
+    128 + the signal's number, as for a process the signal ended, and a line that says so."""
+
+    def __init__(self, signum: int, name: str) -> None:
+        super().__init__(f"preempted ({name}) before the first step: nothing was saved; run the same command to "
+                         "start")
+        self.status = 128 + signum

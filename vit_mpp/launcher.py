@@ -178,8 +178,12 @@ def stop_if_peer_failed(wait_s: float = 0.0) -> None:
     os._exit(2)
 
 
-def peer_failure_line(error: BaseException) -> str:
-    """The one line a rank prints when a collective broke under it and no peer noted a failure."""
+def peer_failure_line(error: BaseException, signalled: bool = False) -> str:
+    """The one line a rank prints when a collective broke under it and no peer noted a failure; `signalled`: a stop
+    signal had reached this rank too (the launcher's, after the peer went), and no checkpoint was saved for it."""
     reason = " ".join(str(error).split())[:160]
+    if signalled:
+        return (f"error: [rank {process_rank()}] stopped: a peer process went away while the run was being "
+                f"stopped by a signal; nothing was saved since the last checkpoint: {reason}")
     return (f"error: [rank {process_rank()}] stopped: a peer process stopped without an error of its own (killed?): "
             f"{reason}")

@@ -8,9 +8,11 @@ import socket
 import subprocess
 import sys
 import threading
+import signal
 import time
 
 import pytest
+import torch
 
 from tests.helpers.processes import REPO, alive, subprocess_env
 from vit_mpp import launcher
@@ -133,3 +135,25 @@ def test_a_signal_while_the_group_is_being_made_waits_for_it_to_read_the_peers_n
 ])
 def test_the_errors_of_a_broken_collective_are_known_by_their_text(text, broken):
     assert launcher.names_broken_collective(text) is broken
+
+
+class _Slow(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        for i in range(3):
+            time.sleep(0.05)
+            yield torch.tensor([i])
+
+
+def test_loader_workers_signalled_as_they_start_live_on():
+    # SIGTERM at the start of an evaluation killed the run: its loader started new workers, and a worker signalled
+    # before its init (a launcher stops a rank's whole process group) was ended by torch's own handler. Workers now
+    # start with the stop signals blocked.
+    loader = make_loader(_Slow(), DataConfig(num_workers=2, persistent_workers=False))  # type: ignore[arg-type]
+    init = loader.worker_init_fn
+    loader.worker_init_fn = lambda worker: (time.sleep(1.0), init(worker))  # a slow start: the signal comes in it
+    it = iter(loader)
+    time.sleep(0.3)
+    workers = [w.pid for w in it._workers]
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP):
+        subprocess.run(["kill", f"-{sig.name[3:]}", *map(str, workers)], check=True)  # not from their parent
+    assert sorted(int(b) for b in it) == [0, 0, 1, 1, 2, 2]  # both workers read on

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -110,6 +111,15 @@ def test_an_unreadable_newest_checkpoint_is_set_aside_and_the_previous_one_resum
     assert (run_dir / "checkpoints" / "step_000006.unreadable").is_dir()
     steps = [r["step"] for r in read_metrics(run_dir)]
     assert steps == [2, 4, 6, 8, 9]  # each step once: the log was cut back to step 3 and carried on
+
+    # The same step damaged again: set aside under a free name (the rename over the first one was an OSError).
+    shutil.rmtree(run_dir / "checkpoints" / "step_000009")
+    weights = run_dir / "checkpoints" / "step_000006" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    again = run(pretrain(demo_shards, run_dir, "train.steps=9", "train.ckpt_every=3", "train.keep_last=3"), capsys)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert (run_dir / "checkpoints" / "step_000006.unreadable").is_dir()
+    assert (run_dir / "checkpoints" / "step_000006.unreadable-2").is_dir()
 
 
 def test_a_run_dir_whose_only_checkpoint_is_unreadable_is_one_line_not_a_fresh_start(demo_shards, tmp_path, capsys):

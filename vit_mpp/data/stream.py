@@ -306,16 +306,23 @@ def _eval_batch(items: list[tuple[torch.Tensor, int, bool, str]]) -> dict[str, A
             "valid": torch.tensor(valid, dtype=torch.bool), "key": list(keys)}
 
 
+# The signals a rank's loader workers leave to the rank. A worker is forked with them blocked (`_Loader`), so that one
+# sent before its first line of Python (a launcher stops a rank's whole process group; a scheduler every process)
+# can neither kill it (torch's own SIGTERM handler, installed first thing, ends a worker signalled by anyone but its
+# parent) nor raise in it; `_init_worker` then ignores them, and hands SIGTERM to a thread that ends the worker when
+# its rank sends it.
+WORKER_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP})
+
+
 def _init_worker(worker_id: int, parent: int) -> None:
-    """A data-loader worker lives and dies with its rank. A scheduler signals every process of a job, and a worker
-    that died of it would fail the run (torch reports a killed worker as an error) before the rank could save: the
-    rank decides, its workers ignore those signals, except a SIGTERM from the rank itself (how multiprocessing
-    stops its children at exit). A rank killed outright takes its workers with it. `parent`: the rank's pid, bound
-    when the loader was made (see `die_with_parent`)."""
+    """A data-loader worker lives and dies with its rank: the rank decides when to stop (a worker that died of a
+    scheduler's signal would fail the run before the rank could save), and a rank killed outright takes its workers
+    with it. `parent`: the rank's pid, bound when the loader was made (see `die_with_parent`)."""
     die_with_parent(parent)
-    for sig in (signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP):
+    for sig in WORKER_SIGNALS - {signal.SIGTERM}:
         signal.signal(sig, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # held for the thread below, which sees the sender
+    # SIGTERM stays blocked for the thread below, which sees the sender (multiprocessing stops its children with it)
+    signal.pthread_sigmask(signal.SIG_SETMASK, {signal.SIGTERM})
     threading.Thread(target=_sigterm_from_parent_only, args=(parent,), daemon=True).start()
 
 
@@ -359,6 +366,20 @@ def _close_live() -> None:
         batches.close()
 
 
+class _Loader(DataLoader):
+    """A DataLoader whose worker processes are forked with WORKER_SIGNALS blocked (the mask is inherited; the rank's
+    own mask is restored at once: a signal that comes meanwhile waits, and is not lost)."""
+
+    def __iter__(self) -> Any:
+        if self.num_workers == 0:
+            return super().__iter__()
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, WORKER_SIGNALS)
+        try:
+            return super().__iter__()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 def make_loader(stream: TrainStream | EvalStream, data: DataConfig) -> DataLoader:
     """A DataLoader over a stream (batching happens inside the workers: batch_size=None), its workers set by
     `data`; an evaluation's workers end with each pass."""
@@ -367,8 +388,8 @@ def make_loader(stream: TrainStream | EvalStream, data: DataConfig) -> DataLoade
         kwargs.update(prefetch_factor=data.prefetch_factor,
                       persistent_workers=data.persistent_workers and isinstance(stream, TrainStream),
                       worker_init_fn=functools.partial(_init_worker, parent=os.getpid()))
-    return DataLoader(stream, batch_size=None, num_workers=data.num_workers,
-                      pin_memory=data.pin_memory and torch.cuda.is_available(), **kwargs)
+    return _Loader(stream, batch_size=None, num_workers=data.num_workers,
+                   pin_memory=data.pin_memory and torch.cuda.is_available(), **kwargs)
 
 
 def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:

@@ -197,19 +197,22 @@ class _DeadlineReader(io.RawIOBase):
     def _wait(self, future: concurrent.futures.Future, doing: str) -> Any:
         check = getattr(_waiting, "check", None)
         end = time.monotonic() + self.timeout
-        while True:
-            left = end - time.monotonic()
-            try:
-                return future.result(timeout=max(0.0, min(left, CHECK_EVERY_S) if check is not None else left))
-            except concurrent.futures.TimeoutError:
-                if check is None or time.monotonic() >= end:
-                    self._give_up()
-                    raise StreamStalled(f"{self.url}: no data for {self.timeout:g} s while {doing}") from None
-            try:
-                check()
-            except BaseException:
+        try:
+            while True:
+                left = end - time.monotonic()
+                try:
+                    return future.result(timeout=max(0.0, min(left, CHECK_EVERY_S) if check is not None else left))
+                except concurrent.futures.TimeoutError:
+                    if check is None or time.monotonic() >= end:
+                        raise StreamStalled(f"{self.url}: no data for {self.timeout:g} s while {doing}") from None
+                if check is not None:
+                    check()
+        except BaseException:
+            # A stall, the check's exception, or one raised into the wait (a stop signal, Ctrl-C): the call still
+            # running is abandoned with its stream, so that closing it does not wait behind it.
+            if not future.done():
                 self._give_up()
-                raise
+            raise
 
     def _give_up(self) -> None:
         """Abort the stream from another thread (a call stuck on it returns) and leave the caller thread."""

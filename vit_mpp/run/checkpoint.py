@@ -4,10 +4,13 @@ resume ignores; `Checkpointer` decides when to save. See docs/pretrain.md and do
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
+import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +19,9 @@ from accelerate import Accelerator
 
 from vit_mpp.config.sections import TrainConfig
 from vit_mpp.durable import fsync, write_atomic
-from vit_mpp.errors import Preempted
+from vit_mpp.errors import Preempted, StoppedUnsaved
 from vit_mpp.models.pretrained import CheckpointError
-from vit_mpp.run.preemption import StepBoundary
+from vit_mpp.run.preemption import StopGate, WaitInterrupted
 from vit_mpp.run.schedule import itstime
 
 TRAINER_STATE = "trainer_state.json"  # written last: a checkpoint without it is incomplete and ignored
@@ -40,6 +43,22 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     """The newest complete checkpoint of a run directory, or None."""
     done = complete_checkpoints(run_dir)
     return done[-1] if done else None
+
+
+def set_aside_name(path: Path) -> Path:
+    """A free name for a checkpoint that cannot be read: `step_N.unreadable`, or `.unreadable-2`, `-3`, ... when the
+    same step was set aside before (a run damaged at the same step twice)."""
+    name, n = path.with_name(path.name + ".unreadable"), 1
+    while name.exists():
+        n += 1
+        name = path.with_name(f"{path.name}.unreadable-{n}")
+    return name
+
+
+def saved_step(run_dir: str | Path) -> int | None:
+    """The step of the newest complete checkpoint of a run directory, or None."""
+    path = latest_checkpoint(run_dir)
+    return int(path.name[5:]) if path is not None else None
 
 
 def rank_state_file(path: Path, rank: int) -> Path:
@@ -88,8 +107,8 @@ def resume_latest(accelerator: Accelerator, run_dir: str | Path, changed: list[s
     for a new run.
 
     A checkpoint that cannot be read on any process (a truncated file, a disk that filled up) is set aside as
-    `step_N.unreadable`, saying so, and the next older one is tried; when none can be read the run stops with a
-    CheckpointError rather than silently starting over. `changed` lists the config keys that differ from the run
+    `step_N.unreadable` (`set_aside_name`), saying so, and the next older one is tried; when none can be read the
+    run stops with a CheckpointError rather than silently starting over. `changed` lists the config keys that differ from the run
     directory's previous config (printed as a note). The caller cuts its logs back to the resumed step.
     """
     candidates = complete_checkpoints(run_dir)[::-1]  # newest first
@@ -110,7 +129,7 @@ def resume_latest(accelerator: Accelerator, run_dir: str | Path, changed: list[s
                   "setting it aside and trying the one before", file=sys.stderr, flush=True)
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
-            ckpt.rename(ckpt.with_name(ckpt.name + ".unreadable"))
+            ckpt.rename(set_aside_name(ckpt))
         accelerator.wait_for_everyone()
     if candidates:
         raise CheckpointError(f"no checkpoint of {run_dir} can be read (they were set aside as *.unreadable): move "
@@ -118,30 +137,82 @@ def resume_latest(accelerator: Accelerator, run_dir: str | Path, changed: list[s
     return {}, None
 
 
-class Checkpointer:
-    """Decides, after every optimizer step, whether to save (every `train.ckpt_every` steps, every
-    `train.ckpt_every_minutes`, at the last step, or on preemption: one collective, the same decision on every rank),
-    saves, and stops a preempted run (raises Preempted once its checkpoint is written)."""
+@dataclass
+class RunState:
+    """What a checkpoint saves, built only when a save is due: the trainer state (every rank builds it: it may reduce
+    over ranks), this rank's own state, and what must reach the disk first (the sample audit's buffered lines)."""
 
-    def __init__(self, accelerator: Accelerator, train: TrainConfig, total_steps: int, boundary: StepBoundary,
-                 flush: Callable[[], None]) -> None:
+    trainer: Callable[[], dict[str, Any]]
+    rank: Callable[[], dict[str, Any]] | None = None
+    flush: Callable[[], None] = lambda: None
+
+
+class Checkpointer:
+    """Saves a run and stops it when told: every `train.ckpt_every` steps and at the last (`save_if_due`), every
+    `train.ckpt_every_minutes`, and when a stop is agreed (`StopGate`) at the start of a step (`next_step`) or of an
+    evaluation batch (`evaluation`): the last completed step is then saved, if it is not yet, and the run ends with
+    Preempted. `start_step`: where the run resumed (its checkpoint exists unless it is 0)."""
+
+    def __init__(self, accelerator: Accelerator, train: TrainConfig, total_steps: int, gate: StopGate,
+                 state: RunState, start_step: int = 0) -> None:
         self.accelerator, self.run_dir, self.every, self.keep_last = (accelerator, train.run_dir, train.ckpt_every,
                                                                      train.keep_last)
-        self.total, self.boundary, self.flush = total_steps, boundary, flush
+        self.total, self.gate, self.state = total_steps, gate, state
+        self.start = self.step = start_step  # where this process started, the last completed step
+        self.saved: int | None = start_step if start_step else None  # the step whose checkpoint exists
 
-    def after_step(self, step: int, trainer_state: Any, rank_state: Any = None) -> None:
-        """`trainer_state()` / `rank_state()` build what is saved, only when a save is due."""
-        preempt, time_due = self.boundary.check()
-        if itstime(step, self.every, self.total) or time_due or preempt:
-            self.flush()  # the sample audit's buffered lines reach the disk before the checkpoint says they happened
-            save_checkpoint(self.accelerator, self.run_dir, step, {**trainer_state(), "finished": step == self.total},
-                            self.keep_last, rank_state() if rank_state is not None else None)
-            preempt = self.boundary.saved() or preempt  # a stop agreed while this save was due: it is the last
-        if preempt:
-            self.boundary.close()
-            self.accelerator.end_training()
-            raise Preempted(step)
+    def next_step(self, batches: Iterator[dict[str, Any]], count: int) -> list[dict[str, Any]]:
+        """The next step's `count` micro-batches, once every rank holds its own: a wait cut short by a signal, or a
+        signal on any rank, stops the run here, before any rank commits to the step."""
+        got = self._take(batches, count)
+        self._agree(got is None)
+        return got
 
-    def close(self) -> None:
-        """The loop has ended: the last step-boundary collective is finished on every rank."""
-        self.boundary.close()
+    def evaluation(self, batches: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+        """An evaluation's batches, each passing the same agreement: a stop during an evaluation saves the last
+        completed step (the evaluation is not needed for it) and ends the run. Every rank gets as many batches."""
+        it = iter(batches)
+        while True:
+            got = self._take(it, 1)
+            self._agree(got is None)
+            if not got:
+                return
+            yield got[0]
+
+    def completed(self, step: int) -> None:
+        """`step` is done on every rank: what a stop from now on saves."""
+        self.step = step
+
+    def save_if_due(self) -> None:
+        """The periodic checkpoint of the last completed step (every `train.ckpt_every` steps, and the last)."""
+        if itstime(self.step, self.every, self.total) and self.saved != self.step:
+            self._save()
+
+    def _take(self, batches: Iterator[dict[str, Any]], count: int) -> list[dict[str, Any]] | None:
+        """Up to `count` batches (fewer at the end of an evaluation), or None when a signal cut the wait short."""
+        try:
+            with self.gate.signals.interruptible():
+                return list(itertools.islice(batches, count))
+        except WaitInterrupted:
+            return None
+
+    def _agree(self, stuck: bool) -> None:
+        stop, time_due = self.gate.agree(stuck)
+        saved_now = (stop or time_due) and self.saved != self.step and self.step > 0
+        if saved_now:
+            self._save()
+        if not stop:
+            return
+        self.accelerator.end_training()
+        if self.saved is None:
+            signum = self.gate.signals.received or signal.SIGTERM
+            raise StoppedUnsaved(signum, signal.Signals(signum).name)
+        raise Preempted(self.step, saved_now=self.step > self.start)  # else: the checkpoint resumed from
+
+    def _save(self) -> None:
+        self.state.flush()  # the sample audit's buffered lines reach the disk before the checkpoint says they happened
+        save_checkpoint(self.accelerator, self.run_dir, self.step,
+                        {**self.state.trainer(), "finished": self.step == self.total}, self.keep_last,
+                        self.state.rank() if self.state.rank is not None else None)
+        self.gate.saved()
+        self.saved = self.step

@@ -5,17 +5,19 @@ docs/cluster.md and docs/reliability.md."""
 
 from __future__ import annotations
 
-import math
+import contextlib
 import os
 import signal
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
+from datetime import timedelta
 from types import FrameType
 from typing import Any
 
 from vit_mpp import launcher
-from vit_mpp.errors import EXIT_PREEMPTED
+from vit_mpp.errors import EXIT_PREEMPTED, StoppedUnsaved
 from vit_mpp.launcher import process_rank, stop_if_peer_failed
 
 _open_pipes: set[int] = set()  # the watchers' pipes, closed in forked children (data-loader workers)
@@ -39,13 +41,22 @@ os.register_at_fork(after_in_child=_close_in_child)
 GROUP_WAIT_S = 5.0  # a signal before the first step waits at most this long for the process group (see above)
 
 
-class StopSignals:
-    """Catches the preemption signals for the life of a run (a context manager: the previous handlers come back)."""
+class WaitInterrupted(Exception):
+    """A wait for data was cut short by a stop signal (`StopSignals.interruptible`)."""
 
-    def __init__(self, names: list[str]) -> None:
+
+class StopSignals:
+    """Catches the preemption signals for the life of a run (a context manager: the previous handlers come back).
+
+    `saved_step()` names the newest checkpoint of the run (None: none): what a signal during start-up, before the
+    first step, leaves to resume from."""
+
+    def __init__(self, names: list[str], saved_step: Callable[[], int | None] = lambda: None) -> None:
         self.signals = [getattr(signal, n) for n in names]
+        self.saved_step = saved_step
         self.received: int | None = None
         self.in_loop = False  # before the first step there is nothing new to save: a signal ends the run at once
+        self.waiting = False  # the main thread waits for data: a signal cuts the wait short (`interruptible`)
         self._previous: dict[int, Any] = {}
         self._pipe: tuple[int, int] | None = None
         self._old_wakeup = -1
@@ -75,10 +86,25 @@ class StopSignals:
         _open_pipes.difference_update(self._pipe)
         self._pipe = None
 
+    @contextlib.contextmanager
+    def interruptible(self) -> Iterator[None]:
+        """A wait for data that a stop signal cuts short: WaitInterrupted, at once when a signal came before it.
+        A rank stuck on a stalled read then still reaches the agreement (`StopGate`) instead of its read's deadline."""
+        if self.received is not None:
+            raise WaitInterrupted
+        self.waiting = True
+        try:
+            yield
+        finally:
+            self.waiting = False
+
     def _handler(self, signum: int, frame: FrameType | None) -> None:
         launcher.signalled = True
         if self.received is None:
             self.received = signum
+        if self.waiting:  # the main thread waits for a batch: leave the wait (its read is abandoned)
+            self.waiting = False
+            raise WaitInterrupted
 
     def _watch(self) -> None:
         read = self._pipe[0]
@@ -100,87 +126,62 @@ class StopSignals:
         stop_if_peer_failed(0.0 if self.in_loop else GROUP_WAIT_S)
         launcher.signalled = True
         if not self.in_loop:
-            if process_rank() == 0:
-                print(f"preempted ({signal.Signals(signum).name}) before the first step: nothing new to save; run "
-                      "the same command to resume", file=sys.stderr, flush=True)
-            os._exit(EXIT_PREEMPTED)
+            self._stop_before_the_loop(signum)
         if self.received is None:
             self.received = signum
 
+    def _stop_before_the_loop(self, signum: int) -> None:
+        """During start-up there is nothing new to save: end now, naming what a rerun resumes from, if anything."""
+        name = signal.Signals(signum).name
+        try:
+            step = self.saved_step()
+        except Exception:  # the run directory cannot be read: say that nothing was saved now
+            step = None
+        if step is None:
+            error: Exception = StoppedUnsaved(signum, name)
+            status = error.status
+            line = str(error)
+        else:
+            status = EXIT_PREEMPTED
+            line = (f"preempted ({name}) during start-up: nothing new to save; the checkpoint of step {step} is "
+                    "kept; run the same command to resume")
+        if process_rank() == 0:
+            print(line, file=sys.stderr, flush=True)
+        os._exit(status)
 
-class StepBoundary:
-    """At step boundaries, every rank takes the same decision: stop now (a signal reached some rank) and save now
+
+class StopGate:
+    """Before every step and every evaluation batch, once each rank holds its data (or was cut short waiting for
+    it), every rank takes the same decision: stop now (a signal reached some rank) and save now
     (`every_minutes` passed since the last checkpoint, on the main rank's clock).
 
-    One all-reduce of three numbers, started without waiting (it overlaps the next steps) and read at the next
-    check: a signal stops the run a check later on every rank. The checks are spaced so that they cost under 0.2%
-    of the training time, and never more than about `MAX_DELAY_S` apart: the main rank proposes the spacing from the
-    steps' and the check's measured durations, inside the same collective, so every rank adopts it at the same step."""
+    One all-reduce of two numbers on the host, over a gloo group of its own: no device synchronisation, about a
+    tenth of a millisecond, and no rank commits to a step (its gradient all-reduce) that another cannot take. A
+    signal is acted upon within one step or evaluation batch, whatever their length (docs/cluster.md)."""
 
-    MAX_DELAY_S = 2.0  # how late, at most, a signal is acted upon (beyond the step it arrives in)
-    SHARE = 0.002  # of the training time the checks may take
-
-    def __init__(self, accelerator: Any, signals: StopSignals, every_minutes: float) -> None:
+    def __init__(self, accelerator: Any, signals: StopSignals, every_minutes: float, timeout_s: float = 600.0) -> None:
         self.accelerator, self.signals, self.every_s = accelerator, signals, every_minutes * 60.0
-        self.last_save = self.last_check = time.monotonic()
-        self.every, self.count, self.cost = 1, 0, 0.0  # check every `every` steps (agreed); its measured cost
-        self._pending: tuple[Any, Any] | None = None  # (the collective in flight, its tensor)
+        self.last_save = time.monotonic()
+        self.group = None
+        if accelerator.num_processes > 1:
+            import torch.distributed as dist
 
-    def check(self) -> tuple[bool, bool]:
-        """(preempt, save for time), the same on every rank; call it after every step."""
+            self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+
+    def agree(self, stuck: bool = False) -> tuple[bool, bool]:
+        """(stop, save for time), the same on every rank; `stuck`: this rank's wait for data was cut short."""
         time_due = self.every_s > 0 and time.monotonic() - self.last_save >= self.every_s
-        flags = [float(self.signals.received is not None), float(time_due and self.accelerator.is_main_process)]
-        if self.accelerator.num_processes == 1:
+        flags = [float(stuck or self.signals.received is not None),
+                 float(time_due and self.accelerator.is_main_process)]
+        if self.group is None:
             return flags[0] > 0, flags[1] > 0
-        self.count += 1
-        if self.count % self.every:
-            return False, False
-        start = time.monotonic()
-        step_s = (start - self.last_check) / self.every
-        agreed = self._wait()
-        flags.append(self._spacing(step_s) if self.accelerator.is_main_process else 0.0)
-        self._launch(flags)
-        self.cost, self.last_check = time.monotonic() - start, time.monotonic()
-        if agreed is None:
-            return False, False
-        self.every, self.count = max(1, int(agreed[2])), 0
-        return agreed[0] > 0, agreed[1] > 0
-
-    def _spacing(self, step_s: float) -> float:
-        """The main rank's proposal: steps between checks."""
-        wanted = math.ceil(self.cost / (self.SHARE * max(step_s, 1e-9)))
-        return float(max(1, min(wanted, int(self.MAX_DELAY_S / max(step_s, 1e-9)))))
-
-    def _launch(self, flags: list[float]) -> None:
         import torch
         import torch.distributed as dist
 
-        tensor = torch.tensor(flags, device=self.accelerator.device)
-        self._pending = (dist.all_reduce(tensor, async_op=True), tensor)
+        tensor = torch.tensor(flags)
+        dist.all_reduce(tensor, group=self.group)
+        return bool(tensor[0] > 0), bool(tensor[1] > 0)
 
-    def _wait(self) -> list[float] | None:
-        """The flags of the collective in flight, once it has finished (None when none is)."""
-        if self._pending is None:
-            return None
-        work, tensor = self._pending
-        self._pending = None
-        work.wait()
-        return tensor.tolist()
-
-    def saved(self) -> bool:
-        """A checkpoint was just written: the clock starts again, and the collective in flight is finished. Returns
-        whether it agreed to stop (a signal reached some rank before the save), the same answer on every rank: the
-        run then stops with the checkpoint just written. Its clock decision is dropped (the save was just made).
-
-        The stop must not be dropped with it: checkpoints closer together than two checks (frequent `ckpt_every`
-        steps, or a machine slowed down so that checks are spaced more steps apart) finished every collective here,
-        and a signal was then never acted upon: ranks orphaned by a killed launcher trained on."""
-        agreed = self._wait()
-        if agreed is not None:
-            self.every, self.count = max(1, int(agreed[2])), 0
-        self.last_save = self.last_check = time.monotonic()
-        return agreed is not None and agreed[0] > 0
-
-    def close(self) -> None:
-        """Finish the collective in flight (every rank calls it when the loop ends)."""
-        self._wait()
+    def saved(self) -> None:
+        """A checkpoint was just written: the clock of time-based saves starts again."""
+        self.last_save = time.monotonic()

@@ -4,7 +4,8 @@ docs/architecture.md."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,9 +23,9 @@ from vit_mpp.data.stream_plan import Generation, Layout, resume_generation
 from vit_mpp.data.training_data import TrainingData, load_training_data
 from vit_mpp.models.vit import architecture
 from vit_mpp.run.accelerator import GlobalBatch, make_accelerator
-from vit_mpp.run.checkpoint import Checkpointer, resume_latest
+from vit_mpp.run.checkpoint import Checkpointer, RunState, resume_latest
 from vit_mpp.run.hub import check_hub
-from vit_mpp.run.preemption import StepBoundary, StopSignals
+from vit_mpp.run.preemption import StopGate, StopSignals
 from vit_mpp.run.run_dir import MetricsLog, prepare_run_dir
 from vit_mpp.run.sample_audit import SampleAudit
 from vit_mpp.run.step_meter import StepMeter
@@ -57,6 +58,7 @@ class Run:
     audit: SampleAudit
     dry_run: bool
     data_check: Any = None  # what the stage's `check_data` returned (fine-tuning: its classes)
+    stops: Checkpointer | None = None  # made by `checkpointer`; evaluation batches pass its stop agreement
 
     @property
     def run_dir(self) -> Path:
@@ -104,24 +106,41 @@ class Run:
                              read=read_settings(cfg.data, cfg.train.seed, num_classes))
         return Batches(stream, make_loader(stream, cfg.data))
 
-    def eval_loader(self, split: Split, num_classes: int | None = None, limit: int | None = None) -> DataLoader:
-        """One ordered pass over `split` (its first `limit` samples) for this rank, at the micro-batch size."""
+    def eval_loader(self, split: Split, num_classes: int | None = None, limit: int | None = None) -> Iterable[Any]:
+        """One ordered pass over `split` (its first `limit` samples) for this rank, at the micro-batch size; once the
+        run has its checkpointer, each batch passes its stop agreement (a stop during an evaluation ends the run
+        with the last completed step saved)."""
         cfg = self.cfg
         stream = EvalStream(split, ImageDecoder.for_evaluation(cfg.data, cfg.model.img_size),
                             loader_layout(cfg.data, self.gbatch.micro_batch, self.accelerator.num_processes),
                             rank=self.rank, read=read_settings(cfg.data, num_classes=num_classes), limit=limit)
-        return make_loader(stream, cfg.data)
+        return _Gated(self, make_loader(stream, cfg.data))
 
-    def checkpointer(self, total_steps: int, signals: StopSignals) -> Checkpointer:
-        """The run's checkpoints: every train.ckpt_every steps or ckpt_every_minutes, at the end, on preemption."""
+    def checkpointer(self, resumed: Resumed, total_steps: int, signals: StopSignals, state: RunState) -> Checkpointer:
+        """The run's checkpoints (every train.ckpt_every steps, train.ckpt_every_minutes, the last step) and its
+        stop: agreed by every rank before each step and evaluation batch (vit_mpp/run/preemption.py)."""
         tc = self.cfg.train
-        return Checkpointer(self.accelerator, tc, total_steps, StepBoundary(self.accelerator, signals,
-                                                                            tc.ckpt_every_minutes), self.audit.flush)
+        gate = StopGate(self.accelerator, signals, tc.ckpt_every_minutes, tc.collective_timeout_s)
+        self.stops = Checkpointer(self.accelerator, tc, total_steps, gate,
+                                  dataclasses.replace(state, flush=self.audit.flush), resumed.step)
+        return self.stops
 
     def meter(self, resumed: Resumed, total_steps: int) -> StepMeter:
         """The run's step meter, from the step it resumes at."""
         return StepMeter(self.accelerator, self.log, self.cfg.train, start_step=resumed.step, total_steps=total_steps,
                          bad_total=resumed.state.get("bad_samples_total", 0))
+
+
+@dataclass
+class _Gated:
+    """An evaluation loader whose batches pass the run's stop agreement, once the run has one."""
+
+    run: Run
+    loader: DataLoader
+
+    def __iter__(self) -> Iterator[Any]:
+        stops = self.run.stops
+        return iter(self.loader) if stops is None else stops.evaluation(self.loader)
 
 
 def start_run(cfg: Any, check_data: Callable[[TrainingData], object] | None = None) -> Run:
