@@ -8,10 +8,52 @@ follow the umask, as a plain `open` would.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
+from vit_mpp.errors import UserError
+
 TMP_SUFFIX = ".tmp"
+FULL = (errno.ENOSPC, errno.EDQUOT)  # a full disk, or a full quota
+
+
+class WriteFailed(UserError):
+    """A file could not be written (a full disk or quota, a refused permission, an I/O error): one line naming it,
+    what was needed and how to go on. What was half-written is removed; what was there before is left as it was."""
+
+
+def write_failed(path: str | Path, error: OSError, needed: int | None = None) -> WriteFailed:
+    """The one line for a write of `path` that failed with `error` (`path` may carry the flag that named it);
+    `needed`: about how many bytes it needed, said with the free space when the disk or quota is full."""
+    reason = (os.strerror(error.errno) if error.errno else " ".join(str(error).split())).lower()
+    line = f"{path} cannot be written: {reason}"
+    if error.errno in FULL:
+        try:
+            free = shutil.disk_usage(_existing(Path(str(path).split(" ")[-1]))).free
+            line += f"; {free / 1e6:,.1f} MB free there" + (f", about {needed / 1e6:,.1f} MB needed" if needed else "")
+        except OSError:
+            pass
+        line += "; free some space, then run the same command to go on"
+    return WriteFailed(line)
+
+
+def _existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+@contextlib.contextmanager
+def writing(path: str | Path, needed: int | None = None) -> Iterator[None]:
+    """Writes to `path` in the block: an OSError becomes the one-line WriteFailed (`write_failed`)."""
+    try:
+        yield
+    except OSError as e:
+        raise write_failed(path, e, needed) from None
 
 
 def fsync(path: str | Path) -> None:
@@ -30,11 +72,17 @@ def replace(src: str | Path, dst: str | Path) -> None:
 
 
 def write_atomic(path: str | Path, data: str | bytes) -> None:
-    """Write `data` to `path` so that it is either wholly there or not changed (see the module doc)."""
+    """Write `data` to `path` so that it is either wholly there or not changed (see the module doc); a write that
+    fails (a full disk) leaves no temporary file and is the one-line WriteFailed."""
     path = Path(path)
     tmp = path.with_name(path.name + TMP_SUFFIX)
-    with open(tmp, "wb") as f:
-        f.write(data.encode("utf-8") if isinstance(data, str) else data)
-        f.flush()
-        os.fsync(f.fileno())
-    replace(tmp, path)
+    raw = data.encode("utf-8") if isinstance(data, str) else data
+    try:
+        with open(tmp, "wb") as f:
+            f.write(raw)
+            f.flush()
+            os.fsync(f.fileno())
+        replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise write_failed(path, e, len(raw)) from None

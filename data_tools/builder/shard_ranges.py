@@ -24,6 +24,7 @@ from data_tools.builder.sources.base import Item
 from data_tools.builder.writer import ShardWriter
 from vit_mpp.data import urls
 from vit_mpp.data.image_prep import BadImage, EncodeSettings, clean_detail, prepare_image
+from vit_mpp.durable import write_failed
 from vit_mpp.launcher import die_with_parent
 
 # PIL frees every image's memory by default, and glibc may give it back to the kernel (munmap, or a trim of the heap)
@@ -99,7 +100,20 @@ def _finish(writer: ShardWriter) -> dict:
 def write_range(task: RangeTask, ctx: WorkContext, staging: Path, tick: Callable[[], None] = lambda: None,
                 stopped: Callable[[], bool] = lambda: False) -> dict | None:
     """Write the inputs of `task` to temporary tars in `staging`; returns the range's record (its shards, each with
-    its temporary file in `tmp`, and its failures), or None when `stopped()` turned true (the tars are removed)."""
+    its temporary file in `tmp`, and its failures), or None when `stopped()` turned true (the tars are removed). A
+    write that fails (a full disk) removes the range's temporary tars and is the one-line WriteFailed: the ranges
+    finished before are kept, and the same command resumes once there is space."""
+    try:
+        return _write_range(task, ctx, staging, tick, stopped)
+    except OSError as e:
+        stem = shard_name(task.split, task.index, None, task.group).removesuffix(".tar")
+        for tmp in Path(staging).glob(f"{stem}*.tar.tmp"):
+            tmp.unlink(missing_ok=True)
+        raise write_failed(Path(staging) / f"{stem}.tar", e, getattr(e, "needed", None)) from None
+
+
+def _write_range(task: RangeTask, ctx: WorkContext, staging: Path, tick: Callable[[], None],
+                 stopped: Callable[[], bool]) -> dict | None:
     Image.MAX_IMAGE_PIXELS = ctx.settings.max_pixels  # PIL's own bomb check (at twice this) must not be stricter
     if Image.core.get_blocks_max() < PIL_BLOCKS:
         Image.core.set_blocks_max(PIL_BLOCKS)

@@ -70,7 +70,11 @@ class ShardWriter:
     def _drain(self) -> None:
         pieces, fd = self.pieces, self.file.fileno()
         while pieces:
-            written = os.writev(fd, pieces)
+            try:
+                written = os.writev(fd, pieces)
+            except OSError as e:
+                e.needed = self.size  # the shard's bytes so far: what a full disk was asked to hold
+                raise
             if written == sum(map(len, pieces)):
                 break
             while written >= len(pieces[0]):  # a short write (rare for a file): go on where it stopped

@@ -27,6 +27,7 @@ from data_tools.builder.writer import ShardWriter
 from data_tools.cli import main as build_main
 from data_tools.inspect_shards import verify
 from tests.helpers.build import make_tree, one_line_error, result_files, samples, write_list
+from tests.helpers.disks import resize, small_disk
 from tests.helpers.processes import REPO, ctrl_c_enabled, interrupt_paused, subprocess_env
 from tests.helpers.shards import image_bytes
 from vit_mpp.data.manifest import ManifestError, check_every_sample_labelled, load_split
@@ -543,3 +544,25 @@ def test_hostile_values_of_the_other_commands_and_executors(tmp_path, capsys, mo
     monkeypatch.setitem(sys.modules, "ray", None)  # Ray not installed
     message = one_line_error(capsys, str(tmp_path / "src"), str(tmp_path / "ray_out"), "--executor", "ray")
     assert "pip install 'vit-mpp[ray]'" in message and not (tmp_path / "ray_out").exists()
+
+
+# ---------------------------------------------------------------- a full disk
+
+
+def test_a_full_disk_is_one_line_and_the_same_command_finishes_once_there_is_room(tmp_path, demo_folder):
+    # A full disk was a traceback from a worker, with its half-written `.tar.tmp` files left in OUT.
+    with small_disk(tmp_path / "disk", 100) as disk:  # room for a few shards
+        args = [str(demo_folder), str(disk / "out"), "--shard-size", "16", "--val-fraction", "0.1667",
+                "--min-side", "4", "--max-side", "0", "--format", "png", "--workers", "1"]
+        full = run(*args)
+        line = assert_one_line(full)
+        assert f"{disk / 'out'}/" in line and "cannot be written: no space left on device" in line, line
+        assert "MB needed" in line and "run the same command to go on" in line, line
+        assert not list((disk / "out").glob("*.tmp")) and not (disk / "out" / "_info.json").exists()
+        kept = {p.name: p.read_bytes() for p in (disk / "out").glob("*.tar")}
+        assert kept  # the shards finished before the disk filled
+        resize(disk, 4096)
+        again = run(*args)
+        assert again.returncode == 0, again.stderr
+        assert "resuming" in again.stdout and (disk / "out" / "_info.json").is_file()
+        assert all((disk / "out" / name).read_bytes() == data for name, data in kept.items())

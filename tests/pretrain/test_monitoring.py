@@ -9,14 +9,14 @@ import pytest
 import torch
 from PIL import Image
 
-from analysis.compare_runs import main as plot_main
+from analysis.plot_runs import main as plot_main
 from pretrain.__main__ import main as pretrain_main
 from pretrain.knn import knn_top1
 from tests.helpers.processes import in_process
 from tests.helpers.runs import read_metrics, run_tiny_pretrain
 from tests.helpers.shards import write_shard_set
 from vit_mpp.cli import run_main
-from vit_mpp.config.engine import ConfigError
+from vit_mpp.durable import WriteFailed
 from vit_mpp.tools.figures import plt, save_figure
 
 
@@ -92,7 +92,8 @@ def test_a_figure_that_cannot_be_written_is_one_error_not_a_truncated_file(tmp_p
     full.symlink_to("/dev/full")  # a disk with no space left
     fig = plt.figure()
     plt.plot([1, 2])
-    with pytest.raises(ConfigError, match=f"^{full} cannot be written: no space left on device$"):
+    with pytest.raises(WriteFailed, match=f"^{full} cannot be written: no space left on device; .*MB free there; "
+                                          "free some space, then run the same command to go on$"):
         save_figure(fig, full)  # matplotlib's own writing let the failed write pass
 
 

@@ -10,6 +10,7 @@ import torch
 
 from tests.helpers.models import SMALL_MODEL, write_encoder_export
 from vit_mpp.config.engine import ConfigError
+from vit_mpp.durable import WriteFailed
 from vit_mpp.models.vit import create_vit
 from vit_mpp.tools.args import check_device, check_out_file, check_out_folder, make_out_folder, open_out_file
 
@@ -72,7 +73,7 @@ def test_what_the_checks_cannot_foresee_is_one_line_too():
     # under /proc nothing can be created, whatever the permissions say
     with pytest.raises(ConfigError, match="--out /proc/no-such/results cannot be created: no such file or directory"):
         make_out_folder(Path("/proc/no-such/results"))
-    with pytest.raises(ConfigError, match="--csv /proc/no-such/a.csv cannot be written: no such file or directory"):
+    with pytest.raises(WriteFailed, match="--csv /proc/no-such/a.csv cannot be written: no such file or directory"):
         open_out_file("/proc/no-such/a.csv", "--csv")
 
 

@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save
 from vit_mpp import __version__
 from vit_mpp.config.engine import ConfigError, from_dict, to_dict
 from vit_mpp.config.sections import ModelConfig, img_hw
-from vit_mpp.durable import fsync, replace
+from vit_mpp.durable import fsync, replace, write_failed
 from vit_mpp.errors import UserError
 from vit_mpp.models.export_folder import CONFIG, WEIGHTS, export_files
 from vit_mpp.models.vit import create_vit
@@ -74,8 +74,6 @@ def write_export(export: Export, kind: str) -> Path:
     Returns the export's folder.
     """
     out_dir, state, model_cfg, num_classes = Path(export.path), export.state, export.model, export.num_classes
-    mean, std, crop_pct, class_names, record = (export.mean, export.std, export.crop_pct, export.class_names,
-                                                export.record)
     with torch.device("meta"):  # the architecture only: its keys, shapes and recorded constructor arguments
         model = create_vit(dataclasses.replace(model_cfg, drop_path_rate=0.0, grad_checkpointing=False),
                                num_classes)
@@ -86,6 +84,20 @@ def write_export(export: Export, kind: str) -> Path:
         shapes = sorted(k for k in set(expected) & set(got) if expected[k] != got[k])
         raise ExportError(f"the weights do not fit the model to export: missing {missing[:5]}, unexpected "
                               f"{unexpected[:5]}, other shapes {shapes[:5]}")
+    weights_new, config_new = out_dir / (WEIGHTS + ".new"), out_dir / (CONFIG + ".new")
+    try:
+        return _write_files(export, model, kind)
+    except OSError as e:  # a full disk: nothing half-written stays, the export there before is left as it was
+        for new in (weights_new, config_new):
+            new.unlink(missing_ok=True)
+        raise write_failed(out_dir, e, sum(v.numel() * v.element_size() for v in state.values())) from None
+
+
+def _write_files(export: Export, model: torch.nn.Module, kind: str) -> Path:
+    """The writing of `write_export`: the weights and config under `.new` names, synced, then renamed into place."""
+    out_dir, state, model_cfg = Path(export.path), export.state, export.model
+    mean, std, crop_pct, class_names, record = (export.mean, export.std, export.crop_pct, export.class_names,
+                                                export.record)
     from timm.models._hub import save_config_for_hf  # timm's writer of the Hugging Face config
 
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -4,8 +4,10 @@ resume ignores; `Checkpointer` decides when to save. See docs/pretrain.md and do
 
 from __future__ import annotations
 
+import errno
 import itertools
 import json
+import os
 import shutil
 import signal
 import sys
@@ -18,7 +20,7 @@ import torch
 from accelerate import Accelerator
 
 from vit_mpp.config.sections import TrainConfig
-from vit_mpp.durable import fsync, write_atomic
+from vit_mpp.durable import WriteFailed, fsync, write_atomic, write_failed
 from vit_mpp.errors import Preempted, StoppedUnsaved
 from vit_mpp.models.pretrained import CheckpointError
 from vit_mpp.run.preemption import StopGate, WaitInterrupted
@@ -71,24 +73,70 @@ def save_checkpoint(accelerator: Accelerator, run_dir: str | Path, step: int, tr
 
     `rank_state` is this process's own state (e.g. its corruption generator), saved beside accelerate's. The
     checkpoint is marked complete (trainer_state.json) only after every process has written its files and they
-    are synced to disk, so a crash at any moment leaves either a complete checkpoint or one that resume skips.
+    are synced to disk, so a crash at any moment leaves either a complete checkpoint or one that resume skips. A
+    write that fails on any process (a full disk) fails on every process alike: the half-written folder is removed,
+    the previous checkpoints are left as they were, and every rank raises the one-line WriteFailed.
     """
     path = checkpoints_dir(run_dir) / f"step_{step:06d}"
-    accelerator.save_state(str(path))
-    if rank_state is not None:
-        torch.save(rank_state, rank_state_file(path, accelerator.process_index))
-    accelerator.wait_for_everyone()  # every rank's files are written before the checkpoint is marked complete
+    failure = _attempt(lambda: _write_rank_files(accelerator, path, rank_state))
+    _agree_written(accelerator, path, failure, run_dir)
     if accelerator.is_main_process:
-        for f in path.rglob("*"):
-            if f.is_file():
-                fsync(f)
-        write_atomic(path / TRAINER_STATE, json.dumps({"step": step, "num_processes": accelerator.num_processes,
-                                                       **trainer_state}, indent=1))
+        failure = _attempt(lambda: _mark_complete(accelerator, path, step, trainer_state))
+    _agree_written(accelerator, path, failure, run_dir)
+    if accelerator.is_main_process:
         complete = complete_checkpoints(run_dir)
         for old in complete[: max(0, len(complete) - keep_last)]:
             shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
     return path
+
+
+def _write_rank_files(accelerator: Accelerator, path: Path, rank_state: dict[str, Any] | None) -> None:
+    accelerator.save_state(str(path))
+    if rank_state is not None:
+        torch.save(rank_state, rank_state_file(path, accelerator.process_index))
+
+
+def _mark_complete(accelerator: Accelerator, path: Path, step: int, trainer_state: dict[str, Any]) -> None:
+    for f in path.rglob("*"):
+        if f.is_file():
+            fsync(f)
+    write_atomic(path / TRAINER_STATE, json.dumps({"step": step, "num_processes": accelerator.num_processes,
+                                                   **trainer_state}, indent=1))
+
+
+def _attempt(write: Callable[[], None]) -> Exception | None:
+    """Run `write`; the OSError (or WriteFailed) it met, if any. torch's own writer reports a full disk as a
+    RuntimeError (`unexpected pos`, `basic_ios::clear`): it is taken for one."""
+    try:
+        write()
+    except (OSError, WriteFailed) as e:
+        return e
+    except RuntimeError as e:
+        if "unexpected pos" in str(e) or "basic_ios" in str(e) or "No space left" in str(e):
+            return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        raise
+    return None
+
+
+def _agree_written(accelerator: Accelerator, path: Path, failure: Exception | None, run_dir: str | Path) -> None:
+    """Every rank learns whether every rank wrote its part; when one did not, the checkpoint is removed and every
+    rank raises WriteFailed, naming it and about what it needs (the size of the newest complete checkpoint)."""
+    failed = torch.tensor(float(failure is not None), device=accelerator.device)
+    if accelerator.num_processes > 1:
+        failed = accelerator.reduce(failed, reduction="sum")
+    if failed.item() == 0:
+        return
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        shutil.rmtree(path, ignore_errors=True)  # never visible as the newest: it had no marker, and now is gone
+    accelerator.wait_for_everyone()
+    previous = latest_checkpoint(run_dir)
+    needed = sum(f.stat().st_size for f in previous.rglob("*") if f.is_file()) if previous is not None else None
+    if isinstance(failure, WriteFailed):
+        raise failure
+    raise write_failed(path, failure if failure is not None else OSError(0, "another rank could not write its part"),
+                       needed)
 
 
 def load_checkpoint(accelerator: Accelerator, path: Path) -> tuple[dict[str, Any], dict[str, Any] | None]:
@@ -108,8 +156,8 @@ def resume_latest(accelerator: Accelerator, run_dir: str | Path, changed: list[s
 
     A checkpoint that cannot be read on any process (a truncated file, a disk that filled up) is set aside as
     `step_N.unreadable` (`set_aside_name`), saying so, and the next older one is tried; when none can be read the
-    run stops with a CheckpointError rather than silently starting over. `changed` lists the config keys that differ from the run
-    directory's previous config (printed as a note). The caller cuts its logs back to the resumed step.
+    run stops with a CheckpointError rather than silently starting over. `changed` lists the config keys that differ
+    from the run directory's previous config (printed as a note). The caller cuts its logs back to the resumed step.
     """
     candidates = complete_checkpoints(run_dir)[::-1]  # newest first
     for ckpt in candidates:

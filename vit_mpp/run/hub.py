@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from vit_mpp.config.engine import ConfigError
 from vit_mpp.config.sections import ExportConfig, ModelConfig
+from vit_mpp.durable import writing
 from vit_mpp.errors import UserError
 from vit_mpp.models.export import read_export
 from vit_mpp.run.curves import CURVES_NAME
@@ -190,9 +191,11 @@ def write_card(export_dir: str | Path, run_dir: str | Path, export: ExportConfig
     """Copy the run's curves.png into the export and write its README.md model card; returns the card's path."""
     export_dir, run_dir = Path(export_dir), Path(run_dir)
     if (run_dir / CURVES_NAME).is_file():
-        shutil.copyfile(run_dir / CURVES_NAME, export_dir / CURVES_NAME)
+        with writing(export_dir / CURVES_NAME):
+            shutil.copyfile(run_dir / CURVES_NAME, export_dir / CURVES_NAME)
     card = export_dir / CARD_NAME
-    model_card(export_dir, export).save(card)
+    with writing(card):
+        model_card(export_dir, export).save(card)
     return card
 
 

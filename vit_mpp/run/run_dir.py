@@ -21,7 +21,7 @@ import yaml
 
 from vit_mpp.config.engine import ConfigError, flatten, save_config, to_dict
 from vit_mpp.data.manifest import MANIFEST_NAME
-from vit_mpp.durable import write_atomic
+from vit_mpp.durable import write_atomic, writing
 from vit_mpp.errors import UserError
 from vit_mpp.run.checkpoint import TRAINER_STATE, latest_checkpoint
 from vit_mpp.tools.args import make_out_folder
@@ -225,5 +225,5 @@ class MetricsLog:
 
     def write(self, record: dict[str, Any]) -> None:
         if self.is_main:
-            with self.path.open("a") as f:
+            with writing(self.path), self.path.open("a") as f:
                 f.write(json.dumps(record) + "\n")

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from vit_mpp.durable import writing
 from vit_mpp.run.run_dir import rewind_jsonl
 
 AUDIT_DIR = "samples"
@@ -55,13 +56,15 @@ class SampleAudit:
             record["sets"] = [self.set_names[i] for i in self.sets]
         if self.bad:
             record["bad"] = self.bad
-        if self.file is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.file = self.path.open("a", buffering=1 << 16)
-        self.file.write(json.dumps(record) + "\n")
+        with writing(self.path):
+            if self.file is None:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self.file = self.path.open("a", buffering=1 << 16)
+            self.file.write(json.dumps(record) + "\n")
         self._reset()
 
     def flush(self) -> None:
         """Push the buffered lines to the file (at checkpoints and at the end)."""
         if self.file is not None:
-            self.file.flush()
+            with writing(self.path):
+                self.file.flush()

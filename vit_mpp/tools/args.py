@@ -11,6 +11,7 @@ from typing import TextIO
 
 from vit_mpp.config.engine import ConfigError
 from vit_mpp.data.manifest import MANIFEST_NAME
+from vit_mpp.durable import WriteFailed, write_failed
 from vit_mpp.models.export_folder import is_export
 
 
@@ -87,9 +88,8 @@ def make_out_folder(out: Path, flag: str = "--out") -> Path:
     return out
 
 
-def _cannot_write(path: str | Path, flag: str, error: OSError) -> ConfigError:
-    named = f"{flag} {path}" if flag else str(path)
-    return ConfigError(f"{named} cannot be written: {(error.strerror or str(error)).lower()}")
+def _cannot_write(path: str | Path, flag: str, error: OSError) -> WriteFailed:
+    return write_failed(f"{flag} {path}" if flag else str(path), error)
 
 
 def open_out_file(path: str | Path, flag: str = "--out") -> TextIO:
