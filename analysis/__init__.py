@@ -1,7 +1,8 @@
 """Looking at what was trained, from checkpoints and run directories on disk (nothing to do with training them):
 
     python -m analysis CHECKPOINT [--images ...] [--shards DIR]   the ViT paper's figures, parameter table (analyze.py)
-    python -m analysis plot RUN_DIR [RUN_DIR ...]                training curves of runs, overlaid (compare_runs.py)
+    python -m analysis plot RUN_DIR [RUN_DIR ...]                training curves of runs, overlaid (plot_runs.py)
     python -m analysis summary RUN_DIR [RUN_DIR ...] [--csv FILE] a table of runs (run_table.py)
+    python -m analysis compare --unlabelled ... --out DIR         MPP against its baselines, per seed (compare.py)
 See docs/analysis.md.
 """

@@ -1,6 +1,6 @@
 """`python -m analysis summary RUN_DIR [RUN_DIR ...] [--csv FILE]`: a table of runs, one row each (like timm's
-summary.csv), from what each run directory holds (config.yaml, its export's record, metrics.jsonl), as markdown on
-standard output and, with --csv, as CSV. See docs/analysis.md, "A table of runs".
+summary.csv), from what each run directory holds (config.yaml, its export's record, metrics.jsonl, summary.json), as
+markdown on standard output and, with --csv, as CSV. See docs/analysis.md, "A table of runs".
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from vit_mpp.models.export import ExportError, read_export_config
 from vit_mpp.models.export_folder import is_export
 from vit_mpp.progress import format_duration
 from vit_mpp.run.curves import read_metrics
-from vit_mpp.run.metrics_summary import BEST_OF, best_metrics, final_metrics, wall_time_s
+from vit_mpp.run.metrics_summary import BEST_OF, best_metrics, final_metrics, read_summary, wall_time_s
 from vit_mpp.tools.args import check_distinct_runs, check_out_file, open_out_file
 
 # Metrics shown, in this order: the final value of each, and the best of those that have one (vit_mpp/run_metrics).
@@ -95,7 +95,7 @@ def run_row(run_dir: Path) -> dict[str, Any]:
     for key in METRICS:
         if key in best:
             row[f"best {key}"] = best[key]
-    row["wall_s"] = wall_time_s(records)
+    row["wall_s"] = wall_time_s(records, read_summary(run_dir))  # summary.json's total: start-up and export too
     return row
 
 

@@ -1,5 +1,6 @@
 """What the cluster features cost per optimizer step: the stop agreement (one all-reduce of two numbers on the host,
-gloo) and the sample audit (one JSON line of the step's keys), against a training step of the tiny model, in the same run.
+gloo) and the sample audit (one JSON line of the step's keys), against a training step of the tiny model, in the
+same run.
 
     python benchmarks/step_overhead_bench.py [--steps 200]                       # one process
     accelerate launch --multi_gpu --num_processes 2 benchmarks/step_overhead_bench.py   # two (gloo on CPU)

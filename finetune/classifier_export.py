@@ -15,6 +15,7 @@ import torch
 from accelerate import Accelerator
 
 from vit_mpp.config.sections import ExportConfig, ModelConfig
+from vit_mpp.data.training_data import TrainingData
 from vit_mpp.models.export import Export, write_export
 from vit_mpp.models.pretrained import describe_checkpoint, hub_model_id
 from vit_mpp.run.hub import publish
@@ -33,6 +34,7 @@ class ClassifierExporter:
     crop_pct: float
     class_names: list[str] | None
     record: dict[str, Any]  # {"finetune": {...}, "data": {...}, and "pretrain": {...} from the init export}
+    training_data: TrainingData | None = None  # the run's: its record is read again at each export (shares so far)
 
     @classmethod
     def for_run(cls, run: Run, model_cfg: ModelConfig, mean: tuple[float, ...], std: tuple[float, ...],
@@ -48,7 +50,7 @@ class ClassifierExporter:
         if pretrained:
             record["pretrain"] = pretrained
         return cls(run.accelerator, model_cfg, num_classes, mean, std, cfg.data.eval_crop_pct, class_names,
-                   record=record)
+                   record=record, training_data=run.data)
 
     def write(self, net: torch.nn.Module, out_dir: Path, step: int, metrics: dict[str, Any], ema: bool = False) -> None:
         """Export `net` as it is now. Every process calls this (FSDP gathers the shards); the main process writes."""
@@ -56,9 +58,11 @@ class ClassifierExporter:
         if not self.accelerator.is_main_process:
             return
         finetune = {**self.record["finetune"], "step": step, "weights": "ema" if ema else "model"}
+        data = {**self.record["data"], **(self.training_data.record() if self.training_data is not None else {})}
         write_export(Export(out_dir, state, self.model_cfg, num_classes=self.num_classes, mean=self.mean,
                             std=self.std, crop_pct=self.crop_pct, class_names=self.class_names,
-                            record={**self.record, "finetune": finetune, "metrics": metrics}), kind="classifier")
+                            record={**self.record, "finetune": finetune, "data": data, "metrics": metrics}),
+                     kind="classifier")
 
 
 def pretrain_record(checkpoint: str, kind: str = "auto") -> dict[str, Any]:
@@ -73,7 +77,9 @@ def pretrain_record(checkpoint: str, kind: str = "auto") -> dict[str, Any]:
     if "data" in pretrain:  # carried on already (this checkpoint was itself fine-tuned from an MPP export)
         return dict(pretrain)
     data = record.get("data") or {}
-    return {**pretrain, "data": data.get("name") or data.get("shards"), "hf_dataset": data.get("hf_dataset")}
+    # the mixture it was pretrained on, and what validated it and fed its k-NN monitor, when the export says
+    used = {key: data[key] for key in ("mixture", "val", "knn") if data.get(key)}
+    return {**pretrain, "data": data.get("name") or data.get("shards"), "hf_dataset": data.get("hf_dataset"), **used}
 
 
 def publish_exports(accelerator: Accelerator, run_dir: str | Path, export: ExportConfig, shards: str,

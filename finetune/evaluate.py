@@ -9,9 +9,7 @@ See docs/finetune.md, "Evaluate an export".
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +21,9 @@ from vit_mpp.data.image_decoder import ImageDecoder
 from vit_mpp.data.manifest import check_every_sample_labelled, load_split, manifest_classes
 from vit_mpp.data.stream import eval_split_loader, loader_layout
 from vit_mpp.models.pretrained import Pretrained, load_classifier, results_folder
-from vit_mpp.progress import progress
 from vit_mpp.run.accelerator import make_eval_accelerator
 from vit_mpp.run.dry_run import probe
+from vit_mpp.run.eval_progress import with_progress
 from vit_mpp.run.step_meter import with_unread
 from vit_mpp.tools.args import check_out_folder, make_out_folder
 
@@ -110,10 +108,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                loader_layout(data, args.batch_size, accelerator.num_processes),
                                rank=accelerator.process_index, num_classes=pre.num_classes)
     model.to(accelerator.device)
-    shown = progress("evaluating", split.num_samples) if accelerator.is_main_process else \
-        contextlib.nullcontext(lambda n: None)
-    with shown as advance:
-        counted = counting(loader, advance, accelerator.num_processes)
+    with with_progress(accelerator, loader, "evaluating", split.num_samples) as counted:
         result, confusion = evaluate(accelerator, model, counted, pre.mean, pre.std, pre.num_classes)
 
     metrics, warning = with_unread(result, split.num_samples)  # the keys of fine-tuning's own evaluation records
@@ -132,15 +127,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print_report(report, out)
     accelerator.end_training()
     return report
-
-
-def counting(loader: Iterable[dict[str, Any]], advance: Callable[[int], None], processes: int,
-             ) -> Iterator[dict[str, Any]]:
-    """The batches of `loader`, telling `advance` of the images each holds (this process's valid ones times the
-    number of processes: every process reads an equal share)."""
-    for batch in loader:
-        yield batch
-        advance(int(batch["valid"].sum()) * processes)
 
 
 def print_report(report: dict[str, Any], out: Path) -> None:

@@ -10,6 +10,7 @@ Reads top to bottom: config -> accelerator -> data -> model -> optimizer -> resu
 from __future__ import annotations
 
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,6 +32,7 @@ from vit_mpp.models.vit import count_params
 from vit_mpp.run import dry_run
 from vit_mpp.run.accelerator import prepare_model
 from vit_mpp.run.checkpoint import RunState, saved_step
+from vit_mpp.run.curves import read_metrics
 from vit_mpp.run.optimizer import build_optimizer
 from vit_mpp.run.preemption import StopSignals
 from vit_mpp.run.schedule import describe_lr, itstime, lr_at, scaled_lr, set_lr, warmup_steps
@@ -90,6 +92,7 @@ def _train(cfg: FinetuneConfig, signals: StopSignals) -> None:
     signals.in_loop = True
     for step in range(resumed.step, total_steps):
         micro_batches = checkpointer.next_step(batches, gbatch.accum_steps)  # a stop is agreed here (as pretraining)
+        meter.data_ready()  # the step's batches are in hand: the time before was the wait for them
         lr = schedule(step)
         set_lr(optimizer, lr)
         outputs = []
@@ -126,6 +129,9 @@ def finish(run: Run, keep_best: KeepBest, model: torch.nn.Module, ema: Any, tota
     """The end of a run: the last model (and its EMA) exported, model cards and the upload, the final line."""
     accelerator, tc, num_classes = run.accelerator, run.cfg.train, run.data_check[0]
     exporter, result, ema_result = keep_best.exporter, keep_best.result, keep_best.ema_result
+    if not result and keep_best.evaluates:  # the run had finished before this process: its last evaluation
+        result, ema_result = last_evaluation(run.run_dir)
+    run.data.realised = keep_best.meter.realised_shares(run.data.names)  # a mixture's, for the exports' records
     exporter.write(model, run.run_dir / "export", total_steps, result)
     if ema is not None:
         exporter.write(ema.module, run.run_dir / "export_ema", total_steps, ema_result, ema=True)
@@ -133,10 +139,24 @@ def finish(run: Run, keep_best: KeepBest, model: torch.nn.Module, ema: Any, tota
     if result:
         accelerator.print(f"final validation top-1: {result['val_top1']:.4f} on {result['val_samples']} images "
                           f"({num_classes} classes, chance {1 / num_classes:.4f}); best {keep_best.best.top1:.4f}, "
-                          "exported "
-                          f"to {run.run_dir / 'export' / 'best'}")
+                          f"exported to {run.run_dir / 'export' / 'best'}")
+    else:
+        accelerator.print(f"exported the classifier to {run.run_dir / 'export'}")
     finish_trackers(accelerator, tc, {**result, **{f"ema_{k}": v for k, v in ema_result.items()}})
     accelerator.end_training()
+    exports = [run.run_dir / "export", run.run_dir / "export" / "best"]
+    keep_best.meter.report_run(exports + ([run.run_dir / "export_ema"] if ema is not None else []))  # summary.json
+
+
+def last_evaluation(run_dir: Path) -> tuple[dict[str, float], dict[str, float]]:
+    """The last evaluation a run's metrics.jsonl holds: (the model's metrics, its EMA's), each {} without one."""
+    records = [r for r in read_metrics(run_dir) if "val_top1" in r]
+    if not records:
+        return {}, {}
+    last = records[-1]
+    result = {k: v for k, v in last.items() if k.startswith("val_") and isinstance(v, (int, float))}
+    ema = {k[4:]: v for k, v in last.items() if k.startswith("ema_val_") and isinstance(v, (int, float))}
+    return result, ema
 
 
 def classes_of(cfg: FinetuneConfig, data: TrainingData) -> tuple[int, list[str] | None]:

@@ -3,17 +3,24 @@
 The config is read and checked before torch is imported, so a bad config fails in a fraction of a second.
 """
 
-from vit_mpp.launcher import die_with_launcher
+from vit_mpp.launcher import die_with_launcher, stop_during_start_up
 
 die_with_launcher()  # first of all: a launcher killed while this rank starts must not leave it running
 
 from pretrain.config import DESCRIPTION, PretrainConfig  # noqa: E402
 from vit_mpp.cli import run_main  # noqa: E402
 from vit_mpp.config.engine import parse_args  # noqa: E402
+from vit_mpp.data.manifest import check_location  # noqa: E402
+from vit_mpp.run.run_clock import mark_start  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
+    stop_during_start_up()  # a signal during the seconds of imports: one line, not a silent end
+    mark_start()  # the run's clock: its summary's total time counts the start-up too
     cfg = parse_args(PretrainConfig, argv, prog="pretrain", description=DESCRIPTION)
+    for location in [*cfg.data.shard_sets(), cfg.data.val_shards]:  # local paths; a URL is read by the run
+        if location.strip():
+            check_location(location)
     from pretrain.train import train  # the heavy imports (torch, timm, accelerate), once the config is known good
 
     train(cfg)

@@ -29,10 +29,27 @@ class MPPConfig:
     # 2**(3 * bits) classes: 512 at 3 bits (the paper), 4096 at 4; 5 bits would be a 32768-way head (x16 for
     # pixels_4x4), which is no longer a small head.
     bits: int = opt(3, "bits per colour channel for the classification targets", between(1, 4))
+    # Beyond the paper (docs/pretrain.md#beyond-the-papers-recipe): each off by default, so the default is the paper.
+    norm_pix: bool = opt(False, "with mpp.target=l2: each patch's target is its own pixels (in [0, 1]) minus their "
+                         "mean, over sqrt(variance + 1e-6) (MAE's norm_pix_loss)")
+    decoder_depth: int = opt(0, "transformer blocks (timm's Block, MLP ratio 4) between the encoder and the head, "
+                             "over all tokens, with fixed 2-D sin-cos position embeddings and a final LayerNorm; "
+                             "0: the paper, the head reads the encoder's output", between(0, 4))
+    decoder_dim: int = opt(0, "the decoder's width; 0: the encoder's (and its number of heads); else a Linear "
+                           "projects to it and the blocks have max(1, decoder_dim // 32) heads, lowered until they "
+                           "divide decoder_dim", at_least(0))
+    mask_shape: Literal["random", "block"] = opt("random", "where the corrupted patches lie: random (the paper) or "
+                                                 "block (BEiT: a union of random rectangles on the patch grid, "
+                                                 "trimmed to exactly round(mask_ratio * N))")
 
     def problems(self) -> Iterator[tuple[str, str]]:
         if self.mask_prob + self.random_prob > 1:
             yield "random_prob", f"+ mpp.mask_prob must be at most 1, got {self.random_prob} + {self.mask_prob}"
+        if self.norm_pix and self.target != "l2":
+            yield "norm_pix", f"needs mpp.target=l2 (it normalises pixel targets), got mpp.target={self.target}"
+        if self.decoder_dim and not self.decoder_depth:
+            yield "decoder_dim", (f"needs mpp.decoder_depth >= 1 (the width of a decoder), got "
+                                  f"mpp.decoder_depth={self.decoder_depth}")
 
 
 @dataclass
@@ -60,7 +77,8 @@ class PretrainTrainConfig(TrainConfig):
 class PretrainConfig:
     # What a resumed run cannot change: the checkpoint's tensors (model, head, optimizer state) have these shapes.
     FIXED_ON_RESUME: ClassVar[tuple[str, ...]] = (*(f"model.{k}" for k in ARCH_KEYS), "model.img_size",
-                                                  "mpp.target", "mpp.bits", "optim.name")
+                                                  "mpp.target", "mpp.bits", "mpp.decoder_depth",
+                                                  "mpp.decoder_dim", "optim.name")
 
     LENGTH_KEY: ClassVar[str] = "train.steps"
 

@@ -12,6 +12,7 @@ from timm.models.vision_transformer import VisionTransformer
 
 from vit_mpp.data.manifest import Split
 from vit_mpp.data.stream import normalize, to_device
+from vit_mpp.run.eval_progress import with_progress
 from vit_mpp.run.start import Run
 
 
@@ -22,14 +23,16 @@ def features(run: Run, encoder: VisionTransformer, split: Split, limit: int, mea
     gathered from every process (each image once)."""
     accelerator, loader = run.accelerator, run.eval_loader(split, limit=limit)
     cls, avg, labels, valid = [], [], [], []
-    for batch in loader:
-        batch = to_device(batch, accelerator.device)
-        with accelerator.autocast():
-            tokens = encoder.forward_features(normalize(batch["image"], mean, std)).float()  # (B, T, D)
-        cls.append(tokens[:, 0])
-        avg.append(tokens[:, encoder.num_prefix_tokens:].mean(dim=1))
-        labels.append(batch["label"])
-        valid.append(batch["valid"])
+    shown = with_progress(accelerator, loader, f"k-NN features ({split.name})", min(limit, split.num_samples))
+    with shown as batches:
+        for batch in batches:
+            batch = to_device(batch, accelerator.device)
+            with accelerator.autocast():
+                tokens = encoder.forward_features(normalize(batch["image"], mean, std)).float()  # (B, T, D)
+            cls.append(tokens[:, 0])
+            avg.append(tokens[:, encoder.num_prefix_tokens:].mean(dim=1))
+            labels.append(batch["label"])
+            valid.append(batch["valid"])
     gathered = accelerator.gather((torch.cat(cls), torch.cat(avg), torch.cat(labels), torch.cat(valid)))
     keep = gathered[3]
     return gathered[0][keep], gathered[1][keep], gathered[2][keep]

@@ -1,6 +1,7 @@
 """Masked-patch-prediction targets, computed exactly in integers from the un-normalised uint8 pixels of a batch:
 `mean_color_target` and `pixels_4x4_target` (colour classes at `bits` bits per channel), `l2_target` (normalised
-pixels). The quantisation: docs/method.md#masked-patch-prediction-pretraining; the shapes: docs/pretrain.md.
+pixels), `norm_pix_target` (each patch normalised by its own statistics). The quantisation:
+docs/method.md#masked-patch-prediction-pretraining; the shapes: docs/pretrain.md.
 """
 
 from __future__ import annotations
@@ -47,6 +48,16 @@ def l2_target(images_normalized: torch.Tensor, p: int) -> torch.Tensor:
     """(B, 3, H, W) normalised float -> (B, N, P*P*3), each patch flattened as (row, column, channel)."""
     x = patchify(images_normalized, p)  # (B, N, 3, P, P)
     return x.permute(0, 1, 3, 4, 2).flatten(2)
+
+
+def norm_pix_target(images01: torch.Tensor, p: int, eps: float = 1e-6) -> torch.Tensor:
+    """(B, 3, H, W) pixels in [0, 1] -> (B, N, P*P*3): each patch (as `l2_target` lays it out) minus its mean, over
+    sqrt(its variance + eps), over its P*P*3 values (MAE's norm_pix_loss). The variance is the unbiased one, as in
+    MAE's code. Computed from the un-normalised pixels, so the dataset's mean/std do not change it."""
+    x = l2_target(images01.float(), p)  # (B, N, P*P*3)
+    mean = x.mean(dim=-1, keepdim=True)
+    var = x.var(dim=-1, keepdim=True)
+    return (x - mean) / (var + eps).sqrt()
 
 
 def target_dim(kind: str, p: int, bits: int = 3) -> int:

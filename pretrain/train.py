@@ -88,6 +88,7 @@ def _train(cfg: PretrainConfig, signals: StopSignals) -> None:
         # This rank's micro-batches of the step, once every rank has its own: a stop is agreed here, before any rank
         # commits to the step, and the last step is saved (vit_mpp/run/checkpoint.py).
         micro_batches = checkpointer.next_step(batches, gbatch.accum_steps)
+        meter.data_ready()  # the step's batches are in hand: the time before was the wait for them
         lr = schedule(step)
         set_lr(optimizer, lr)
         outputs = []
@@ -113,22 +114,28 @@ def _train(cfg: PretrainConfig, signals: StopSignals) -> None:
         checkpointer.save_if_due()
 
     batches.close()  # now, not at the interpreter's exit
+    data.realised = meter.realised_shares(data.names)  # a mixture's realised shares, for the export's record
     meter.draw()
     audit.flush()
     export_encoder(run, model, (mean, std), last_eval, peak_lr)
     finish_trackers(accelerator, tc, last_eval)
     accelerator.end_training()
+    meter.report_run([run.run_dir / "export"])  # the summary block and summary.json, the export's time included
 
 
 def summary(run: Run, encoder: torch.nn.Module, warmup: int) -> str:
     """The start-up summary: model, objective, data and batch, optimizer and schedule, augmentations."""
-    cfg, data, tc = run.cfg, run.data, run.cfg.train
+    cfg, data, tc, mpp = run.cfg, run.data, run.cfg.train, run.cfg.mpp
     steps_per_epoch = max(1, data.samples_per_epoch() // tc.batch_size)
+    # The options beyond the paper's recipe are named only when set, so the paper's run reads as before.
+    target = f"{mpp.target} (norm_pix)" if mpp.norm_pix else mpp.target
+    shape = " in block masks" if mpp.mask_shape == "block" else ""
+    decoder = f", decoder {mpp.decoder_depth} x {mpp.decoder_dim or encoder.embed_dim}" if mpp.decoder_depth else ""
     return (
         f"model {cfg.model.name} ({count_params(encoder) / 1e6:.2f}M params, patch {patch_size(encoder)}, "
         f"{encoder.patch_embed.num_patches + 1} tokens, drop path {cfg.model.drop_path_rate:g}) | target "
-        f"{cfg.mpp.target}, corrupt {cfg.mpp.mask_ratio:.0%} ({cfg.mpp.mask_prob:.0%} mask / "
-        f"{cfg.mpp.random_prob:.0%} random / rest kept)\n"
+        f"{target}, corrupt {mpp.mask_ratio:.0%}{shape} ({mpp.mask_prob:.0%} mask / "
+        f"{mpp.random_prob:.0%} random / rest kept){decoder}\n"
         f"{data.describe()}, {steps_per_epoch} steps/epoch | {run.gbatch.describe()} | augment: crop scale "
         f"{list(cfg.data.crop_scale)}, flips {cfg.data.hflip}\n"
         f"optim {cfg.optim.name} {describe_lr(cfg.optim, tc.batch_size)}, warmup {warmup}, cosine to step "

@@ -13,6 +13,7 @@ from pretrain.knn import knn_monitor
 from pretrain.mpp import MaskedPatchPrediction
 from vit_mpp.data.manifest import load_split
 from vit_mpp.data.stream import to_device
+from vit_mpp.run.eval_progress import with_progress
 from vit_mpp.run.start import Run
 
 
@@ -51,17 +52,20 @@ class Validation:
         self.knn_split = None
         if cfg.knn.train_images:
             self.knn_split = load_split(run.data.val_location, cfg.knn.train_split or cfg.data.train_split)[0]
+        run.data.knn = self.knn_split, cfg.knn.train_images  # what the export records of the monitor's references
 
     def __call__(self, model: torch.nn.Module) -> dict[str, float]:
-        accelerator = self.run.accelerator
+        accelerator, split = self.run.accelerator, self.run.data.val_split
         mpp = accelerator.unwrap_model(model)
-        result = mpp_validation(accelerator, mpp, self.loader, self.run.cfg.train.seed)
+        with with_progress(accelerator, self.loader, f"validation ({split.name})", split.num_samples) as batches:
+            result = mpp_validation(accelerator, mpp, batches, self.run.cfg.train.seed)
         if self.knn_split is not None:
             knn = knn_monitor(self.run, mpp.encoder, self.knn_split, self.mean, self.std)
             model.train()
             if knn is None:
                 accelerator.print("note: the k-NN monitor is off: the shards carry no labels")
                 self.knn_split = None
+                self.run.data.knn = None, 0
             else:
                 result.update(knn)
         return result

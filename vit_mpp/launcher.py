@@ -42,6 +42,26 @@ def die_with_launcher() -> None:
         _watch_parent(parent)
 
 
+START_UP_SIGNALS = ("SIGTERM", "SIGUSR1")  # train.preempt_signals' default: the config is not read yet
+
+
+def stop_during_start_up() -> None:
+    """A rank's start-up under a launcher (its imports take seconds): until the run catches its signals
+    (vit_mpp/run/preemption.py), a preemption signal ends the rank at once with one line, not silently, nothing new
+    being saved yet: status 128 + the signal's number."""
+    if not launched():
+        return
+    for name in START_UP_SIGNALS:
+        signal.signal(getattr(signal, name), _stop_during_start_up)
+
+
+def _stop_during_start_up(signum: int, frame: object) -> None:
+    if process_rank() == 0:
+        print(f"preempted ({signal.Signals(signum).name}) during start-up: nothing new was saved; run the same "
+              "command to resume", file=sys.stderr, flush=True)
+    os._exit(128 + signum)
+
+
 def die_with_parent(parent: int, sig: int = signal.SIGKILL) -> bool:
     """Ask the kernel to send `sig` to this process when its parent dies (Linux); False where it cannot be asked.
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import glob
 import json
+import os
 import re
 import signal
 import time
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.processes import LAUNCH, REPO, Background, run_module
+from tests.helpers.servers import FaultyHandler, serve_faulty
 from tests.helpers.shards import write_shard_set
 
 TRAIN = {"train": [30, 18, 24, 24], "val": [8]}  # 96 training samples in uneven shards; an epoch is 12 steps of 8
@@ -242,3 +244,31 @@ def test_two_machines_on_one_host_preempted_then_resumed_as_one(shards, tmp_path
     assert "resuming 2 processes x 1 worker x micro-batch 4 as 1 process x 2 workers x micro-batch 8" in \
         resumed.stdout
     assert_each_sample_once_per_epoch(run_dir, step + 20)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_preemption_during_a_stalled_read_saves_the_last_step_long_before_the_read_deadline(shards, tmp_path,
+                                                                                              workers):
+    # With the default 60 s deadline a rank waited for its stalled read, the launcher's SIGKILL came at 30 s, and
+    # everything since the last checkpoint was lost, with no line from any rank. The wait is now cut short.
+    with serve_faulty(shards) as base:
+        run_dir = tmp_path / "run"
+        run = Background([*LAUNCH, *pretrain_args(Path(base), run_dir, f"data.num_workers={workers}")],
+                         tmp_path / "log", f"stalled{workers}")
+        run.wait_for("step 8/")
+        for name in sorted(os.listdir(shards)):  # from now on, every shard opened sends half of itself, then nothing
+            if name.endswith(".tar"):
+                FaultyHandler.faults[f"/{name}"] = ("stall", 1000)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and len([p for p in FaultyHandler.requests[-20:] if p.endswith(".tar")]) < 2:
+            time.sleep(0.2)
+        time.sleep(3)  # a rank now waits on a stalled read
+        run.signal_all(signal.SIGTERM)
+        took = run.wait_gone(60)
+    out = run.output()
+    print(f"stalled read, {workers} workers: SIGTERM to every process -> all gone in {took:.1f} s")
+    step = int(re.search(r"preempted at step (\d+): checkpoint saved", out)[1])
+    assert (run_dir / "checkpoints" / f"step_{step:06d}" / "trainer_state.json").is_file()
+    assert took < 20, f"{took:.1f} s"  # well inside torch elastic's 30 s, and the read's 60 s deadline
+    no_traceback_from_us(out)

@@ -78,3 +78,22 @@ def test_the_header_data_command_makes_the_shards_the_config_reads(stage, root):
     val, _ = load_split(str(shards), cfg.data.val_split)
     assert val.num_samples == 360 and info["num_classes"] == 10
     assert train.num_samples == (1437 if stage == "pretrain" else 100)  # fine-tuning: 10 labels per digit
+
+
+def test_the_experiment_is_a_call_of_compare_on_that_data(root):
+    """The experiment's compare command passes compare's checks on the data its data command made: the pool is every
+    training image (labelled, so the supervised arm runs), each seed fine-tunes on its own labelled subset, every
+    arm is scored on the 360 validation images."""
+    from analysis import compare
+
+    spec = importlib.util.spec_from_file_location("pretrain_vs_scratch_cli", SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = script
+    spec.loader.exec_module(script)
+    out = root / "runs/experiments/digits"
+    args = script.build_parser().parse_args(["--seeds", "0", "--pretrain-steps", "300", "--out", str(out)])
+    setup, _ = compare.check_args(script.compare_argv(args, out))
+    assert setup.arms == ["scratch", "mpp", "scratch_equal", "supervised", "probe", "probe-avg"] and not setup.notes
+    assert setup.labelled == str(out / "shards/labelled_k10_s{seed}") and setup.seeds == [0]
+    assert (setup.test, setup.test_split, setup.test_samples) == (str(out / "shards/all"), "val", 360)
+    assert setup.overrides == {"pretrain": ["train.steps=300"], "probe-avg.finetune": ["model.global_pool=avg"]}

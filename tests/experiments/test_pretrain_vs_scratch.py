@@ -43,3 +43,18 @@ def test_labelled_subset_is_per_class_and_seeded(tmp_path: Path) -> None:
     assert Counter(label for _, label in a) == {d: 10 for d in range(10)}
     assert set(a) <= set(items["train"])
     assert bench.labelled_subset(items, 0, 0) == items["train"]
+
+
+def test_the_flags_become_compare_arms_and_overrides(tmp_path: Path) -> None:
+    args = bench.build_parser().parse_args(["--seeds", "0", "1", "--ablations", "--ablation-steps", "50",
+                                            "--finetune-epochs", "7", "--finetune-set", "optim.base_lr=5e-4",
+                                            "--arms", "scratch,mpp", "--labels-per-class", "0"])
+    argv = bench.compare_argv(args, tmp_path)
+    arms = argv[argv.index("--arms") + 1].split(",")
+    assert arms == ["scratch", "mpp", "mpp-mean_color", "mpp-pixels_4x4", "mpp-l2", "mpp-mask15"]
+    sets = argv[argv.index("--set") + 1:]
+    assert sets[:2] == ["finetune:train.epochs=7", "finetune:optim.base_lr=5e-4"]
+    assert "mpp-l2.pretrain:mpp.target=l2" in sets and "mpp-mask15.pretrain:mpp.mask_ratio=0.15" in sets
+    assert "mpp-l2.pretrain:train.steps=50" in sets and not any("probe-avg" in s for s in sets)
+    assert argv[argv.index("--labelled") + 1] == str(tmp_path / "shards" / "all")  # 0 per class: every label
+    assert argv[argv.index("--test") + 1] == f"{tmp_path / 'shards' / 'all'}:val"

@@ -34,11 +34,11 @@ def export(tmp_path_factory):
     (["model.embed_dim=64", "model.num_heads=2"], "model.embed_dim=64 (the checkpoint's is 32)"),
 ], ids=["name", "size"])
 def test_a_user_set_architecture_key_that_differs_is_one_line_before_anything_is_written(
-        export, overrides, message, tmp_path, capsys):
+        export, demo_shards, overrides, message, tmp_path, capsys):
     run_dir = tmp_path / "run"
     with pytest.raises(SystemExit) as e:
         run_main(finetune_main, ["--config", "configs/finetune/tiny.yaml", f"init.checkpoint={export}",
-                                 f"train.run_dir={run_dir}", *overrides])
+                                 f"data.shards={demo_shards}", f"train.run_dir={run_dir}", *overrides])
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
     assert e.value.code == 2 and len(err) == 1, err
     assert err[0].startswith("error: the checkpoint fixes the architecture") and message in err[0]

@@ -52,7 +52,7 @@ def test_under_a_launcher_the_main_rank_prints_and_a_silent_rank_speaks_only_if_
 
 def _entry_points():
     from analysis.analyze import main as analyze
-    from analysis.compare_runs import main as plot
+    from analysis.plot_runs import main as plot
     from analysis.run_table import main as summary
     from data_tools.cli import main as build_shards
     from data_tools.demo_images import main as demo_images
@@ -88,3 +88,49 @@ def test_help_still_prints_and_exits_0(capsys):
     with pytest.raises(SystemExit) as e:
         run_main(_entry_points()["python -m analysis summary"], ["--help"])
     assert e.value.code == 0 and "usage: python -m analysis summary" in capsys.readouterr().out
+
+
+# A local path in the config that does not exist is found with the config, before torch is imported (seconds).
+PROBE = """import sys
+from vit_mpp.cli import run_main
+from {stage}.__main__ import main
+try:
+    run_main(main, sys.argv[1:])
+finally:
+    print("torch imported" if "torch" in sys.modules else "no torch", file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize("stage, args, message", [
+    ("pretrain", ["data.shards=/nonexistent/shards"], "error: shard directory not found: /nonexistent/shards ("),
+    ("pretrain", ["data.shards=[{demo},/nonexistent/b]"], "error: shard directory not found: /nonexistent/b ("),
+    ("pretrain", ["data.val_shards=/nonexistent/v/_info.json"], "error: manifest not found: /nonexistent/v/_info.json"),
+    ("finetune", ["init.checkpoint=/nonexistent/encoder.safetensors"],
+     "error: checkpoint not found: /nonexistent/encoder.safetensors (init.checkpoint: "),
+    ("finetune", ["init.checkpoint=local-dir:/nonexistent/export"], "error: checkpoint not found: /nonexistent/export"),
+])
+def test_a_missing_local_path_is_one_line_before_torch_is_imported(stage, args, message, demo_shards, tmp_path):
+    import subprocess
+    import sys
+
+    from tests.helpers.processes import REPO, subprocess_env
+
+    argv = ["--config", f"configs/{stage}/tiny.yaml", f"data.shards={demo_shards}", f"train.run_dir={tmp_path / 'r'}",
+            *[a.format(demo=demo_shards) for a in args]]
+    result = subprocess.run([sys.executable, "-c", PROBE.format(stage=stage), *argv], capture_output=True, text=True,
+                            timeout=120, env=subprocess_env(), cwd=REPO)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and lines[0].startswith(message) and lines[1:] == ["no torch"], result.stderr
+    assert not (tmp_path / "r").exists()
+
+
+def test_remote_locations_and_names_are_left_to_the_run():
+    from vit_mpp.data.manifest import ManifestError, check_location
+    from vit_mpp.models.export_folder import check_checkpoint_path
+
+    for url in ("s3://bucket/shards", "https://host/shards", "gs://b/x/_info.json", "pipe:cat /x", "hf://d/x"):
+        check_location(url)  # reading them (with deadlines) is the run's: not found here
+    for name in ("", "hf-hub:someone/tiny-mpp", "vit_base_patch16_224.augreg_in21k", "https://host/w.pth"):
+        check_checkpoint_path(name)  # resolved by timm (which imports torch), or not a path
+    with pytest.raises(ManifestError, match="shard directory not found: /nonexistent"):
+        check_location("/nonexistent")

@@ -155,3 +155,30 @@ def test_a_brace_pattern_override_is_a_string_and_a_broken_list_is_an_error():
     assert cfg.data.shards == "s3://b/{00000..00009}.tar"
     with pytest.raises(ConfigError, match=r"\[a,,b\] is not a valid YAML list"):
         load_config(PretrainConfig, None, ["data.shards=[a,,b]"])
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["train.stpes=3"], "unknown config key 'train.stpes' (did you mean 'train.steps'? known in this section: "),
+    (["trian.steps=3"], "unknown config key 'trian' (did you mean 'train'? known in this section: "),
+    (["optim.base_lrate=1"], "unknown config key 'optim.base_lrate' (did you mean 'optim.base_lr'? "),
+    (["train.zzz=1"], "unknown config key 'train.zzz' (known in this section: "),  # nothing close: no guess
+])
+def test_a_mistyped_key_gets_the_closest_known_one(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(PretrainConfig, None, overrides)
+    assert str(e.value).startswith(message)
+
+
+@pytest.mark.parametrize("text, where", [
+    ("train:\n  steps: 3\n  seed: [1, 2\nmodel:\n  name: x\n",
+     "line 4, column 6: expected ',' or ']', but got ':' (while parsing a flow sequence opened at line 3)"),
+    ("train:\n  steps: 3\n bad: 1\n", "line 3, column 2: expected <block end>, but found '<block mapping start>' "
+     "(while parsing a block mapping opened at line 1)"),
+    ("train:\n\tsteps: 3\n", "line 2, column 1: found character '\\t' that cannot start any token"),
+])
+def test_a_yaml_syntax_error_names_the_file_and_line(tmp_path, text, where):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load_config(PretrainConfig, path)
+    assert str(e.value) == f"config file {path} is not valid YAML: {where}"

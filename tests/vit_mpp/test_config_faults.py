@@ -143,6 +143,8 @@ BAD_VALUES = [
     ("finetune", ["train.ema_decay=1.0"], "'train.ema_decay' must be in [0, 1)"),
     ("finetune", ["train.ema_decay=-0.1"], "'train.ema_decay' must be in [0, 1)"),
     ("finetune", ["train.ema_decay=high"], "'train.ema_decay' expects float"),
+    # what a run prints: the peak the MFU is measured against
+    ("finetune", ["train.peak_tflops=-1"], "'train.peak_tflops' must be >= 0"),
 ]
 MAINS = {"pretrain": pretrain_main, "finetune": finetune_main}
 IDS = [" ".join(o) for _, o, _ in BAD_VALUES]

@@ -4,11 +4,11 @@ launcher (vit_mpp/launcher.py). The launches themselves are tested in tests/end_
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
 import threading
-import signal
 import time
 
 import pytest

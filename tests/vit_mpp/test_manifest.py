@@ -149,3 +149,40 @@ def test_a_mixture_of_indexed_sets_takes_the_most_classes_and_the_evaluation_set
     with pytest.raises(ConfigError, match=r"num_classes=7 \(from the training sets' manifests\) is below the 9 "
                                           r"classes of c \(labels up to 8\)"):
         classes_of(cfg, data)
+
+
+# Evaluation in a mixture: the first set that has data.val_split, said at start-up; none is one line saying what to set
+def test_a_mixture_evaluates_on_the_first_set_that_has_the_split(demo_shards, tmp_path):
+    from tests.helpers.shards import write_shard_set
+
+    theirs = write_shard_set(tmp_path / "theirs", {"train": [24]})  # no val split, as img2dataset's output
+    data = load_training_data(DataConfig(shards=[str(theirs), str(demo_shards)]))
+    info = json.loads((demo_shards / "_info.json").read_text())
+    name, size = info["name"], info["splits"]["val"]["num_samples"]
+    assert data.val_location == str(demo_shards) and data.val_split.num_samples == size
+    assert f"(evaluation: split 'val' of {name}, {size} images): " in data.describe()
+    assert data.record()["val"] == {"set": name, "shards": str(demo_shards), "split": "val", "images": size}
+    assert "evaluation" not in load_training_data(DataConfig(shards=str(demo_shards))).describe()  # its only set
+
+
+@pytest.mark.parametrize("sets, more, where", [
+    (["{theirs}", "{other}"], [], "no split 'val' in any set of data.shards ({theirs}/_info.json has: train; "
+                                  "{other}/_info.json has: train): "),
+    (["{theirs}"], [], "no split 'val' in the manifest of data.shards ({theirs}/_info.json has: train): "),
+    (["{demo}"], ["data.val_shards={theirs}"],
+     "data.val_shards: split 'val' not in {theirs}/_info.json (has: train): "),
+])
+def test_no_set_to_evaluate_on_is_one_line_that_says_what_to_set(sets, more, where, demo_shards, tmp_path, capsys):
+    from tests.helpers.shards import write_shard_set
+
+    names = {"theirs": write_shard_set(tmp_path / "theirs", {"train": [8]}), "demo": demo_shards,
+             "other": write_shard_set(tmp_path / "other", {"train": [8]}, seed=1)}
+    shards = ",".join(s.format(**names) for s in sets)
+    with pytest.raises(SystemExit) as e:
+        run_main(pretrain_main, ["--config", "configs/pretrain/tiny.yaml", f"data.shards=[{shards}]",
+                                 f"train.run_dir={tmp_path / 'run'}", *[m.format(**names) for m in more]])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1, err
+    assert err[0] == (f"error: {where.format(**names)}evaluate on another set with data.val_shards=LOCATION or on "
+                      "another split with data.val_split=NAME, or train without evaluation with data.val_split=''")
+    assert not (tmp_path / "run").exists()

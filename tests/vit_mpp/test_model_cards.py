@@ -1,8 +1,9 @@
 """Model cards written with huggingface_hub's ModelCard (vit_mpp/run/hub.py): they parse with `ModelCard.load` and
 carry their metadata (library, tags, the Hub dataset, the Hub model a fine-tuning started from, metrics as a
 model-index), a real title, a snippet that loads the folder itself (the Hub line only when it is uploaded), and a
-fine-tuned model's pretraining recipe, carried on from the export it started from. All offline: the Hub model is
-in a Hugging Face cache built locally."""
+fine-tuned model's pretraining recipe, carried on from the export it started from; a mixture set by set (weight,
+realised share, images) with the set that validated and fed the k-NN monitor, in its card and in the pretraining
+section of a card fine-tuned from it. All offline: the Hub model is in a Hugging Face cache built locally."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 from huggingface_hub import ModelCard
 
 from finetune.__main__ import main as finetune_main
+from pretrain.__main__ import main as pretrain_main
 from tests.helpers.models import SMALL_MODEL, hub_cache
 from tests.helpers.shards import write_shard_set
 from vit_mpp.config.sections import ExportConfig, ModelConfig
@@ -85,3 +87,45 @@ def test_a_fine_tuning_from_a_hub_model_names_its_base_model_and_carries_the_pre
     assert "\n# ViT/4 (width 32, 1 block, 2 heads) fine-tuned on test (3 classes)\n" in loaded.text
     assert "Pretraining (masked patch prediction)" in loaded.text and "| target | mean_color |" in loaded.text
     assert f'"local-dir:{run / "export" / "best"}"' in loaded.text and 'create_model("hf-hub:' not in loaded.text
+
+
+def named_set(root, name: str, lengths: dict, seed: int):
+    shards = write_shard_set(root / name, lengths, seed=seed)
+    info = json.loads((shards / "_info.json").read_text())
+    (shards / "_info.json").write_text(json.dumps({**info, "name": name}))
+    return shards
+
+
+def card_rows(text: str) -> dict[str, list[str]]:
+    """The rows of a card's markdown tables, by their first cell."""
+    return {cells[0]: cells[1:] for line in text.splitlines() if line.startswith("| ")
+            for cells in [[c.strip() for c in line.strip("|").split("|")]]}
+
+
+def test_the_cards_of_a_two_set_mixture_give_every_set_and_what_validated_and_fed_the_knn_monitor(tmp_path):
+    # `theirs` has no val split: evaluation and the k-NN monitor read `ours`, the first set that has one
+    theirs = named_set(tmp_path, "theirs", {"train": [24]}, seed=1)
+    ours = named_set(tmp_path, "ours", {"train": [16, 16], "val": [8]}, seed=2)
+    pre = tmp_path / "pre"
+    pretrain_main(["--config", "configs/pretrain/tiny.yaml", f"data.shards=[{theirs},{ours}]", "data.weights=[1,3]",
+                   f"train.run_dir={pre}", "data.num_workers=0", "knn.train_images=16"])
+    card = (pre / "export" / "README.md").read_text()
+    assert "Data: a mixture of 2 sets" in card
+    rows = card_rows(card)
+    for name, shards, weight, images in (("theirs", theirs, "0.250", "24"), ("ours", ours, "0.750", "32")):
+        assert rows[name][:2] == [str(shards), weight] and rows[name][3] == images
+        assert float(rows[name][2]) == pytest.approx(float(weight), abs=0.15)  # the realised share, as logged
+    assert rows["validated on"] == ["split 'val' of ours (8 images)"]
+    assert rows["k-NN monitor references"] == ["the first 16 images of split 'train' of ours"]
+
+    # fine-tuned from it: the card's pretraining section says the same
+    ft = tmp_path / "ft"
+    finetune_main(["--config", "configs/finetune/tiny.yaml", f"data.shards={ours}", f"train.run_dir={ft}",
+                   f"init.checkpoint={pre / 'export'}", "data.num_workers=0", "train.epochs=1"])
+    card = (ft / "export" / "README.md").read_text()
+    assert "Pretraining data: a mixture of 2 sets" in card and "Pretraining data: validation and k-NN monitor" in card
+    rows = card_rows(card)
+    assert rows["theirs"][:2] == [str(theirs), "0.250"] and rows["ours"][:2] == [str(ours), "0.750"]
+    assert rows["k-NN monitor references"] == ["the first 16 images of split 'train' of ours"]
+    pretrained = json.loads((ft / "export" / "config.json").read_text())["vit_mpp"]["pretrain"]
+    assert [m["name"] for m in pretrained["mixture"]] == ["theirs", "ours"] and pretrained["val"]["set"] == "ours"

@@ -1,5 +1,6 @@
-"""Progress on long work (vit_mpp/progress.py), as predict, evaluate and analysis show it: a rich bar with rate and
-ETA on a terminal; plain lines without escape codes otherwise, and nothing at all for work shorter than a period."""
+"""Progress on long work (vit_mpp/progress.py), as predict, evaluate, analysis and a run's evaluations show it: a rich
+bar with rate and ETA on a terminal; plain lines without escape codes otherwise, and nothing at all for work shorter
+than a period."""
 
 from __future__ import annotations
 
@@ -64,3 +65,24 @@ def test_predict_reports_nothing_but_its_own_lines_when_not_on_a_terminal(tmp_pa
     captured = capsys.readouterr()
     assert ESC not in captured.err + captured.out
     assert captured.err.strip().splitlines() == [f"labelled 3 of 3 images -> {tmp_path / 'preds.csv'}"]
+
+
+def test_an_evaluation_counts_every_process_images_on_the_main_process_only(monkeypatch):
+    # vit_mpp/run/eval_progress.py: validation, the k-NN monitor and fine-tuning's evaluations; in a log, plain lines
+    from functools import partial
+    from types import SimpleNamespace
+
+    from vit_mpp.run import eval_progress
+
+    out = io.StringIO()
+    monkeypatch.setattr(eval_progress, "progress", partial(progress, console=Console(file=out), every_s=0.0))
+    batches = [{"valid": torch.tensor([True, True, False])}, {"valid": torch.tensor([True, False, False])}]
+    main = SimpleNamespace(is_main_process=True, num_processes=2)
+    with eval_progress.with_progress(main, batches, "validation (val)", 6) as shown:
+        assert list(shown) == batches
+    lines = out.getvalue().splitlines()
+    assert [line.split(":")[1].split("(")[0].strip() for line in lines] == ["4/6 images", "6/6 images"]
+    assert ESC not in out.getvalue()
+    other = SimpleNamespace(is_main_process=False, num_processes=2)
+    with eval_progress.with_progress(other, batches, "validation (val)", 6) as shown:
+        assert shown is batches  # other processes show nothing

@@ -104,7 +104,73 @@ def test_resume_generation_says_what_changed():
     assert new.start_step == 3 and new.index == 1 and new.sets[0].pending[0].size == 40 - 3 * 8
     _, note = resume_generation(old.to_dict(), 3, Layout(1, 2, 4, 1), sizes, weights, seed=0)
     assert "the global batch changes from 8 to 4: steps keep their numbers" in note
-    _, note = resume_generation(old.to_dict(), 3, Layout(2, 2, 4, 1), [41], weights, seed=0)
+    changed, note = resume_generation(old.to_dict(), 3, Layout(2, 2, 4, 1), [41], weights, seed=0)
     assert note.startswith("note: the training data changed since the checkpoint")
+    # the old run reached epoch 0 (24 of 40 samples): the new data's epochs are numbered after it, so the sample
+    # audit's (epoch, key) records stay unique (they restarted at 0 and collided with the earlier ones)
+    assert changed.sets[0].next_epoch >= 1
     _, note = resume_generation(None, 3, Layout(2, 2, 4, 1), sizes, weights, seed=0)
     assert "records no data-stream position" in note
+
+
+def read_by_the_plan(gen: Generation, steps: int, weights: list[float]) -> list[tuple[int, int, int, int]]:
+    """(set, epoch, parts that cut it, position of its order S) of every sample the parts of `gen` read in `steps`
+    optimizer steps from its start: each part's first pieces (`part_pieces`), as many as it emitted (`emitted`)."""
+    composition = Composition(weights, gen.seed, gen.index)
+    layout, read = gen.layout, []
+    for role in range(layout.workers):
+        counts = emitted(gen, composition, steps * layout.accum, role)
+        for rank in range(layout.world):
+            for i, size in enumerate(gen.sizes):
+                left = counts[i]
+                for piece in part_pieces(gen.sets[i], layout.parts, rank * layout.workers + role, size):
+                    if left <= 0:
+                        break
+                    take = min(left, piece.hi - piece.lo)
+                    start = share(size, piece.parts, piece.block)[0]
+                    read += [(i, piece.epoch, piece.parts, start + e) for e in range(piece.lo, piece.lo + take)]
+                    left -= take
+    return read
+
+
+def random_layouts(rng: random.Random, global_batch: int, count: int) -> list[Layout]:
+    layouts = []
+    while len(layouts) < count:
+        world, workers = rng.choice([1, 2, 3, 4]), rng.choice([1, 2, 3])
+        if global_batch % world:
+            continue
+        per_rank = global_batch // world
+        accum = rng.choice([a for a in (1, 2, 3) if per_rank % a == 0])
+        layouts.append(Layout(world, workers, per_rank // accum, accum))
+    return layouts
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_every_sample_once_per_epoch_whatever_the_layouts_and_the_steps_they_change_at(seed):
+    # A property over the stop steps and the layouts (2 processes x 2 workers preempted at step 15 and resumed on 1
+    # process re-read 10 samples of epoch 0 and left 10 out, in some runs): what every generation's parts read,
+    # and what the run would read next, cover each position of each epoch exactly once, all cut alike.
+    rng = random.Random(seed)
+    for _ in range(60):
+        sizes = [rng.randint(20, 160) for _ in range(rng.choice([1, 1, 2]))]
+        weights = [float(n) for n in sizes] if rng.random() < 0.5 else [rng.uniform(0.2, 1.0) for _ in sizes]
+        layouts = random_layouts(rng, rng.choice([4, 6, 8, 12, 20]), rng.randint(2, 4))
+        if min(sizes) < max(layout.parts for layout in layouts):
+            continue
+        stops = sorted(rng.sample(range(1, 100), len(layouts) - 1)) + [rng.randint(101, 160)]
+        gen, step, read = first_generation(layouts[0], sizes, rng.randrange(1000)), 0, []
+        for k, stop in enumerate(stops):
+            read += read_by_the_plan(gen, stop - step, weights)
+            step = stop
+            gen = next_generation(gen, step, layouts[k + 1] if k + 1 < len(layouts) else gen.layout, weights)
+        read += [(i, p.epoch, p.parts, x) for i, s in enumerate(gen.sets) for p in s.pending
+                 for a, b in p.intervals for x in range(a, b)]  # what the run would read next
+        times = collections.Counter((i, e, x) for i, e, _, x in read)
+        cuts = collections.defaultdict(set)
+        for i, e, parts, _ in read:
+            cuts[(i, e)].add(parts)
+        assert max(times.values()) == 1, (sizes, layouts, stops)
+        assert all(len(c) == 1 for c in cuts.values()), (sizes, layouts, stops)
+        for i, size in enumerate(sizes):
+            for e in range(gen.sets[i].next_epoch):
+                assert sum(1 for (j, ep, _) in times if j == i and ep == e) == size, (sizes, layouts, stops, i, e)

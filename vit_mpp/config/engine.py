@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import math
 import types
 import typing
@@ -254,7 +255,8 @@ def _fill(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
     names = {f.name for f in dataclasses.fields(cls)}
     for k in data:
         if k not in names:
-            raise ConfigError(f"unknown config key '{prefix}{k}' (known in this section: {', '.join(sorted(names))})")
+            raise ConfigError(f"unknown config key '{prefix}{k}' ({did_you_mean(str(k), names, prefix)}known in this "
+                              f"section: {', '.join(sorted(names))})")
     kwargs = {k: _coerce(v, hints[k], f"{prefix}{k}") for k, v in data.items()}
     obj = cls(**kwargs)
     object.__setattr__(obj, GIVEN, frozenset(data))  # beside the fields, not one of them (see given_keys)
@@ -266,6 +268,24 @@ def _fill(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
     for key, problem in getattr(obj, "problems", lambda: [])():  # rules that join several fields
         raise ConfigError(f"config key '{prefix}{key}' {problem}")
     return obj
+
+
+def did_you_mean(key: str, names: set[str], prefix: str = "") -> str:
+    """`did you mean 'train.steps'? ` for the known name closest to a mistyped `key` (difflib), or ''."""
+    close = difflib.get_close_matches(key, sorted(names), n=1, cutoff=0.6)
+    return f"did you mean '{prefix}{close[0]}'? " if close else ""
+
+
+def yaml_error(path: Path, error: yaml.YAMLError) -> str:
+    """Where a YAML file stops being YAML, and why: `config file PATH is not valid YAML: line 7, column 3: mapping
+    values are not allowed here`."""
+    mark, start = getattr(error, "problem_mark", None), getattr(error, "context_mark", None)
+    problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    context = getattr(error, "context", None)
+    opened = (f" ({context} opened at line {start.line + 1})" if context and start is not None and mark is not None
+              and start.line != mark.line else "")
+    return f"config file {path} is not valid YAML: {where}{' '.join(str(problem).split())}{opened}"
 
 
 def from_dict(cls: type[T], data: dict[str, Any]) -> T:
@@ -313,7 +333,7 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
         try:
             loaded = read_yaml(text)
         except yaml.YAMLError as e:
-            raise ConfigError(f"config file {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+            raise ConfigError(yaml_error(path, e)) from None
         loaded = None if _is_null(loaded) else loaded  # a file holding only `~`: no keys
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"config file {path} must hold a mapping at the top level")

@@ -162,6 +162,8 @@ class TrainConfig:
                                        at_least(1))
     mixed_precision: Literal["no", "bf16", "fp16"] = opt("no", "mixed precision")
     compile: bool = opt(False, "torch.compile the model")
+    peak_tflops: float = opt(0.0, "peak TFLOP/s of one device at the run's precision, for the MFU the progress line "
+                                  "and metrics.jsonl show (0: from a table of common GPUs; none on a CPU)", at_least(0))
     log_every: int = opt(10, "log every N optimizer steps", at_least(1))
     ckpt_every: int = opt(500, "save the full training state every N optimizer steps", at_least(1))
     ckpt_every_minutes: float = opt(0.0, "also save it when this many minutes have passed since the last one (0: "

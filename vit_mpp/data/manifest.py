@@ -45,15 +45,23 @@ def manifest_file(location: str | Path) -> str:
     return location if location.endswith(".json") else join(location, MANIFEST_NAME)
 
 
+def check_location(location: str | Path) -> None:
+    """A local shard set (its folder, or its manifest file) must exist: a ManifestError, one line, otherwise. A URL
+    is not checked here (reading it is: vit_mpp/data/urls.py). Imports no torch: the stages check their config's
+    sets with it before torch is imported."""
+    location = str(location)
+    if is_local(location) and not os.path.exists(local_path(location)):
+        what = "manifest" if location.endswith(".json") else "shard directory"
+        raise ManifestError(f"{what} not found: {location} (build shards with `build-shards SOURCE OUT_DIR`, or "
+                            "index shards you have with `build-shards index LOCATION`)")
+
+
 def read_manifest(location: str | Path) -> dict[str, Any]:
     """Read the manifest of the shard set at `location` (a folder or URL, or the manifest file itself; local, or
     http(s), s3://, ... see vit_mpp/data/urls.py)."""
     location = str(location)
     path = manifest_file(location)
-    if is_local(location) and not os.path.exists(local_path(location)):
-        what = "manifest" if location.endswith(".json") else "shard directory"
-        raise ManifestError(f"{what} not found: {location} (build shards with `build-shards SOURCE OUT_DIR`, or "
-                            "index shards you have with `build-shards index LOCATION`)")
+    check_location(location)
     try:
         info = json.loads(read_url(path))
     except urllib.error.HTTPError as e:

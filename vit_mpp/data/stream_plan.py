@@ -282,6 +282,14 @@ def samples_per_epoch(sizes: list[int], weights: list[float]) -> int:
     return min(int(n * total / w) for n, w in zip(sizes, weights) if w > 0)
 
 
+def epochs_after(gen: Generation, step: int) -> int:
+    """An epoch number above every epoch any set of `gen` can have started by optimizer step `step` (what a part
+    reads in the steps since the generation began, over its smallest block), to number epochs on from."""
+    rounds = -(-(step - gen.start_step) * gen.layout.accum // gen.layout.workers)
+    block = max(1, min(gen.sizes) // gen.layout.parts)
+    return max((s.next_epoch + len(s.pending) for s in gen.sets), default=0) + -(-rounds * gen.layout.micro // block)
+
+
 def resume_generation(saved: dict[str, Any] | None, step: int, layout: Layout, sizes: list[int],
                       weights: list[float], seed: int) -> tuple[Generation, str | None]:
     """The generation a run continues with at optimizer step `step`, and a line saying what changed (None when it
@@ -294,7 +302,9 @@ def resume_generation(saved: dict[str, Any] | None, step: int, layout: Layout, s
             "starts a new epoch")
     gen = Generation.from_dict(saved)
     if gen.sizes != list(sizes) or gen.seed != seed:
-        return Generation(step, layout, [SetState() for _ in sizes], list(sizes), seed, gen.index + 1), (
+        # epochs go on being numbered after any a set may have started: the sample audit's records stay unique
+        return Generation(step, layout, [SetState(next_epoch=epochs_after(gen, step)) for _ in sizes], list(sizes),
+                          seed, gen.index + 1), (
             "note: the training data changed since the checkpoint (its sets, their sizes or train.seed): the data "
             "stream starts a new epoch of every set")
     if gen.layout == layout:

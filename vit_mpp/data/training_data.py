@@ -1,5 +1,6 @@
 """The data a training run reads: one shard set or a weighted mixture of several (`data.shards`, `data.weights`),
-and the one set evaluation reads (`data.val_shards`, default the first training set). Only manifests are read here.
+and the one set evaluation reads (`data.val_shards`, default the first training set that has the split
+`data.val_split`). Only manifests are read here.
 
 A mixture's epoch is one pass over the set that runs out first at the given proportions (with the default weights,
 proportional to the sets' sizes, every set runs out together); each set keeps its own epochs
@@ -9,12 +10,12 @@ proportional to the sets' sizes, every set runs out together); each set keeps it
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from vit_mpp.config.engine import ConfigError
 from vit_mpp.config.sections import DataConfig
-from vit_mpp.data.manifest import Split, data_record, load_split
+from vit_mpp.data.manifest import ManifestError, Split, data_record, load_split, manifest_file
 from vit_mpp.data.stream import TrainSet
 from vit_mpp.data.stream_plan import samples_per_epoch
 from vit_mpp.data.urls import is_local, local_path
@@ -30,6 +31,10 @@ class TrainingData:
     val_location: str
     val_split: Split | None
     val_manifest: dict[str, Any] | None = None
+    # What the run learns of its data as it goes, for its exports' records: a mixture's realised share of each set
+    # (the mean of the `mix_<name>` the meter logs), and the k-NN monitor's references (split, images; pretraining)
+    realised: dict[str, float] = field(default_factory=dict)
+    knn: tuple[Split | None, int] = (None, 0)
 
     @property
     def sizes(self) -> list[int]:
@@ -51,24 +56,47 @@ class TrainingData:
     def names(self) -> list[str]:
         return [s.name for s in self.sets]
 
+    @property
+    def val_name(self) -> str:
+        """The name of the set evaluation reads: a training set's, or its own."""
+        if self.val_location in self.locations:
+            return self.names[self.locations.index(self.val_location)]
+        return set_name(self.val_location, self.val_manifest or {})
+
     def record(self) -> dict[str, Any]:
-        """What an export records of its training data (the first set's manifest record, and every set of a
-        mixture with its weight)."""
+        """What an export records of its training data: the first set's manifest record; for a mixture every set
+        with its weight, its realised share once known, and its training images; the set and split evaluation read
+        (`val`) and the k-NN monitor's references (`knn`), when there were any."""
         first = data_record(self.locations[0], self.manifests[0])
-        if not self.mixture:
-            return first
-        total = sum(self.weights)
-        return {**first, "mixture": [{**data_record(loc, man), "name": s.name, "weight": s.weight / total}
-                                     for loc, man, s in zip(self.locations, self.manifests, self.sets)]}
+        if self.mixture:
+            total = sum(self.weights)
+            first["mixture"] = [{**data_record(loc, man), "name": s.name, "weight": s.weight / total,
+                                 "images": s.split.num_samples,
+                                 **({"share": self.realised[s.name]} if s.name in self.realised else {})}
+                                for loc, man, s in zip(self.locations, self.manifests, self.sets)]
+        if self.val_split is not None:
+            first["val"] = {"set": self.val_name, "shards": self.val_location, "split": self.val_split.name,
+                            "images": self.val_split.num_samples}
+        knn_split, knn_images = self.knn
+        if knn_split is not None and knn_images:
+            first["knn"] = {"set": self.val_name, "shards": self.val_location, "split": knn_split.name,
+                            "images": min(knn_images, knn_split.num_samples)}
+        return first
 
     def describe(self) -> str:
-        """`data 1000 train images in 4 shards`, or the mixture set by set, for the start-up summary."""
+        """`data 1000 train images in 4 shards`, or the mixture set by set, for the start-up summary; with the set
+        and split evaluation reads when it is not the only set's."""
+        evaluation = ""
+        if self.val_split is not None and (self.mixture or self.val_location != self.locations[0]):
+            evaluation = (f" (evaluation: split '{self.val_split.name}' of {self.val_name}, "
+                          f"{self.val_split.num_samples} images)")
         if not self.mixture:
             s = self.sets[0].split
-            return f"data {s.num_samples} train images in {len(s.urls)} shards"
+            return f"data {s.num_samples} train images in {len(s.urls)} shards{evaluation}"
         total = sum(self.weights)
         parts = ", ".join(f"{s.name} {s.split.num_samples} images ({s.weight / total:.0%})" for s in self.sets)
-        return f"data mixture of {len(self.sets)} sets: {parts}; an epoch is {self.samples_per_epoch()} images"
+        return (f"data mixture of {len(self.sets)} sets{evaluation}: {parts}; an epoch is {self.samples_per_epoch()} "
+                "images")
 
 
 def set_name(location: str, manifest: dict[str, Any]) -> str:
@@ -104,6 +132,32 @@ def load_training_data(data: DataConfig, evaluate: bool = True) -> TrainingData:
         name = set_name(location, manifest)
         names.append(name if name not in names else f"{name}#{len(names)}")  # unique, for logs and the audit
     sets = [TrainSet(name, split, weight) for name, (split, _), weight in zip(names, loaded, weights)]
-    val_location = data.val_shards or locations[0]
-    val_split, val_manifest = load_split(val_location, data.val_split) if evaluate and data.val_split else (None, None)
-    return TrainingData(sets, locations, [manifest for _, manifest in loaded], val_location, val_split, val_manifest)
+    manifests = [manifest for _, manifest in loaded]
+    if not (evaluate and data.val_split):
+        return TrainingData(sets, locations, manifests, data.val_shards or locations[0], None)
+    return TrainingData(sets, locations, manifests, *evaluation_set(data, locations, manifests))
+
+
+FIX_VAL = ("evaluate on another set with data.val_shards=LOCATION or on another split with data.val_split=NAME, or "
+           "train without evaluation with data.val_split=''")
+
+
+def evaluation_set(data: DataConfig, locations: list[str], manifests: list[dict[str, Any]],
+                   ) -> tuple[str, Split, dict[str, Any]]:
+    """(location, split, manifest) of what evaluation reads: `data.val_split` of `data.val_shards`, else of the
+    first training set whose manifest has it; a ManifestError that says how to choose (data.val_shards=,
+    data.val_split=) when there is none."""
+    if data.val_shards:
+        try:
+            return (data.val_shards, *load_split(data.val_shards, data.val_split))
+        except ManifestError as e:
+            if f"split '{data.val_split}' not in" not in str(e):
+                raise
+            raise ManifestError(f"data.val_shards: {e}: {FIX_VAL}") from None
+    for location, manifest in zip(locations, manifests):
+        if data.val_split in (manifest.get("splits") or {}):
+            return (location, *load_split(location, data.val_split))
+    has = "; ".join(f"{manifest_file(loc)} has: {', '.join(man.get('splits') or {}) or 'no split'}"
+                    for loc, man in zip(locations, manifests))
+    where = "the manifest of data.shards" if len(locations) == 1 else "any set of data.shards"
+    raise ManifestError(f"no split '{data.val_split}' in {where} ({has}): {FIX_VAL}")

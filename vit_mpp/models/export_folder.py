@@ -5,7 +5,10 @@ an export (build-shards refusing to write into one, `--out` checks) do not impor
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+from vit_mpp.config.engine import ConfigError
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
@@ -31,3 +34,20 @@ def export_files(path: Path) -> tuple[Path, Path] | None:
             if meta.is_file() and (meta.name != CONFIG or path.name == WEIGHTS):
                 return path, meta
     return None
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin", ".npz")  # the weight files a checkpoint may be
+
+
+def check_checkpoint_path(checkpoint: str) -> None:
+    """A checkpoint given as a local path (`local-dir:PATH`, a path with a folder in it, a weights file's name)
+    must exist: a ConfigError, one line, otherwise. `hf-hub:` names, URLs and bare names (a timm pretrained name
+    such as `vit_base_patch16_224.augreg_in21k`) are not checked here: resolving them needs timm, and torch."""
+    if not checkpoint or checkpoint.startswith("hf-hub:") or "://" in checkpoint:
+        return
+    path = checkpoint.removeprefix("local-dir:")
+    looks_local = (path != checkpoint or "/" in path or os.sep in path or path.startswith((".", "~"))
+                   or path.endswith(WEIGHT_SUFFIXES))
+    if looks_local and not os.path.exists(path):
+        raise ConfigError(f"checkpoint not found: {path} (init.checkpoint: an export folder, a weights file, "
+                          "hf-hub:OWNER/NAME or a timm pretrained name)")

@@ -165,9 +165,10 @@ def model_card(export_dir: str | Path, export: ExportConfig) -> ModelCard:
                  f'# or from the export folder it was uploaded from:\n# {loads[0]}']
     sections = [(heading, _table(record[key])) for key, heading in (
         ("pretrain", "Pretraining (masked patch prediction)"), ("finetune", "Fine-tuning")) if record.get(key)]
+    if any(pretrain.get(key) for key in ("mixture", "val", "knn")):  # carried on from the export it started from
+        sections += data_sections(pretrain, "Pretraining data")
     if data:
-        sections.append(("Data", _table({"shards": data_label(data), "source": data.get("source"),
-                                         **{f"{k} images": v for k, v in (data.get("splits") or {}).items()}})))
+        sections += data_sections(data, "Data")
     figures = [(p.stem, p.relative_to(export_dir).as_posix()) for pattern in FIGURES
                for p in sorted(export_dir.glob(pattern))]
     classes = ", ".join(ex.class_names[:20]) + (", ..." if len(ex.class_names) > 20 else "") if ex.class_names else ""
@@ -178,12 +179,45 @@ def model_card(export_dir: str | Path, export: ExportConfig) -> ModelCard:
         results=_table({k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()}) if metrics else "")
 
 
+def mixture_table(sets: list[dict[str, Any]]) -> str:
+    """A mixture set by set: its name, shards, weight (normalised), realised share (the mean of the run's logged
+    `mix_<name>`) and training images."""
+    def number(value: Any) -> str:
+        return f"{value:.3f}" if isinstance(value, (int, float)) else "not logged"
+
+    rows = ["| set | shards | weight | realised share | training images |", "| --- | --- | --- | --- | --- |"]
+    rows += [f"| {m.get('name')} | {m.get('shards')} | {number(m.get('weight'))} | {number(m.get('share'))} | "
+             f"{m.get('images', '')} |" for m in sets if isinstance(m, dict)]
+    return "\n".join(rows)
+
+
+def data_sections(data: dict[str, Any], heading: str) -> list[tuple[str, str]]:
+    """The card's sections for a data record (an export's `data`, or a fine-tuned export's `pretrain`): the shards,
+    or each set of a mixture; then which set and split validated the model and which fed the k-NN monitor."""
+    sets = data.get("mixture") or []
+    sections = [(f"{heading}: a mixture of {len(sets)} sets", mixture_table(sets))] if sets else []
+    uses: dict[str, Any] = {}
+    if not sets and "splits" in data:  # an export's own data record (a pretraining section names its data above)
+        uses = {"shards": data_label(data), "source": data.get("source"),
+                **{f"{k} images": v for k, v in (data.get("splits") or {}).items()}}
+    val, knn = data.get("val") or {}, data.get("knn") or {}
+    if val:
+        uses["validated on"] = f"split '{val.get('split')}' of {val.get('set')} ({val.get('images')} images)"
+    if knn:
+        uses["k-NN monitor references"] = (f"the first {knn.get('images')} images of split '{knn.get('split')}' of "
+                                           f"{knn.get('set')}")
+    if uses:
+        sections.append((heading if not sets else f"{heading}: validation{' and k-NN monitor' if knn else ''}",
+                         _table(uses)))
+    return sections
+
+
 def _size(img_size: Any) -> str:
     return f"{img_size}x{img_size}" if isinstance(img_size, int) else "x".join(str(s) for s in img_size)
 
 
 def _table(values: dict[str, Any]) -> str:
-    rows = [(k, v) for k, v in values.items() if v not in (None, "", [], {}) and not isinstance(v, dict)]
+    rows = [(k, v) for k, v in values.items() if v not in (None, "", [], {}) and not isinstance(v, (dict, list))]
     return "\n".join(["| | |", "| --- | --- |", *(f"| {k} | {v} |" for k, v in rows)])
 
 

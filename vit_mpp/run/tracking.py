@@ -28,7 +28,8 @@ PACKAGES = {"tensorboard": ("tensorboard", "tensorboardX"), "wandb": ("wandb",),
 RUN_NAME_KWARG = {"wandb": "name", "mlflow": "run_name", "clearml": "task_name", "swanlab": "experiment_name",
                   "trackio": "name", "dvclive": "exp_name"}
 GROUPS = ("val", "knn", "ema")  # metrics.jsonl key prefixes that are tracker groups; everything else is train/
-NOT_TRACKED = ("step", "elapsed_s")  # the step is the x axis; every tracker keeps its own wall time
+# The step is the x axis; every tracker keeps its own wall time (the run's times are in metrics.jsonl and summary.json)
+NOT_TRACKED = ("step", "elapsed_s", "run_s", "train_s", "eval_s")
 TAKES_IMAGES = ("tensorboard", "wandb", "aim", "clearml", "swanlab")  # trackers with Accelerate's log_images
 
 

@@ -1,0 +1,317 @@
+"""`python -m analysis compare`: the paired table's maths, the equal-compute epochs, resuming (a finished run is not
+run again, a half-finished one is), the supervised arm skipped without labels, and every mistake as one line before
+anything runs. The stages are faked here (their dry runs and launches); one slow test runs the real ones."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from analysis import compare
+from tests.helpers.processes import in_process, run_module
+from tests.helpers.shards import write_shard_set
+
+PRE_STEPS, PRE_BATCH, FT_EPOCHS, FT_BATCH = 20, 8, 3, 4
+
+
+def dry_run_text(cmd: list[str]) -> str:
+    """What a stage's --dry-run prints, as far as compare reads it: the resolved config, then the start line."""
+    module = cmd[cmd.index("-m") + 1]
+    over = dict(c.split("=", 1) for c in cmd if "=" in c and not c.startswith("-"))
+    samples = 60 if "pool" in over["data.shards"] else 12  # the pool's and the labelled set's train splits
+    if module == "pretrain":
+        batch, epochs, steps = PRE_BATCH, None, int(over.get("train.steps", PRE_STEPS))
+    else:
+        batch = FT_BATCH
+        epochs = int(over.get("train.epochs", FT_EPOCHS))
+        steps = epochs * max(1, samples // batch)
+    train = {"batch_size": batch, **({"epochs": epochs} if epochs else {"steps": steps})}
+    cfg = {"model": {"name": "vit", "img_size": 16, "patch_size": 4}, "train": {**train, "crop": [0.5, 1.0]}}
+    return (f"{compare.DRY_RUN_HEAD}\n{yaml.safe_dump(cfg, sort_keys=False)}model vit (1M params)\n"
+            f"data {samples} train images\nlearning rate: step 1 0.1\n"
+            f"would start a new run in {over['train.run_dir']}, {steps} steps\n")
+
+
+class FakeStages:
+    """Stands for the stages' subprocesses: dry runs answer from the command, a launch writes what a finished run
+    leaves (metrics.jsonl up to its last step with a val_top1, config.yaml, an export); records every call."""
+
+    def __init__(self, monkeypatch, top1=lambda stage: 0.5) -> None:
+        self.dry_runs, self.launched, self.top1 = [], [], top1
+        monkeypatch.setattr(compare, "dry_run", self.dry_run)
+        monkeypatch.setattr(compare, "launch", self.launch)
+
+    def dry_run(self, cmd):
+        self.dry_runs.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0, dry_run_text(cmd), "")
+
+    def launch(self, stage, log, threads):
+        self.launched.append(stage.name)
+        run_dir = stage.run_dir
+        records = [{"step": s, "loss": 1.0, "elapsed_s": 6.0 * s} for s in range(1, stage.steps + 1)]
+        records.append({"step": stage.steps, "val_top1": self.top1(stage), "elapsed_s": 6.0 * stage.steps})
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        (run_dir / "config.yaml").write_text(f"train:\n  batch_size: {stage.batch}\n")
+        (run_dir / "export").mkdir(exist_ok=True)
+        (run_dir / "export" / "config.json").write_text("{}")
+        (run_dir / "export" / "model.safetensors").write_bytes(b"")
+        return 0
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("shards")
+    unlabelled = write_shard_set(root / "unlabelled_pool", {"train": [60]}, labels={"train": [None] * 60})
+    info = json.loads((unlabelled / "_info.json").read_text())
+    del info["num_classes"], info["class_names"]  # as build-shards writes a set without labels
+    (unlabelled / "_info.json").write_text(json.dumps(info))
+    return {"pool": write_shard_set(root / "pool", {"train": [60], "val": [6]}), "unlabelled_pool": unlabelled,
+            "labelled": write_shard_set(root / "labelled", {"train": [12], "val": [6]}),
+            "test": write_shard_set(root / "test", {"test": [9]})}
+
+
+def argv(shards: dict[str, Path], out: Path, *more: str, pool: str = "pool") -> list[str]:
+    return ["--unlabelled", str(shards[pool]), "--labelled", str(shards["labelled"]), "--test", str(shards["test"]),
+            "--pretrain-config", "configs/pretrain/tiny.yaml", "--finetune-config", "configs/finetune/tiny.yaml",
+            "--out", str(out), *more]
+
+
+# ---------------------------------------------------------------------------------------------- the table's maths
+
+
+def test_the_paired_table_is_per_seed_then_mean_and_sample_std():
+    top1 = {"scratch": {0: 0.70, 1: 0.60, 2: 0.65}, "mpp": {0: 0.80, 1: 0.75, 2: 0.70},
+            "scratch_equal": {0: 0.78, 1: 0.74, 2: None}, "probe": {0: 0.30, 1: 0.35, 2: 0.40}}
+    rows = compare.table(top1, list(top1), [0, 1, 2])
+    assert rows["arms"]["mpp"]["mean"] == pytest.approx(0.75)
+    assert rows["arms"]["mpp"]["std"] == pytest.approx(statistics.stdev([0.80, 0.75, 0.70]))
+    assert rows["arms"]["scratch_equal"]["mean"] == pytest.approx(0.76)  # the seed without a result left out
+    assert list(rows["differences"]) == ["mpp - scratch", "mpp - scratch_equal", "mpp - probe"]
+    diff = rows["differences"]["mpp - scratch"]
+    assert diff["per_seed"] == pytest.approx({0: 0.10, 1: 0.15, 2: 0.05})  # paired by seed
+    assert diff["mean"] == pytest.approx(0.10) and diff["std"] == pytest.approx(0.05)
+    assert rows["differences"]["mpp - scratch_equal"]["per_seed"].keys() == {0, 1}  # only seeds both arms have
+    one = compare.table({"scratch": {0: 0.5}, "mpp": {0: 0.6}}, ["scratch", "mpp"], [0])
+    assert one["differences"]["mpp - scratch"]["std"] is None  # one seed: no spread to show
+    assert compare.shown(0.1, None, signed=True) == "+0.100" and compare.shown(0.75, 0.05) == "0.750 ± 0.050"
+
+
+def test_variants_are_compared_with_the_reference_and_scratch():
+    arms = ["scratch", "mpp", "mpp-l2", "supervised", "probe", "probe-avg"]
+    assert compare.differences(arms) == [("mpp", "scratch"), ("mpp", "supervised"), ("mpp", "probe"),
+                                         ("mpp", "probe-avg"), ("mpp-l2", "mpp"), ("mpp-l2", "scratch")]
+
+
+# ----------------------------------------------------------------------------------------------- equal compute
+
+
+def test_equal_compute_epochs():
+    # The digits recipe: 2,000 MPP steps x 128 + 1,200 fine-tuning steps x 50 = 316,000 images; 100 labelled
+    # images at batch 50 are 2 steps (100 images) an epoch, so 3,160 epochs.
+    assert compare.equal_epochs(2000 * 128 + 1200 * 50, 2, 50) == 3160
+    assert compare.equal_epochs(256_000, 380, 50) == 13  # the supervised pretraining on 19,000 pool images
+    assert compare.equal_epochs(10, 4, 50) == 1  # at least one epoch
+    assert compare.equal_epochs(150, 1, 100) == 2  # halves round up
+
+
+def test_the_equal_compute_arms_get_the_mpp_arms_images(tmp_path, monkeypatch, shards):
+    fake = FakeStages(monkeypatch)
+    report = compare.main(argv(shards, tmp_path / "out", "--seeds", "0", "1"))
+    mpp_images = PRE_STEPS * PRE_BATCH + FT_EPOCHS * (12 // FT_BATCH) * FT_BATCH  # 160 + 36
+    # scratch_equal: 196 images / (3 steps x 4) = 16.3 -> 16 epochs; supervised: 160 / (15 steps x 4) -> 3 epochs
+    assert report["epochs"] == {"scratch_equal": 16, "supervised": 3}
+    assert report["cost"]["mpp"]["images"] == mpp_images
+    assert report["cost"]["scratch_equal"]["images"] == 16 * 3 * FT_BATCH  # as near as whole epochs get
+    assert report["cost"]["supervised"]["images"] == 3 * 15 * FT_BATCH + 36
+    assert report["cost"]["probe"]["images"] == mpp_images  # the MPP pretraining it reads, and its own run
+    assert len(fake.launched) == 2 * 7
+    cmd = json.loads((tmp_path / "out/seed1/scratch_equal/finetune" / compare.SIDECAR).read_text())["command"]
+    assert cmd[-1] == "train.epochs=16" and "init.checkpoint=" in cmd and "train.seed=1" in cmd
+    probe = json.loads((tmp_path / "out/seed0/probe/finetune" / compare.SIDECAR).read_text())["command"]
+    assert f"init.checkpoint={tmp_path / 'out/seed0/mpp/pretrain/export'}" in probe
+    assert "train.mode=linear_probe" in probe and f"data.val_shards={shards['test']}" in probe
+    assert "data.val_split=test" in probe  # the test set's own split, found in its manifest
+
+
+# --------------------------------------------------------------------------------------------------- resuming
+
+
+def test_a_finished_run_is_reused_and_a_half_finished_one_resumed(tmp_path, monkeypatch, shards, capsys):
+    fake = FakeStages(monkeypatch, top1=lambda stage: 0.9 if "mpp" in stage.name else 0.6)
+    args = argv(shards, tmp_path / "out", "--seeds", "0", "--arms", "scratch,mpp", "--jobs", "2")
+    first = compare.main(args)
+    assert sorted(fake.launched) == ["seed0/mpp/finetune", "seed0/mpp/pretrain", "seed0/scratch/finetune"]
+    assert fake.launched.index("seed0/mpp/pretrain") < fake.launched.index("seed0/mpp/finetune")
+    assert len(fake.dry_runs) == 2  # mpp's and scratch's fine-tunings are one command before init.checkpoint
+    out = capsys.readouterr().out
+    assert "[1/3] " in out and "3/3 done" in out and "eta" in out
+    assert first["table"]["differences"]["mpp - scratch"]["mean"] == pytest.approx(0.3)
+
+    fake.launched.clear()
+    half = tmp_path / "out/seed0/scratch/finetune"
+    lines = (half / "metrics.jsonl").read_text().splitlines()
+    (half / "metrics.jsonl").write_text("\n".join(lines[:2]) + "\n")  # stopped at step 2
+    second = compare.main(args)
+    assert fake.launched == ["seed0/scratch/finetune"] and len(fake.dry_runs) == 2  # lengths kept from the first
+    assert second["table"] == first["table"]
+    fake.launched.clear()
+    compare.main(args)
+    assert fake.launched == []
+    assert "3 of 3 runs finished earlier: reused" in capsys.readouterr().out
+    for name in ("compare.md", "compare.csv", "compare.json"):
+        assert (tmp_path / "out" / name).is_file()
+    md = (tmp_path / "out/compare.md").read_text()
+    assert "| mpp - scratch | +0.300 | +0.300 |" in md and "| mpp | 0.900 | 0.900 |" in md
+    assert (tmp_path / "out/compare.csv").read_text().splitlines()[0] == "what,name,mean,std,seed_0"
+
+
+def test_report_only_reads_the_runs_and_runs_nothing(tmp_path, monkeypatch, shards):
+    fake = FakeStages(monkeypatch)
+    compare.main(argv(shards, tmp_path / "out", "--seeds", "0", "--arms", "scratch,mpp"))
+    fake.launched.clear()
+    fake.dry_runs.clear()
+    report = compare.main(argv(shards, tmp_path / "out", "--seeds", "0", "--arms", "scratch,mpp", "--report-only"))
+    assert not fake.launched and not fake.dry_runs and report["table"]["arms"]["mpp"]["mean"] == 0.5
+
+
+def test_supervised_is_skipped_with_a_note_when_the_pool_has_no_labels(tmp_path, monkeypatch, shards, capsys):
+    fake = FakeStages(monkeypatch)
+    report = compare.main(argv(shards, tmp_path / "out", "--seeds", "0", pool="unlabelled_pool"))
+    assert "supervised" not in report["table"]["arms"] and not any("supervised" in n for n in fake.launched)
+    assert any(n.startswith("supervised arm skipped: the pool") for n in report["notes"])
+    assert "note: supervised arm skipped" in capsys.readouterr().out
+    assert "Note: supervised arm skipped" in (tmp_path / "out/compare.md").read_text()
+
+
+def test_overrides_reach_their_stage_in_order(tmp_path, monkeypatch, shards):
+    FakeStages(monkeypatch)
+    compare.main(argv(shards, tmp_path / "out", "--seeds", "0", "--arms", "scratch,mpp,mpp-l2,probe", "--set",
+                      "pretrain:train.steps=10", "mpp-l2.pretrain:mpp.target=l2", "finetune:optim.lr=0.1",
+                      "probe.finetune:model.global_pool=avg"))
+
+    def command(name: str) -> list[str]:
+        return json.loads((tmp_path / "out/seed0" / name / compare.SIDECAR).read_text())["command"]
+
+    assert "mpp.target=l2" in command("mpp-l2/pretrain") and "mpp.target=l2" not in command("mpp/pretrain")
+    assert "train.steps=10" in command("mpp/pretrain") and "optim.lr=0.1" in command("scratch/finetune")
+    probe = command("probe/finetune")
+    assert probe.index("optim.lr=0.1") < probe.index("train.mode=linear_probe") < probe.index(
+        "model.global_pool=avg")  # config-wide, the arm's own, then the arm's user overrides
+    assert f"init.checkpoint={tmp_path / 'out/seed0/mpp/pretrain/export'}" in probe  # the first mpp arm's
+
+
+# ------------------------------------------------------------------------------------------- one-line mistakes
+
+
+@pytest.mark.parametrize("more, says", [
+    (["--arms", "scratch,mpp,magic"], "--arms: unknown arm 'magic'"),
+    (["--arms", "scratch,probe"], "--arms has no mpp arm"),
+    (["--set", "mpp.mask_ratio=0.4"], "give TARGET:KEY=VALUE"),
+    (["--set", "nope.pretrain:mpp.mask_ratio=0.4"], "unknown target 'nope.pretrain'"),
+    (["--set", "scratch.pretrain:train.steps=3"], "arm scratch has no pretrain stage"),
+    (["--set", "finetune:train.seed=3"], "compare sets train.seed itself"),
+    (["--set", "scratch_equal.finetune:train.epochs=3"], "compare sets train.epochs itself"),
+    (["--seeds", "0", "0"], "--seeds must be distinct"),
+    (["--jobs", "0"], "--jobs and --threads must be at least 1"),
+    (["--bogus"], "unrecognized arguments: --bogus"),
+])
+def test_a_bad_flag_is_one_line_before_anything_runs(tmp_path, monkeypatch, shards, capsys, more, says):
+    fake = FakeStages(monkeypatch)
+    code, _, err = in_process(compare.main, argv(shards, tmp_path / "out", *more), capsys)
+    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1 and says in err, err
+    assert not fake.dry_runs and not fake.launched and not (tmp_path / "out").exists()
+
+
+def test_bad_shards_are_one_line(tmp_path, monkeypatch, shards, capsys):
+    fake = FakeStages(monkeypatch)
+    cases = [(["--unlabelled", str(tmp_path / "nowhere")], "--unlabelled: shard directory not found"),
+             (["--labelled", str(shards["unlabelled_pool"])], "carries no labels"),
+             (["--labelled", str(shards["pool"]).replace("pool", "labelled_{seed}")], "--labelled: shard directory"),
+             (["--test", f"{shards['test']}:val"], "has no split 'val' (it has: test)"),
+             (["--pretrain-config", "configs/pretrain/none.yaml"], "--pretrain-config configs/pretrain/none.yaml")]
+    for more, says in cases:
+        code, _, err = in_process(compare.main, [*argv(shards, tmp_path / "out"), *more], capsys)
+        assert code == 2 and err.count("\n") == 1 and says in err, err
+    assert not fake.dry_runs and not fake.launched
+
+
+def test_a_stage_that_refuses_its_config_is_one_line_naming_the_arm(tmp_path, monkeypatch, shards, capsys):
+    fake = FakeStages(monkeypatch)
+
+    def refuse(cmd):
+        fake.dry_runs.append(cmd)
+        if "mpp.mask_ratio=7" in cmd:
+            return subprocess.CompletedProcess(cmd, 2, "", "error: mpp.mask_ratio=7: must be in (0, 1)\n")
+        return subprocess.CompletedProcess(cmd, 0, dry_run_text(cmd), "")
+
+    monkeypatch.setattr(compare, "dry_run", refuse)
+    code, _, err = in_process(compare.main, argv(shards, tmp_path / "out", "--set", "pretrain:mpp.mask_ratio=7"),
+                              capsys)
+    assert code == 2 and err == "error: mpp/pretrain: mpp.mask_ratio=7: must be in (0, 1)\n"
+    assert not fake.launched
+
+
+def test_changed_settings_under_a_run_are_refused(tmp_path, monkeypatch, shards, capsys):
+    fake = FakeStages(monkeypatch)
+    compare.main(argv(shards, tmp_path / "out", "--seeds", "0", "--arms", "scratch,mpp"))
+    fake.launched.clear()
+    code, _, err = in_process(compare.main, argv(shards, tmp_path / "out", "--seeds", "0", "--arms", "scratch,mpp",
+                                                 "--set", "finetune:optim.lr=0.5"), capsys)
+    assert code == 2 and err.count("\n") == 1 and "holds a run of other settings (now optim.lr=0.5)" in err
+    assert not fake.launched
+
+
+def test_a_failed_run_is_one_line_after_the_others_end(tmp_path, monkeypatch, shards, capsys):
+    fake = FakeStages(monkeypatch)
+    ok = fake.launch
+
+    def launch(stage, log, threads):
+        if stage.name.endswith("scratch/finetune"):
+            log.write_text("step 1\nerror: something broke\n")
+            fake.launched.append(stage.name)
+            return 2
+        return ok(stage, log, threads)
+
+    monkeypatch.setattr(compare, "launch", launch)
+    code, out, err = in_process(compare.main, argv(shards, tmp_path / "out", "--seeds", "0", "--arms",
+                                                   "scratch,mpp"), capsys)
+    assert code == 2 and err.count("\n") == 1
+    assert "seed0/scratch/finetune failed with exit status 2: something broke" in err and "to resume" in err
+
+
+def test_dry_run_prints_every_run_and_writes_nothing(tmp_path, monkeypatch, shards, capsys):
+    fake = FakeStages(monkeypatch)
+    assert compare.main(argv(shards, tmp_path / "out", "--seeds", "0", "1", "--dry-run")) == {}
+    out = capsys.readouterr().out
+    assert "seed1/scratch_equal/finetune: 48 steps x 4" in out and "seed0/mpp/pretrain: 20 steps x 8" in out
+    assert out.count("python -m") >= 14 and not fake.launched and not (tmp_path / "out").exists()
+
+
+def test_the_sub_command_is_wired_and_a_mistake_is_one_line(tmp_path):
+    result = run_module("analysis", "compare", "--unlabelled", "x", "--labelled", "y", "--test", "z",
+                        "--pretrain-config", "a", "--finetune-config", "b", "--out", str(tmp_path), "--arms", "foo")
+    assert result.returncode == 2 and result.stderr.startswith("error: --arms: unknown arm 'foo'")
+    assert result.stderr.count("\n") == 1 and not result.stdout
+
+
+# ------------------------------------------------------------------------------------------------ for real
+
+
+@pytest.mark.slow
+def test_a_tiny_real_comparison_runs_and_resumes(tmp_path, monkeypatch, shards):
+    """The real stages (configs/*/tiny.yaml, a few steps): runs, the table, and a rerun that launches nothing."""
+    tiny = ["--set", "finetune:model.patch_size=4", "finetune:model.embed_dim=32", "finetune:model.depth=2",
+            "finetune:model.num_heads=2", "finetune:model.img_size=16", "pretrain:train.steps=4",
+            "finetune:train.epochs=1", "finetune:data.num_workers=0", "pretrain:data.num_workers=0"]
+    args = argv(shards, tmp_path / "out", "--seeds", "0", "--arms", "scratch,mpp", "--jobs", "2", *tiny)
+    report = compare.main(args)
+    assert all(report["table"]["arms"][a]["per_seed"][0] is not None for a in ("scratch", "mpp"))
+    assert report["test_samples"] == 9
+    launched = []
+    monkeypatch.setattr(compare, "launch", lambda *a: launched.append(a) or 0)
+    assert compare.main(args)["table"] == report["table"] and not launched
