@@ -29,7 +29,7 @@ def shards(tmp_path_factory) -> Path:
     return write_shard_set(tmp_path_factory.mktemp("shards"), TRAIN, size=16)
 
 
-def pretrain_args(shards: Path, run_dir: Path, *overrides: str) -> list[str]:
+def pretrain_args(shards: Path | str, run_dir: Path, *overrides: str) -> list[str]:
     return ["-m", "pretrain", "--config", "configs/pretrain/tiny.yaml", f"data.shards={shards}",
             f"train.run_dir={run_dir}", "data.val_split=", "train.record_samples=true", "train.log_every=5",
             "train.ckpt_every=1000", "train.steps=100000", *overrides]
@@ -254,9 +254,9 @@ def test_a_preemption_during_a_stalled_read_saves_the_last_step_long_before_the_
     # everything since the last checkpoint was lost, with no line from any rank. The wait is now cut short.
     with serve_faulty(shards) as base:
         run_dir = tmp_path / "run"
-        run = Background([*LAUNCH, *pretrain_args(Path(base), run_dir, f"data.num_workers={workers}")],
+        run = Background([*LAUNCH, *pretrain_args(base, run_dir, f"data.num_workers={workers}")],
                          tmp_path / "log", f"stalled{workers}")
-        run.wait_for("step 8/")
+        run.wait_for("step 10/")
         for name in sorted(os.listdir(shards)):  # from now on, every shard opened sends half of itself, then nothing
             if name.endswith(".tar"):
                 FaultyHandler.faults[f"/{name}"] = ("stall", 1000)

@@ -60,14 +60,29 @@ SLOW_WORKERS = {"PYTHONPATH": f"{REPO / 'tests' / 'helpers' / 'slow_workers'}:{R
 def attempt(cmd: list[str], log: Path, delay: float | None) -> tuple[int, str]:
     """One launch, signalled after `delay` seconds (None: let it finish); (launcher status, output)."""
     run = Background(cmd, log, log.stem, env=SLOW_WORKERS)
+    moment = "not signalled"
     if delay is not None:
         deadline = time.monotonic() + delay
         while time.monotonic() < deadline and run.proc.poll() is None:
             time.sleep(0.02)
+        moment = what_it_was_doing(run.output())
         run.signal_all(signal.SIGTERM)  # what SLURM does: the launcher, both ranks and their loader workers
     took = run.wait_gone(120)
+    print(f"  signalled during {moment}: all gone {took:.1f} s later" if delay is not None else "", end="")
     assert took < 60 or delay is None, f"{took:.1f} s from the signal to the last process gone"
     return run.proc.returncode, run.output()
+
+
+def what_it_was_doing(out: str) -> str:
+    """The run's moment, from its last line: start-up, after a step (its evaluation, a checkpoint or the next
+    step), after an evaluation, or the end (the export written)."""
+    lines = [line for line in out.splitlines() if line.startswith(("step ", "eval ", "exported", "final "))]
+    if not lines:
+        return "start-up"
+    last = lines[-1]
+    if last.startswith(("exported", "final ")):
+        return "the end"
+    return f"after {' '.join(last.split()[:2])}" if last.startswith("step ") else "after an evaluation"
 
 
 def check_attempt(out: str, status: int, run_dir: Path) -> int | None:
@@ -119,7 +134,7 @@ def fuzz(stage: str, shards: Path, tmp_path: Path, trial: int) -> None:
     for n in range(4):  # signal, then the same command until the run finishes
         delay = rng.uniform(0, wall) if n == 0 else (rng.uniform(0, wall) if rng.random() < 0.5 else None)
         status, out = attempt(command(stage, shards, run_dir), tmp_path / f"attempt{n}.log", delay)
-        print(f"trial {trial} attempt {n}: signal after {delay} s of a {wall:.0f} s run -> status {status}: "
+        print(f" | trial {trial} attempt {n}: signal after {delay} s of a {wall:.0f} s run -> status {status}: "
               f"{re.findall(r'preempted[^;]*', out)}")
         try:
             check_attempt(out, status, run_dir)

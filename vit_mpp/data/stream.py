@@ -348,8 +348,16 @@ class Batches:
     def __next__(self) -> dict[str, Any]:
         return next(self._batches)
 
+    def __del__(self) -> None:  # a run that ends with an exception (a preemption) drops its batches: end them here
+        self.close()
+
     def close(self) -> None:
         batches, self._batches = self._batches, iter(())
+        # The workers hold nothing to save: ended at once (they leave when their rank sends SIGTERM), not asked
+        # and then waited for, 5 s each, as torch's own end does with a worker stuck on a stalled read.
+        for worker in getattr(batches, "_workers", ()):
+            if worker.is_alive():
+                worker.terminate()
         shutdown = getattr(batches, "_shutdown_workers", None)  # torch's own end of a loader's worker processes
         if shutdown is not None:
             shutdown()

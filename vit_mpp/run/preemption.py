@@ -129,6 +129,10 @@ class StopSignals:
             self._stop_before_the_loop(signum)
         if self.received is None:
             self.received = signum
+        if self.waiting:  # the kernel may have handed the signal to another thread: the main thread's wait (a poll
+            # with a timeout of seconds, in torch's loader) would not end before its timeout; the main thread is sent
+            # it as well, and its handler cuts the wait short
+            signal.pthread_kill(threading.main_thread().ident, signum)
 
     def _stop_before_the_loop(self, signum: int) -> None:
         """During start-up there is nothing new to save: end now, naming what a rerun resumes from, if anything."""
