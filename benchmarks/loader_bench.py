@@ -1,6 +1,7 @@
 """Training-loader throughput: our shard stream against what users would otherwise use, on the same data.
 
     python benchmarks/loader_bench.py [--images 2000] [--size 224] [--workers 2] [--batch 64] [--repeats 1]
+    python benchmarks/loader_bench.py --shards DIR [--loaders ours] [--json FILE]   # shards you have
 
 Generates `--images` JPEGs of `--width` x `--height` (default 500x375, ImageNet's typical size; smooth colour fields
 plus noise, so they compress like photographs), stores them both as an ImageFolder tree and as webdataset shards
@@ -18,13 +19,15 @@ All apply the same transforms: RandomResizedCrop(size, scale=crop_scale) + horiz
 others with torchvision's transforms on the PIL image, ours with its own decoder). With --repeats N the four are
 timed N times, interleaved; the best and the median of each are compared. Prints images/s, images/s per worker
 process, the ratios of ours to each, and each worker's peak RSS (VmHWM, which includes the pages shared with the
-parent).
+parent). With --shards the loaders read those shards' train split instead (benchmarks/gpu_suite.sh times ours
+alone on what build-shards wrote).
 """
 
 from __future__ import annotations
 
 import argparse
 import io
+import json
 import os
 import statistics
 import tempfile
@@ -45,6 +48,19 @@ from vit_mpp.data.image_decoder import ImageDecoder
 from vit_mpp.data.manifest import load_split, write_manifest
 from vit_mpp.data.stream import loader_layout, train_split_loader
 
+LOADERS = ("imagefolder", "webdataset", "timm_wds", "ours")
+
+
+def photo_like(rng: np.random.Generator, width: int, height: int, quality: int) -> bytes:
+    """One JPEG that compresses like a photograph: a smooth colour field (bicubic from a 32x coarser grid) plus
+    noise."""
+    field = rng.integers(0, 256, (height // 32 + 2, width // 32 + 2, 3), dtype=np.uint8)
+    img = np.asarray(Image.fromarray(field).resize((width, height), Image.BICUBIC), dtype=np.int16)
+    img = np.clip(img + rng.normal(0, 6, img.shape), 0, 255).astype(np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(img).save(out, format="JPEG", quality=quality)
+    return out.getvalue()
+
 
 def make_images(root: Path, count: int, width: int, height: int, quality: int, shard_size: int, seed: int) -> None:
     """`count` JPEGs in `root/folder/<class>/` and the same bytes in `root/shards/` (4 classes)."""
@@ -52,12 +68,7 @@ def make_images(root: Path, count: int, width: int, height: int, quality: int, s
     (root / "shards").mkdir(parents=True)
     filenames, lengths, writer = [], [], None
     for i in range(count):
-        field = rng.integers(0, 256, (height // 32 + 2, width // 32 + 2, 3), dtype=np.uint8)
-        img = np.asarray(Image.fromarray(field).resize((width, height), Image.BICUBIC), dtype=np.int16)
-        img = np.clip(img + rng.normal(0, 6, img.shape), 0, 255).astype(np.uint8)
-        out = io.BytesIO()
-        Image.fromarray(img).save(out, format="JPEG", quality=quality)
-        data, label = out.getvalue(), i % 4
+        data, label = photo_like(rng, width, height, quality), i % 4
         folder = root / "folder" / f"class{label}"
         folder.mkdir(parents=True, exist_ok=True)
         (folder / f"img{i:06d}.jpg").write_bytes(data)
@@ -165,7 +176,7 @@ def bench_timm(shards: Path, args: argparse.Namespace) -> tuple[float, int, list
     return time_loader(loader, len(loader), before)
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--images", type=int, default=2000)
     parser.add_argument("--size", type=int, default=224, help="training crop size")
@@ -178,36 +189,65 @@ def main() -> None:
     parser.add_argument("--shuffle-buffer", type=int, default=1000)
     parser.add_argument("--crop-scale", type=float, nargs=2, default=[0.35, 1.0])
     parser.add_argument("--repeats", type=int, default=1, help="interleaved timings of each loader")
-    parser.add_argument("--loaders", nargs="+", default=["imagefolder", "webdataset", "timm_wds", "ours"],
-                        choices=["imagefolder", "webdataset", "timm_wds", "ours"])
+    parser.add_argument("--loaders", nargs="+", choices=LOADERS,
+                        help="which loaders (default: all four; with --shards, ours)")
     parser.add_argument("--dir", help="where to generate the data (default: a temporary directory)")
-    args = parser.parse_args()
+    parser.add_argument("--shards", type=Path, help="time the loaders on these shards (their train split) instead "
+                                                   "of generating images; imagefolder needs the generated folder")
+    parser.add_argument("--json", type=Path, help="write the best and median images/s of each loader to this file")
+    args = parser.parse_args(argv)
+    args.loaders = args.loaders or (["ours"] if args.shards else list(LOADERS))
+    if args.shards and "imagefolder" in args.loaders:
+        parser.error("--shards has no image folder: leave imagefolder out of --loaders")
+    return args
+
+
+def time_loaders(runs: dict, args: argparse.Namespace) -> dict[str, list[float]]:
+    """Images/s of each loader of `runs` (name -> a function timing it), --repeats times, interleaved."""
+    rates: dict[str, list[float]] = {name: [] for name in args.loaders}
+    for _ in range(args.repeats):  # interleaved, so a noisy neighbour hits every loader alike
+        for name in args.loaders:
+            seconds, images, peaks = runs[name]()
+            rates[name].append(images / seconds)
+            rss = ", ".join(f"{p:.0f}" for p in peaks) or "n/a"
+            print(f"{name:12s} {rates[name][-1]:8.1f} img/s  {rates[name][-1] / args.workers:7.1f} img/s per "
+                  f"worker  ({images} images in {seconds:.2f} s)  worker peak RSS MiB: {rss}", flush=True)
+    return rates
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         root = Path(tmp)
-        make_images(root, args.images, args.width, args.height, args.quality, args.shard_size, seed=0)
-        mean_kb = sum(p.stat().st_size for p in (root / "folder").rglob("*.jpg")) / args.images / 1024
-        print(f"{args.images} JPEGs {args.width}x{args.height} (mean {mean_kb:.0f} KiB), crop {args.size}, "
-              f"{args.workers} workers, batch {args.batch}, {os.cpu_count()} CPU cores")
+        if args.shards:
+            shards = args.shards
+            split, _ = load_split(shards, "train")
+            print(f"{split.num_samples} images of {shards}, crop {args.size}, {args.workers} workers, batch "
+                  f"{args.batch}, {os.cpu_count()} CPU cores")
+        else:
+            shards = root / "shards"
+            make_images(root, args.images, args.width, args.height, args.quality, args.shard_size, seed=0)
+            mean_kb = sum(p.stat().st_size for p in (root / "folder").rglob("*.jpg")) / args.images / 1024
+            print(f"{args.images} JPEGs {args.width}x{args.height} (mean {mean_kb:.0f} KiB), crop {args.size}, "
+                  f"{args.workers} workers, batch {args.batch}, {os.cpu_count()} CPU cores")
         runs = {"imagefolder": lambda: bench_imagefolder(root / "folder", args),
-                "webdataset": lambda: bench_webdataset(root / "shards", args),
-                "timm_wds": lambda: bench_timm(root / "shards", args),
-                "ours": lambda: bench_ours(root / "shards", args)}
-        rates: dict[str, list[float]] = {name: [] for name in args.loaders}
-        for _ in range(args.repeats):  # interleaved, so a noisy neighbour hits every loader alike
-            for name in args.loaders:
-                seconds, images, peaks = runs[name]()
-                rates[name].append(images / seconds)
-                rss = ", ".join(f"{p:.0f}" for p in peaks) or "n/a"
-                print(f"{name:12s} {rates[name][-1]:8.1f} img/s  {rates[name][-1] / args.workers:7.1f} img/s per "
-                      f"worker  ({images} images in {seconds:.2f} s)  worker peak RSS MiB: {rss}", flush=True)
-        # The fastest run is the least disturbed one (timeit's rule); the median shows how much the machine moved.
-        for label, pick in (("best", max), ("median", statistics.median)):
-            rate = {name: pick(v) for name, v in rates.items()}
-            print(f"{label} img/s: " + ", ".join(f"{k} {v:.1f}" for k, v in rate.items()))
-            if "ours" in rate:
-                print(f"  {label} ratios: " + ", ".join(f"ours / {name} {rate['ours'] / rate[name]:.2f}"
-                                                        for name in args.loaders if name != "ours"))
+                "webdataset": lambda: bench_webdataset(shards, args),
+                "timm_wds": lambda: bench_timm(shards, args),
+                "ours": lambda: bench_ours(shards, args)}
+        rates = time_loaders(runs, args)
+    # The fastest run is the least disturbed one (timeit's rule); the median shows how much the machine moved.
+    summary = {}
+    for label, pick in (("best", max), ("median", statistics.median)):
+        rate = {name: pick(v) for name, v in rates.items()}
+        summary[label] = rate
+        print(f"{label} img/s: " + ", ".join(f"{k} {v:.1f}" for k, v in rate.items()))
+        if "ours" in rate and len(rate) > 1:
+            print(f"  {label} ratios: " + ", ".join(f"ours / {name} {rate['ours'] / rate[name]:.2f}"
+                                                    for name in args.loaders if name != "ours"))
+    if args.json:
+        args.json.write_text(json.dumps({"workers": args.workers, "batch": args.batch, "size": args.size,
+                                         "cpu_cores": os.cpu_count(), **summary}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -112,6 +112,9 @@ def block_mask(batch: int, grid: tuple[int, int], k: int, device: torch.device |
     return before | (last & (rank < need))
 
 
+# Eager under torch.compile: the draws take the run's torch.Generator, which dynamo cannot put in a graph; one break
+# around the whole draw instead of one at each of its random calls (tests/pretrain/test_mpp.py).
+@torch.compiler.disable
 def draw_corruption(batch: int, num_patches: int, cfg: MPPConfig, device: torch.device | str = "cpu",
                     generator: torch.Generator | None = None, grid: tuple[int, int] | None = None) -> Corruption:
     """Draw exactly round(ratio * N) distinct positions per image and a mask/random/keep kind for each. The
@@ -126,9 +129,11 @@ def draw_corruption(batch: int, num_patches: int, cfg: MPPConfig, device: torch.
         noise = torch.rand(batch, num_patches, device=device, generator=generator)
         positions = noise.topk(k, dim=1).indices  # (B, K), distinct per row
     u = torch.rand(batch, k, device=device, generator=generator)
+    # masked_fill_, not `kind[mask] = ...`: boolean indexing may find the mask's True positions first, which on CUDA
+    # waits for the device (the step must not, tests/pretrain/test_step_sync.py)
     kind = torch.full_like(positions, KEEP)
-    kind[u < cfg.mask_prob + cfg.random_prob] = RANDOM
-    kind[u < cfg.mask_prob] = MASK
+    kind.masked_fill_(u < cfg.mask_prob + cfg.random_prob, RANDOM)
+    kind.masked_fill_(u < cfg.mask_prob, MASK)
     # Uniform over the N - 1 other patches: draw from N - 1 values and step over the patch itself.
     donor = torch.randint(0, num_patches - 1, (batch, k), device=device, generator=generator)
     donor = donor + (donor >= positions).long()
@@ -209,8 +214,12 @@ class Decoder(nn.Module):
 
 
 def entropy_bits(classes: torch.Tensor, num_classes: int) -> torch.Tensor:
-    """Entropy (bits) of the histogram of `classes`; low values flag collapsed targets."""
-    counts = torch.bincount(classes.flatten(), minlength=num_classes).float()
+    """Entropy (bits) of the histogram of `classes` (each in [0, num_classes)); low values flag collapsed targets."""
+    flat = classes.flatten()
+    # Not torch.bincount: on CUDA it reads the largest class back to the host to size its output, a synchronisation
+    # in every step; a histogram of the known size is the same integer counts without one.
+    counts = torch.zeros(num_classes, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+    counts = counts.float()
     p = counts / counts.sum().clamp(min=1)
     return -(p * torch.log2(p.clamp(min=1e-12))).sum()
 

@@ -9,7 +9,7 @@ import torch
 
 from pretrain import targets as tg
 from pretrain.config import MPPConfig
-from pretrain.mpp import KEEP, MASK, RANDOM, MaskedPatchPrediction, apply_corruption, draw_corruption
+from pretrain.mpp import KEEP, MASK, RANDOM, MaskedPatchPrediction, apply_corruption, draw_corruption, entropy_bits
 from tests.helpers.models import SMALL_MODEL
 from vit_mpp.models.vit import create_vit
 
@@ -153,3 +153,19 @@ def test_forward_reports_loss_accuracy_and_fractions():
     assert m["frac_mask"] + m["frac_random"] + m["frac_keep"] == pytest.approx(1.0)
     out["loss"].backward()
     assert model.mask_token.grad is not None and model.mask_token.grad.abs().sum() > 0
+
+
+def test_the_target_entropy_is_that_of_the_histogram():
+    classes = torch.tensor([[0, 0, 1, 3], [3, 3, 3, 5]])  # counts 2, 1, 0, 4, 0, 1 of 8
+    p = torch.tensor([2, 1, 4, 1]) / 8
+    assert entropy_bits(classes, 8).item() == pytest.approx(-(p * p.log2()).sum().item())
+    assert entropy_bits(torch.zeros(3, 5, dtype=torch.long), 512).item() == 0
+
+
+def test_compiled_forward_breaks_its_graph_once_around_the_corruption_draw():
+    # A run passes its own torch.Generator (resumable draws), which dynamo cannot put in a graph: each random call
+    # broke it (5 graphs); the draw is now one eager piece between two graphs.
+    torch._dynamo.reset()
+    images = torch.randint(0, 256, (8, 3, 16, 16), dtype=torch.uint8, generator=seeded(8))
+    explained = torch._dynamo.explain(tiny_mpp())(images, generator=seeded(9))
+    assert (explained.graph_count, explained.graph_break_count) == (2, 1), explained.break_reasons
