@@ -3,7 +3,7 @@ rotation, stroke thickness and colour over cluttered backgrounds (photo crops, g
 other digits): a harder real-image set to tell pretraining recipes apart (docs/results.md, "Cluttered digits").
 
     python -m data_tools.cluttered_digits OUT [--size 32] [--pool 20000] [--test 2000] [--labels-per-class 20]
-                                          [--seed 0] [--overwrite]
+                                          [--clutter full|light] [--seed 0] [--overwrite]
 
 The source digits are split once (80/20, stratified, split seed 0, the split of experiments/pretrain_vs_scratch.py):
 the pool and its labelled subset are drawn from the first part only, the test images from the second, so test
@@ -51,6 +51,21 @@ class Sources:
     labels: np.ndarray  # (1797,) int
     train: np.ndarray  # source indices of the train part, sorted
     test: np.ndarray  # source indices of the test part, sorted
+
+
+@dataclass(frozen=True)
+class Clutter:
+    """What surrounds the digit. `full`: photo crops or gradients, up to LINES line segments and DISTRACTORS faint
+    strokes of other digits; `light`: gradients only (placement, scale, rotation, stroke, colour and noise as in
+    full), for a set that a small model learns at a small budget."""
+
+    photos: np.ndarray | None  # background texture (load_photos); None: gradients only
+    lines: int
+    distractors: int
+
+    @classmethod
+    def named(cls, name: str) -> Clutter:
+        return cls(load_photos(), LINES, DISTRACTORS) if name == "full" else cls(None, 0, 0)
 
 
 def load_sources() -> Sources:
@@ -146,19 +161,27 @@ def _strokes(field: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     return np.clip((field - level) * np.float32(1 / 0.15) + np.float32(0.5), 0.0, 1.0)
 
 
-def _backgrounds(n: int, size: int, rng: np.random.Generator, photos: np.ndarray) -> np.ndarray:
+def _gradients(n: int, size: int, rng: np.random.Generator) -> np.ndarray:
+    """(n, size, size, 3) float32 two-colour gradients in a random direction (channels up to BACKGROUND_MAX)."""
+    y, x = _grid(size)
+    a, b = (rng.uniform(0, BACKGROUND_MAX, (n, 1, 1, 3)).astype(np.float32) for _ in range(2))
+    theta = _u(rng, 0, 2 * np.pi, n)
+    t = np.clip(((x - size / 2) * np.cos(theta) + (y - size / 2) * np.sin(theta)) / size + 0.5, 0, 1)[..., None]
+    return a + (b - a) * t
+
+
+def _backgrounds(n: int, size: int, rng: np.random.Generator, photos: np.ndarray | None) -> np.ndarray:
     """(n, size, size, 3) float32 backgrounds, dark: half random crops of the sample photos (zoomed, mirrored, dimmed
-    to 15-45%), half two-colour gradients in a random direction (channels up to BACKGROUND_MAX)."""
+    to 15-45%), half gradients; without photos, all gradients."""
+    if photos is None:
+        return _gradients(n, size, rng)
     y, x = _grid(size)
     scale = _u(rng, 0.75, 6, n)  # photo pixels per image pixel
     h, w = photos.shape[1:3]
     top, left = _u(rng, 0, 1, n) * (h - scale * size), _u(rng, 0, 1, n) * (w - scale * size)
     xs = np.where(_u(rng, 0, 1, n) < 0.5, size - x, x)  # mirrored or not
     which, brightness = rng.integers(0, len(photos), n), _u(rng, 0.15, 0.45, n)[..., None]
-    a, b = (rng.uniform(0, BACKGROUND_MAX, (n, 1, 1, 3)).astype(np.float32) for _ in range(2))
-    theta = _u(rng, 0, 2 * np.pi, n)
-    t = np.clip(((x - size / 2) * np.cos(theta) + (y - size / 2) * np.sin(theta)) / size + 0.5, 0, 1)[..., None]
-    out = a + (b - a) * t  # gradients, then a photo crop in half of them
+    out = _gradients(n, size, rng)  # then a photo crop in half of them
     photo = np.flatnonzero(rng.random(n) < 0.5)
     out[photo] = _bilinear(photos, which[photo], top[photo] + y * scale[photo] - 0.5,
                            left[photo] + xs[photo] * scale[photo] - 0.5) * brightness[photo]
@@ -171,11 +194,11 @@ def _over(img: np.ndarray, colour: np.ndarray, alpha: np.ndarray) -> np.ndarray:
     return img
 
 
-def _lines(img: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-    """Up to LINES random line segments (1-2.5 px wide, half to fully opaque, random colours)."""
+def _lines(img: np.ndarray, rng: np.random.Generator, count: int) -> np.ndarray:
+    """Up to `count` random line segments (1-2.5 px wide, half to fully opaque, random colours)."""
     n, size = img.shape[:2]
     y, x = _grid(size)
-    for _ in range(LINES):
+    for _ in range(count):
         dy, dx = y - _u(rng, 0, size, n), x - _u(rng, 0, size, n)
         phi = _u(rng, 0, np.pi, n)
         length, width = _u(rng, 0.3, 1.5, n) * size, _u(rng, 1.0, 2.5, n)
@@ -200,13 +223,13 @@ def _contrasting(colour: np.ndarray, under: np.ndarray) -> np.ndarray:
 
 
 def render(sources: Sources, idx: np.ndarray, part: np.ndarray, rng: np.random.Generator,
-           size: int, photos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+           size: int, clutter: Clutter) -> tuple[np.ndarray, np.ndarray]:
     """Images (n, size, size, 3) uint8 of the source digits `idx`, and (n, DISTRACTORS) the source indices of their
     faint strokes (-1: none), drawn from `part` (the same part of the source split as `idx`)."""
     n = len(idx)
-    img = _lines(_backgrounds(n, size, rng, photos), rng)
+    img = _lines(_backgrounds(n, size, rng, clutter.photos), rng, clutter.lines)
     others = np.full((n, DISTRACTORS), -1)
-    for k in range(DISTRACTORS):
+    for k in range(clutter.distractors):
         on = rng.random(n) < 0.7
         other = rng.choice(part, n)
         alpha = _strokes(_digit_field(sources, other, rng, size, (0.4, 0.9)), rng)
@@ -233,13 +256,13 @@ def balanced_sources(sources: Sources, part: np.ndarray, count: int, rng: np.ran
 
 
 def render_all(sources: Sources, idx: np.ndarray, part: np.ndarray, seed: tuple[int, int], size: int,
-               photos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+               clutter: Clutter) -> tuple[np.ndarray, np.ndarray]:
     """`render` in chunks of CHUNK images, each with its own generator (seed, part, chunk): the same images for a
     seed whatever else is drawn."""
     images, others = [], []
     for start in range(0, len(idx), CHUNK):
         rng = np.random.default_rng([*seed, start // CHUNK])
-        img, oth = render(sources, idx[start:start + CHUNK], part, rng, size, photos)
+        img, oth = render(sources, idx[start:start + CHUNK], part, rng, size, clutter)
         images.append(img)
         others.append(oth)
     return np.concatenate(images), np.concatenate(others)
@@ -314,15 +337,16 @@ class Options:
     test: int = 2000
     labels_per_class: int = 20
     seed: int = 0
+    clutter: str = "full"
 
 
 def generate(opts: Options) -> dict[str, float]:
     """Write everything under opts.out (see the module's docstring); returns seconds per phase."""
     times, start = {}, time.perf_counter()
-    sources, photos = load_sources(), load_photos()
+    sources, clutter = load_sources(), Clutter.named(opts.clutter)
     p = plan(sources, opts.pool, opts.test, opts.labels_per_class, opts.seed)
-    pool_img, pool_oth = render_all(sources, p.pool, sources.train, (opts.seed, 1), opts.size, photos)
-    test_img, test_oth = render_all(sources, p.test, sources.test, (opts.seed, 2), opts.size, photos)
+    pool_img, pool_oth = render_all(sources, p.pool, sources.train, (opts.seed, 1), opts.size, clutter)
+    test_img, test_oth = render_all(sources, p.test, sources.test, (opts.seed, 2), opts.size, clutter)
     times["render"] = time.perf_counter() - start
     images, rows = opts.out / "images", []
     pool_labels, test_labels = sources.labels[p.pool], sources.labels[p.test]
@@ -361,6 +385,9 @@ def parse(argv: list[str] | None) -> Options:
     p.add_argument("--test", type=int, default=2000, help="test images, of held-out digits (default: %(default)s)")
     p.add_argument("--labels-per-class", type=int, default=20,
                    help="labelled training images per digit, drawn from the pool's train split (default: %(default)s)")
+    p.add_argument("--clutter", choices=("full", "light"), default="full",
+                   help="full: photo or gradient backgrounds, lines, faint other digits; light: gradients only "
+                        "(default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="everything drawn follows it (default: %(default)s)")
     p.add_argument("--overwrite", action="store_true", help="replace what an earlier run wrote in OUT")
     args = p.parse_args(argv)
@@ -381,7 +408,7 @@ def parse(argv: list[str] | None) -> Options:
         p.error(f"{args.out} is a file, not a folder")
     for path in mine if args.overwrite else ():
         shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
-    return Options(args.out, args.size, args.pool, args.test, args.labels_per_class, args.seed)
+    return Options(args.out, args.size, args.pool, args.test, args.labels_per_class, args.seed, args.clutter)
 
 
 def main(argv: list[str] | None = None) -> None:

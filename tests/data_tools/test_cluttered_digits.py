@@ -104,10 +104,10 @@ def nearest_mean_top1(train: np.ndarray, train_y: np.ndarray, test: np.ndarray, 
 def test_a_class_mean_template_works_on_plain_digits_and_fails_here():
     """The plain digits are nearly separable by their class-mean images (~0.9); the cluttered renders of the same
     source digits are not (near chance, 0.1): placement, scale, colour and clutter wash the class means out."""
-    sources, photos = cd.load_sources(), cd.load_photos()
+    sources, clutter = cd.load_sources(), cd.Clutter.named("full")
     p = cd.plan(sources, 1000, 300, 1, seed=0)
-    pool, _ = cd.render_all(sources, p.pool, sources.train, (0, 1), 32, photos)
-    test, _ = cd.render_all(sources, p.test, sources.test, (0, 2), 32, photos)
+    pool, _ = cd.render_all(sources, p.pool, sources.train, (0, 1), 32, clutter)
+    test, _ = cd.render_all(sources, p.test, sources.test, (0, 2), 32, clutter)
     from sklearn.datasets import load_digits
 
     plain = np.kron(load_digits().images, np.ones((4, 4)))  # the same digits, 32x32, nearest upsampling
@@ -116,12 +116,46 @@ def test_a_class_mean_template_works_on_plain_digits_and_fails_here():
     assert nearest_mean_top1(pool, y_pool, test, y_test) < 0.3
 
 
+def test_light_clutter_is_a_gradient_a_digit_and_noise(tmp_path, monkeypatch):
+    """--clutter light: no faint strokes, no lines, no photos. In a corner the digit does not cover, an image is its
+    gradient (a plane) plus pixel noise of at most 8 grey levels' spread; with full clutter, lines and photo
+    texture make most images' corners far from a plane."""
+    sources = cd.load_sources()
+    idx = sources.train[:400]
+    light, others = cd.render_all(sources, idx, sources.train, (0, 1), 32, cd.Clutter.named("light"))
+    full, full_others = cd.render_all(sources, idx, sources.train, (0, 1), 32, cd.Clutter.named("full"))
+    assert (others == -1).all() and (full_others >= 0).any()
+
+    def off_plane(images: np.ndarray) -> np.ndarray:
+        """(4 corners, n): the spread (grey levels) of each 6x6 corner around its best-fitting plane."""
+        grey = images.astype(float) @ cd.LUMA
+        yy, xx = np.mgrid[0:6, 0:6]
+        plane = np.stack([np.ones(36), yy.ravel(), xx.ravel()], 1)
+        spreads = []
+        for corner in (grey[:, :6, :6], grey[:, :6, -6:], grey[:, -6:, :6], grey[:, -6:, -6:]):
+            flat = corner.reshape(len(corner), -1).T
+            fit = plane @ np.linalg.lstsq(plane, flat, rcond=None)[0]
+            spreads.append((flat - fit).std(0))
+        return np.array(spreads)
+
+    light_spread, full_spread = off_plane(light), off_plane(full)
+    assert light_spread.min(0).max() < 8  # every light image has a corner that is a plane and noise
+    assert np.median(light_spread.max(0)) < 6 < 9 < np.median(full_spread.max(0))
+    monkeypatch.setattr(cd, "build_shards", lambda source, out: None)
+    code = cd.main([str(tmp_path / "light"), "--pool", "200", "--test", "20", "--labels-per-class", "2",
+                    "--clutter", "light"])
+    assert code is None
+    with (tmp_path / "light" / "sources.csv").open() as f:
+        assert all(r["faint_sources"] == "" for r in csv.DictReader(f))
+
+
 @pytest.mark.parametrize("args, says", [
     (["--size", "8"], "--size must be at least 16"),
     (["--pool", "50"], "--pool must be at least 200"),
     (["--labels-per-class", "0"], "--labels-per-class must be in [1,"),
     (["--pool", "200", "--labels-per-class", "50"], "--labels-per-class must be in [1, 19]"),
     (["--seed", "x"], "invalid int value"),
+    (["--clutter", "none"], "invalid choice: 'none'"),
 ])
 def test_a_bad_argument_is_one_error_line(tmp_path, capsys, args, says):
     code, out, err = in_process(cd.main, [str(tmp_path / "out"), *args], capsys)
