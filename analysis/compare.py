@@ -523,12 +523,14 @@ def mean_std(values: list[float]) -> tuple[float | None, float | None]:
 
 def differences(arms: list[str]) -> list[tuple[str, str]]:
     """(a, b) pairs shown as a - b: the reference MPP arm against every other arm that is not MPP, and every other MPP
-    arm against the reference and the first scratch arm."""
+    arm against the reference and every baseline (scratch, equal compute, supervised; not the probes, which read
+    the reference's pretraining)."""
     mpp = [a for a in arms if kind(a) == "mpp"]
-    ref, scratch = mpp[0], next((a for a in arms if kind(a) == "scratch"), None)
+    ref = mpp[0]
+    baselines = [b for b in arms if kind(b) not in ("mpp", "probe")]
     pairs = [(ref, b) for b in arms if kind(b) != "mpp"]
     for variant in mpp[1:]:
-        pairs += [(variant, ref)] + ([(variant, scratch)] if scratch else [])
+        pairs += [(variant, ref)] + [(variant, b) for b in baselines]
     return pairs
 
 

@@ -101,10 +101,11 @@ def test_the_paired_table_is_per_seed_then_mean_and_sample_std():
     assert compare.shown(0.1, None, signed=True) == "+0.100" and compare.shown(0.75, 0.05) == "0.750 ± 0.050"
 
 
-def test_variants_are_compared_with_the_reference_and_scratch():
-    arms = ["scratch", "mpp", "mpp-l2", "supervised", "probe", "probe-avg"]
-    assert compare.differences(arms) == [("mpp", "scratch"), ("mpp", "supervised"), ("mpp", "probe"),
-                                         ("mpp", "probe-avg"), ("mpp-l2", "mpp"), ("mpp-l2", "scratch")]
+def test_variants_are_compared_with_the_reference_and_every_baseline():
+    arms = ["scratch", "mpp", "mpp-l2", "supervised", "probe", "probe-avg", "scratch_equal"]
+    assert compare.differences(arms) == [
+        ("mpp", "scratch"), ("mpp", "supervised"), ("mpp", "probe"), ("mpp", "probe-avg"), ("mpp", "scratch_equal"),
+        ("mpp-l2", "mpp"), ("mpp-l2", "scratch"), ("mpp-l2", "supervised"), ("mpp-l2", "scratch_equal")]
 
 
 # ----------------------------------------------------------------------------------------------- equal compute
