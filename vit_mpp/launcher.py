@@ -38,8 +38,34 @@ def die_with_launcher() -> None:
         return
     _watched = True
     parent = os.getppid()
+    if parent == 1 and not _own_launcher_serves():
+        _orphaned(parent)
     if not die_with_parent(parent, signal.SIGTERM):
         _watch_parent(parent)
+
+
+def _own_launcher_serves() -> bool:
+    """For a rank adopted by init before it could watch its launcher (the launcher died in the first tenths of a
+    second of this process, or is itself init, as in a container): whether the launcher still serves. Only
+    knowable where this rank's own launcher hosts the group's store (node 0, torch elastic's agent store): a refused
+    connection means it is gone. Elsewhere, assumed alive."""
+    import socket
+
+    if os.environ.get("GROUP_RANK", "0") != "0" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return True
+    try:
+        socket.create_connection((os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])), timeout=2).close()
+    except (KeyError, ValueError):
+        return True
+    except OSError:
+        return False
+    return True
+
+
+def _orphaned(parent: int) -> None:
+    print(f"error: [rank {process_rank()}] the launcher (pid {parent}) is gone; this rank stops", file=sys.stderr,
+          flush=True)
+    os._exit(1)
 
 
 START_UP_SIGNALS = ("SIGTERM", "SIGUSR1")  # train.preempt_signals' default: the config is not read yet
@@ -85,9 +111,7 @@ def _watch_parent(parent: int) -> None:
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(LAUNCHER_POLL_S)
-        print(f"error: [rank {process_rank()}] the launcher (pid {parent}) is gone; this rank stops",
-              file=sys.stderr, flush=True)
-        os._exit(1)
+        _orphaned(parent)
 
     threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
 

@@ -51,6 +51,47 @@ def test_a_child_dies_with_its_parent_killed_after_asking():
         time.sleep(0.05)
 
 
+ADOPTED = """
+import os, sys, time
+if os.fork():
+    os._exit(0)  # the launcher dies before its rank watches it: init adopts the rank
+deadline = time.monotonic() + 10
+while os.getppid() != 1 and time.monotonic() < deadline:
+    time.sleep(0.01)
+if os.getppid() != 1:
+    print("not adopted by init", flush=True)
+    os._exit(0)
+from vit_mpp.launcher import die_with_launcher
+die_with_launcher()
+print("alive", flush=True)
+"""
+
+
+@pytest.mark.parametrize("serving", [False, True])
+def test_a_rank_adopted_by_init_before_it_watched_its_launcher_ends_unless_the_launcher_serves(serving):
+    # CI: the launcher, killed 2 s into a run, died between its ranks' start and their first line; init adopted
+    # them, the kernel was asked to signal them at the death of init, and they waited forever for the launcher's
+    # store. Init as the launcher (a container's first process) is told apart by the store it serves.
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    if not serving:
+        listener.close()
+    env = {**subprocess_env(), "TORCHELASTIC_RUN_ID": "t", "GROUP_RANK": "0", "RANK": "3",
+           "TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    try:
+        out = subprocess.run([sys.executable, "-c", ADOPTED], cwd=REPO, env=env, capture_output=True, text=True,
+                             timeout=60)
+    finally:
+        listener.close()
+    if "not adopted by init" in out.stdout:
+        pytest.skip("orphans go to a subreaper here, not to init")
+    if serving:
+        assert out.stdout.strip() == "alive" and not out.stderr, out.stderr
+    else:
+        assert "alive" not in out.stdout, out.stdout
+        assert out.stderr.strip() == "error: [rank 3] the launcher (pid 1) is gone; this rank stops", out.stderr
+
+
 def test_loader_workers_know_their_rank_from_before_the_fork():
     loader = make_loader(range(4), DataConfig(num_workers=1))  # type: ignore[arg-type]
     assert loader.worker_init_fn.keywords == {"parent": os.getpid()}
