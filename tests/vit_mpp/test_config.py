@@ -69,17 +69,23 @@ def test_unknown_key_in_yaml_file(tmp_path):
         load_config(PretrainConfig, tmp_path)
 
 
+def yaml_refusal(tmp_path: Path, text: str) -> tuple[Path, str]:
+    """A config file of `text` loaded: its path and the ConfigError's message."""
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load_config(PretrainConfig, path)
+    return path, str(e.value)
+
+
 @pytest.mark.parametrize("text, where", [
     ("optim:\n  lr: 0.1\n  lr: 0.5\n", "key 'lr' is written twice (lines 2 and 3)"),
     ("optim: {lr: 0.1, lr: 0.5}\n", "key 'lr' is written twice (line 1)"),
     ("train:\n  steps: 3\ntrain:\n  seed: 1\n", "key 'train' is written twice (lines 1 and 3)"),
 ])
 def test_a_key_written_twice_in_a_yaml_file_is_refused_not_silently_overwritten(tmp_path, text, where):
-    path = tmp_path / "c.yaml"
-    path.write_text(text)
-    with pytest.raises(ConfigError) as e:
-        load_config(PretrainConfig, path)
-    assert str(e.value) == f"config file {path} is not valid YAML: {where}"
+    path, error = yaml_refusal(tmp_path, text)
+    assert error == f"config file {path} is not valid YAML: {where}"
 
 
 def test_a_config_file_that_is_not_text_is_one_line(tmp_path):
@@ -177,8 +183,5 @@ def test_a_mistyped_key_gets_the_closest_known_one(overrides, message):
     ("train:\n\tsteps: 3\n", "line 2, column 1: found character '\\t' that cannot start any token"),
 ])
 def test_a_yaml_syntax_error_names_the_file_and_line(tmp_path, text, where):
-    path = tmp_path / "c.yaml"
-    path.write_text(text)
-    with pytest.raises(ConfigError) as e:
-        load_config(PretrainConfig, path)
-    assert str(e.value) == f"config file {path} is not valid YAML: {where}"
+    path, error = yaml_refusal(tmp_path, text)
+    assert error == f"config file {path} is not valid YAML: {where}"
