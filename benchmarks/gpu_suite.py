@@ -24,6 +24,7 @@ import multiprocessing
 import os
 import platform
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -69,7 +70,7 @@ class Scale:
 REAL = Scale(device="cuda", images=24000, width=500, height=375, workers=16, shard_size=250,
              models={"ViT-B/16": ["--model", "vit_base_patch16_224"], "ViT-S/16": ["--model", "vit_small_patch16_224"]},
              img_size=224, finetune_size=288, batch=256, lever_batches=(128, 512), bench_steps=10, bench_rounds=2,
-             run_steps=40, threads=0, budget_s=450.0)
+             run_steps=80, threads=0, budget_s=450.0)
 TINY = ["--model", "vit_tiny_patch16_224", "--patch-size", "4", "--embed-dim", "32", "--depth", "2", "--num-heads", "2"]
 # Both models are the same tiny ViT, so that the second one's compilations come from Inductor's cache.
 SMOKE = Scale(device="cpu", images=40, width=160, height=120, workers=2, shard_size=10,
@@ -89,6 +90,8 @@ class Row:
     parse: Callable[[Suite, Row], list[dict]]
     needs: tuple[str, ...] = ()
     prepare: Callable[[Suite], None] | None = None  # before the command, inside its time
+    vs_step: str | None = None  # a run end to end: the step row whose MPP img/s it is compared with
+    cuda_only: bool = False  # FP8, device decoding: not run by a smoke run on the CPU
     status: str = "not run"
     seconds: float = 0.0
     lines: list[dict] = field(default_factory=list)
@@ -109,8 +112,10 @@ class Suite:
     def shards(self) -> Path:
         return self.work / "shards"
 
+    packed: bool = False  # --pack: raw/ lives in `work` and goes out as raw.tar.gz
+
     def raw(self, name: str) -> Path:
-        return self.out / "raw" / name
+        return (self.work if self.packed else self.out) / "raw" / name
 
     def run_dir(self, key: str) -> Path:
         return self.work / "runs" / key
@@ -143,11 +148,11 @@ def run_overrides(suite: Suite, key: str) -> list[str]:
             "train.mixed_precision=bf16", "train.resume=never"]
 
 
-def pretrain(suite: Suite, label: str, key: str, compiled: bool) -> list[str]:
+def pretrain(suite: Suite, label: str, key: str, compiled: bool, *extra: str) -> list[str]:
     return [suite.python, *LAUNCH, "--mixed_precision", "bf16", "-m", "pretrain", "--config",
             "configs/pretrain/vit_b16_in1k.yaml", *model_overrides(suite, label, suite.scale.img_size),
             *run_overrides(suite, key), f"train.steps={suite.scale.run_steps}", "train.eval_every=0",
-            "data.val_split=", f"train.compile={str(compiled).lower()}"]
+            "data.val_split=", f"train.compile={str(compiled).lower()}", *extra]
 
 
 def finetune(suite: Suite, label: str, key: str, export: str) -> list[str]:
@@ -183,15 +188,17 @@ def parse_steps(suite: Suite, row: Row) -> list[dict]:
     return lines
 
 
-LEVER_NAMES = {"sdpa": "attention backend", "optim": "AdamW kernel", "batch": "micro-batch", "compile": "torch.compile"}
+LEVER_NAMES = {"sdpa": "attention backend", "optim": "AdamW kernel", "batch": "micro-batch", "compile": "torch.compile",
+               "fp8": "FP8 matmuls (torchao)"}
 
 
 def parse_levers(suite: Suite, row: Row) -> list[dict]:
     r = read_json(suite, row)
     lines = []
     for lever, result in r["levers"].items():
-        key, _, value = lever.partition("=")
-        what = f"lever: {LEVER_NAMES[key]} {value}"
+        knobs = [knob.partition("=") for knob in lever.split("+")]
+        what = "lever: " + " + ".join(f"{LEVER_NAMES[k]} {v}" for k, _, v in knobs)
+        key = knobs[0][0]
         if key == "optim":
             what += " (the baseline's is fused on CUDA)"
         if "unavailable" in result:
@@ -244,22 +251,28 @@ def parse_run(suite: Suite, row: Row) -> list[dict]:
 
 
 def gpu_tests(suite: Suite) -> list[str]:
-    """pytest on the test files that hold tests marked `gpu` (they are skipped without CUDA)."""
+    """pytest on each test file that holds tests marked `gpu` (skipped without CUDA), one file at a time, verbose and
+    under its own time limit: a file that hangs or runs long must not hide the others' reports (the first GPU run's
+    row was cut before pytest printed why its tests failed)."""
     files = sorted(str(p.relative_to(REPO)) for p in (REPO / "tests").rglob("test_*.py")
                    if "mark.gpu" in p.read_text())
-    return [suite.python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", *files]
+    pytest = f"{shlex.quote(suite.python)} -m pytest -v --tb=short -rfE -p no:cacheprovider -m gpu"
+    return ["bash", "-c", "; ".join(f"timeout 90 {pytest} {shlex.quote(f)}" for f in files) + "; true"]
 
 
 def parse_tests(suite: Suite, row: Row) -> list[dict]:
-    summary = suite.raw(f"{row.key}.log").read_text().strip().splitlines()[-1].strip("= ")
-    return [line(row.what, notes=summary)]
+    """Each file's pytest summary line, joined."""
+    log = suite.raw(f"{row.key}.log").read_text()
+    summaries = re.findall(r"^=+ (.*(?:passed|failed|skipped|deselected|error).*) =+$", log, re.MULTILINE)
+    return [line(row.what, notes="; ".join(summaries) or "no summary (see raw/gpu_tests.log)")]
 
 
 def rows(scale: Scale) -> list[Row]:
-    """Every row, in the order they run: what the issue asks first (ViT-B/16's step, eager and compiled; the runs
-    end to end, ViT-S/16's fed by the loader), the levers after, the other compilations and max-autotune last.
-    `expect_s`: a guess written ahead (none of these was timed on a GPU), used only to skip a row that would not
-    finish in the budget."""
+    """Every row, in the order they run: what matters most first (ViT-B/16's step eager and compiled, the GPU tests,
+    FP8; ViT-S/16 end to end against its step; the compiled runs end to end), the other levers and runs after, the
+    other compilations and max-autotune last. (data.decode=gpu has no row while the runs refuse it on a GPU.)
+    `expect_s`: the time a row took on an H100 (docs/benchmarks.md), or a guess where it has not run there, used
+    only to skip a row that would not finish in the budget."""
     b, s = "ViT-B/16", "ViT-S/16"
     low, high = scale.lever_batches
     size, ft = scale.img_size, scale.finetune_size
@@ -271,38 +284,45 @@ def rows(scale: Scale) -> list[Row]:
         return Row(key, label, f"step, {'compiled' if compiled else 'bf16 eager'}", expect_s,
                    lambda x: bench(x, label, key, *flags), parse_steps)
 
-    def pretrain_row(label: str, tag: str, compiled: bool, expect_s: float) -> Row:
-        key = f"pretrain_{'compiled' if compiled else 'eager'}_{tag}"
-        how = "train.compile=true" if compiled else "bf16 eager"
+    def pretrain_row(label: str, tag: str, compiled: bool, expect_s: float, *extra: str, key: str = "",
+                     what: str = "") -> Row:
+        key = key or f"pretrain_{'compiled' if compiled else 'eager'}_{tag}"
+        how = what or ("train.compile=true" if compiled else "bf16 eager")
         return Row(key, label, f"pretrain end to end @ {size}, {how}", expect_s,
-                   lambda x: pretrain(x, label, key, compiled), parse_run, ("shards",))
+                   lambda x: pretrain(x, label, key, compiled, *extra), parse_run, ("shards",),
+                   vs_step=f"step_{'compiled' if compiled else 'eager'}_{tag}", cuda_only=bool(extra))
 
     def finetune_row(label: str, tag: str) -> Row:
         return Row(f"finetune_{tag}", label, f"finetune end to end @ {ft}, bf16 eager", 45,
                    lambda x: finetune(x, label, f"finetune_{tag}", f"pretrain_eager_{tag}"), parse_run,
                    ("shards", f"pretrain_eager_{tag}"))
 
+    fp8 = ["compile=default+fp8=tensorwise", "compile=default+fp8=rowwise"]
     return [
         step(b, "b16", False, 25),
-        step(b, "b16", True, 110),
-        Row("gpu_tests", "-", "GPU tests (pytest -m gpu)", 45, gpu_tests, parse_tests),
+        step(b, "b16", True, 90),
+        Row("gpu_tests", "-", "GPU tests (pytest -m gpu)", 120, gpu_tests, parse_tests),
+        Row("fp8_b16", b, "levers", 180, lambda x: bench(x, b, "fp8_b16", "--levers", *fp8), parse_levers,
+            cuda_only=True),
         Row("shards", "-", "build-shards", 45, lambda x: [
             x.python, "-m", "data_tools.cli", str(x.work / "images"), str(x.shards), "--workers",
             str(x.scale.workers), "--shard-size", str(x.scale.shard_size), "--val-fraction", "0.05"], parse_shards,
             prepare=make_images),
+        step(s, "s16", False, 15),
+        pretrain_row(s, "s16", False, 30),
+        pretrain_row(b, "b16", True, 70),
+        pretrain_row(b, "b16", True, 80, "train.fp8=true", key="pretrain_compiled_fp8_b16",
+                     what="train.compile=true train.fp8=true"),
         Row("loader", "-", "loader alone", 30, lambda x: [
             x.python, "benchmarks/loader_bench.py", "--shards", str(x.shards), "--workers", str(x.scale.workers),
             "--batch", str(x.scale.batch), "--size", str(x.scale.img_size), "--json", str(x.raw("loader.json"))],
             parse_loader, ("shards",)),
         pretrain_row(b, "b16", False, 35),
-        pretrain_row(s, "s16", False, 30),
+        Row("levers_b16", b, "levers", 50, lambda x: bench(x, b, "levers_b16", "--levers", *levers), parse_levers),
         finetune_row(b, "b16"),
         finetune_row(s, "s16"),
-        step(s, "s16", False, 15),
-        Row("levers_b16", b, "levers", 50, lambda x: bench(x, b, "levers_b16", "--levers", *levers), parse_levers),
-        pretrain_row(b, "b16", True, 70),
-        pretrain_row(s, "s16", True, 60),
         step(s, "s16", True, 90),
+        pretrain_row(s, "s16", True, 60),
         Row("autotune_b16", b, "levers", 200, lambda x: bench(x, b, "autotune_b16", "--levers",
                                                                "compile=max-autotune"), parse_levers),
     ]
@@ -346,6 +366,9 @@ def run_row(suite: Suite, row: Row, deadline: float) -> None:
     failed = [k for k in row.needs if suite.rows[k].status != "ok"]
     if failed:
         row.status = f"not run: needs {', '.join(failed)}"
+        return
+    if row.cuda_only and suite.smoke:
+        row.status = "not run: needs a CUDA device"
         return
     if left < (row.expect_s if not suite.smoke else 1):
         row.status = f"skipped: {left:.0f} s of the budget left, it takes about {row.expect_s:.0f} s"
@@ -432,10 +455,34 @@ def table(suite: Suite, info: dict, command: str, used_s: float) -> str:
             "| model | row | img/s | ms/step | MFU | ratio | notes |", "| --- | --- | --- | --- | --- | --- | --- |"]
     for row in suite.rows.values():
         lines = row.lines or [line(row.what, notes=row.status)]
+        step = suite.rows.get(row.vs_step or "")
+        mpp = [ln for ln in (step.lines if step else []) if ln["what"].startswith("MPP step")]
+        if row.lines and mpp and mpp[0]["img_s"] and lines[0]["img_s"]:
+            lines[0]["ratio"] = f"{lines[0]['img_s'] / mpp[0]['img_s']:.2f} of the MPP step ({step.key})"
         for ln in lines:
             text.append(f"| {row.model} | {ln['what']} | {number(ln['img_s'], ',.0f')} | {number(ln['ms'], '.1f')} | "
                         f"{number(ln['mfu'], '.1%')} | {ln['ratio']} | {ln['notes']} |")
     return "\n".join(text) + "\n"
+
+
+def write_results(suite: Suite, info: dict, command: str, used_s: float) -> None:
+    """table.md, suite.json and (packed) raw.tar.gz as they stand, each replaced whole."""
+    out = suite.out
+    write_file(out / "table.md", table(suite, info, command, used_s))
+    write_file(out / "suite.json", json.dumps({"machine": info, "command": command, "rows": {
+        k: {"model": r.model, "status": r.status, "seconds": round(r.seconds, 1), "lines": r.lines}
+        for k, r in suite.rows.items()}}, indent=1) + "\n")
+    if suite.packed:
+        part = out / "raw.tar.gz.part"
+        with tarfile.open(part, "w:gz") as tar:
+            tar.add(suite.raw(""), arcname="raw")
+        os.replace(part, out / "raw.tar.gz")
+
+
+def write_file(path: Path, text: str) -> None:
+    part = path.with_name(path.name + ".part")
+    part.write_text(text)
+    os.replace(part, path)
 
 
 def append(table_md: Path) -> None:
@@ -496,28 +543,23 @@ def main(argv: list[str] | None = None) -> None:
         fail("the suite needs a CUDA device (torch sees none); --smoke runs every row on the CPU")
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     out = args.out or REPO / "runs" / "gpu_suite" / stamp
-    (out / "raw").mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="gpu-suite-", dir=args.work))
-    suite = Suite(scale, out, work, args.python, args.smoke)
+    suite = Suite(scale, out, work, args.python, args.smoke, packed=args.pack)
+    suite.raw("").mkdir(parents=True, exist_ok=True)
     suite.rows = {r.key: r for r in todo}
-    started = time.monotonic()
-    try:
-        for row in suite.rows.values():
-            run_row(suite, row, started + scale.budget_s)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     given = list(argv if argv is not None else sys.argv[1:])
     if "--python" in given:  # gpu_suite.sh passes its own
         del given[given.index("--python"):given.index("--python") + 2]
     command = " ".join(["bash benchmarks/gpu_suite.sh", *given])
-    (out / "table.md").write_text(table(suite, info, command, time.monotonic() - started))
-    (out / "suite.json").write_text(json.dumps({"machine": info, "command": command, "rows": {
-        k: {"model": r.model, "status": r.status, "seconds": round(r.seconds, 1), "lines": r.lines}
-        for k, r in suite.rows.items()}}, indent=1) + "\n")
-    if args.pack:
-        with tarfile.open(out / "raw.tar.gz", "w:gz") as tar:
-            tar.add(out / "raw", arcname="raw")
-        shutil.rmtree(out / "raw")
+    started = time.monotonic()
+    try:
+        for row in suite.rows.values():
+            run_row(suite, row, started + scale.budget_s)
+            # After every row: a suite stopped from outside (a machine's time limit) keeps what it measured.
+            write_results(suite, info, command, time.monotonic() - started)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     print((out / "table.md").read_text())
     print(f"written: {out}")
     if args.append:

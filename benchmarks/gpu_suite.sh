@@ -8,24 +8,33 @@
 #     bash benchmarks/gpu_suite.sh --append-from DIR       # add DIR/table.md (a device's run) to docs/benchmarks.md
 #
 # Runs from the source tree (PYTHONPATH=$PWD) with .venv/bin/python, else python3 (PYTHON= chooses). The packages
-# the GPU image lacks (webdataset, braceexpand) are installed from .whl/ (benchmarks/gpu_wheels.sh downloads them)
-# when they are not importable. The rest is benchmarks/gpu_suite.py.
+# the GPU image lacks (webdataset, braceexpand; torchao for FP8) are installed from .whl/ (benchmarks/gpu_wheels.sh
+# downloads them) when they are not importable. The rest is benchmarks/gpu_suite.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ -z "${PYTHON:-}" ]; then
     if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-if ! "$PYTHON" -c "import webdataset, braceexpand" 2>/dev/null; then
-    if ! ls .whl/webdataset-*.whl .whl/braceexpand-*.whl >/dev/null 2>&1; then
-        echo "error: webdataset and braceexpand are not importable and .whl/ lacks their wheels: run" \
-             "benchmarks/gpu_wheels.sh where a registry is reachable, and bring .whl/ along" >&2
+# What the image lacks, from .whl/: webdataset and braceexpand (needed), torchao (the FP8 rows; without it they fail).
+missing=()
+for pkg in webdataset braceexpand torchao; do
+    "$PYTHON" -c "import $pkg" 2>/dev/null || missing+=("$pkg")
+done
+for pkg in webdataset braceexpand; do
+    if [[ " ${missing[*]} " == *" $pkg "* ]] && ! ls .whl/"$pkg"-*.whl >/dev/null 2>&1; then
+        echo "error: $pkg is not importable and .whl/ lacks its wheel: run benchmarks/gpu_wheels.sh where a" \
+             "registry is reachable, and bring .whl/ along" >&2
         exit 2
     fi
+done
+wheels=()
+for pkg in "${missing[@]}"; do ls .whl/"$pkg"-*.whl >/dev/null 2>&1 && wheels+=("$pkg"); done
+if [ ${#wheels[@]} -gt 0 ]; then
     # Into the Python's own site-packages when it may be written, else beside it (on PYTHONPATH).
-    if ! "$PYTHON" -m pip install --quiet --no-index --no-deps --find-links .whl webdataset braceexpand; then
+    if ! "$PYTHON" -m pip install --quiet --no-index --no-deps --find-links .whl "${wheels[@]}"; then
         site="${TMPDIR:-/tmp}/vit-mpp-site"
-        "$PYTHON" -m pip install --quiet --no-index --no-deps --target "$site" --find-links .whl webdataset braceexpand
+        "$PYTHON" -m pip install --quiet --no-index --no-deps --target "$site" --find-links .whl "${wheels[@]}"
         export PYTHONPATH="$PYTHONPATH:$site"
     fi
 fi

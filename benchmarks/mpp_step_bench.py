@@ -1,13 +1,14 @@
 """Time one MPP training step against one plain supervised step of the same timm ViT and batch; with
---against-baseline, time a lever (attention backend, compile mode, optimizer kernel, micro-batch) against the bf16
-eager MPP step in the same run.
+--against-baseline, time a lever (attention backend, compile mode, optimizer kernel, micro-batch, FP8 matmuls)
+against the bf16 eager MPP step in the same run.
 
     python benchmarks/mpp_step_bench.py [--model vit_tiny_patch16_224] [--img-size 224] [--batch 32]
                                         [--steps 10] [--rounds 3] [--device cpu|cuda] [--bf16] [--compile]
                                         [--compile-mode default|max-autotune] [--sdpa default|flash|cudnn|efficient]
-                                        [--optim-impl auto|fused|foreach] [--mpp-only] [--against-baseline]
-                                        [--json FILE]
-    python benchmarks/mpp_step_bench.py ... --levers sdpa=flash sdpa=cudnn optim=foreach batch=128 compile=default
+                                        [--optim-impl auto|fused|foreach] [--fp8 tensorwise|rowwise] [--mpp-only]
+                                        [--against-baseline] [--json FILE]
+    python benchmarks/mpp_step_bench.py ... --levers sdpa=flash sdpa=cudnn optim=foreach batch=128 compile=default \
+                                                     compile=default+fp8=tensorwise
 
 Both steps do forward, backward and an AdamW step on the same uint8 images; the supervised one is the same ViT with
 a classifier head on the [class] token (1000 classes, timm's own), the MPP one (pretrain/mpp.py, with a
@@ -19,7 +20,9 @@ knows (or with --peak-tflops), the model FLOPs utilisation (MFU) as a run report
 
 The levers: --sdpa runs forward and backward inside `torch.nn.attention.sdpa_kernel` with one backend (flash,
 cudnn, efficient, math; default: torch's choice); --compile-mode is torch.compile's mode (implies --compile);
---optim-impl is optim.impl (auto: fused on CUDA, foreach on CPU, as a run builds it); --batch is the micro-batch.
+--optim-impl is optim.impl (auto: fused on CUDA, foreach on CPU, as a run builds it); --batch is the micro-batch;
+--fp8 swaps the linear layers for torchao's FP8 ones with that scaling, as train.fp8=true does (vit_mpp/models/fp8.py;
+compiled, as a run should use it). A lever may move several knobs at once: `compile=default+fp8=tensorwise`.
 With --against-baseline the MPP step of this setting and the baseline (bf16 autocast, eager, torch's attention
 choice, optim.impl auto, --baseline-batch images) are timed in turn, and the ratio of their images/s is printed.
 --levers times several levers in one process, each against the same baseline model (made once; each lever's model
@@ -36,6 +39,7 @@ import json
 import statistics
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -48,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pretrain.config import MPPConfig  # noqa: E402
 from pretrain.mpp import MaskedPatchPrediction  # noqa: E402
 from vit_mpp.config.sections import ModelConfig, OptimConfig  # noqa: E402
+from vit_mpp.models.fp8 import RECIPES, to_fp8  # noqa: E402
 from vit_mpp.models.vit import create_vit, norm_stats  # noqa: E402
 from vit_mpp.run.flops import peak_flops, training_flops  # noqa: E402
 from vit_mpp.run.optimizer import build_optimizer  # noqa: E402
@@ -67,11 +72,12 @@ class Setting:
     compile_mode: str | None  # None: eager
     sdpa: str
     optim_impl: str
+    fp8: str | None = None  # None: bf16 matmuls; else torchao's float8 recipe
 
     def describe(self) -> str:
         compiled = "eager" if self.compile_mode is None else f"compiled ({self.compile_mode})"
         return (f"batch {self.batch}, {'bf16' if self.bf16 else 'fp32'}, {compiled}, attention {self.sdpa}, "
-                f"optim.impl {self.optim_impl}")
+                f"optim.impl {self.optim_impl}" + (f", fp8 {self.fp8}" if self.fp8 else ""))
 
 
 def attention(backend: str) -> contextlib.AbstractContextManager:
@@ -114,6 +120,8 @@ def make_step(args: argparse.Namespace, setting: Setting, objective: str) -> Mad
         model = create_vit(model_config(args), num_classes=1000).to(dev)
     mean, std = (torch.tensor(s, device=dev).view(1, 3, 1, 1) for s in norm_stats(find_encoder(model)))
     labels = torch.randint(0, 1000, (setting.batch,), device=dev)
+    if setting.fp8:
+        to_fp8(model, setting.fp8)
     optimizer = build_optimizer(model, OptimConfig(impl=setting.optim_impl), 1e-4)
     forward = model if setting.compile_mode is None else torch.compile(model, mode=setting.compile_mode)
     generator = torch.Generator(device=dev).manual_seed(0)  # a run draws its corruption from its own generator
@@ -166,18 +174,26 @@ def measure(args: argparse.Namespace, steps: dict[str, Made]) -> dict[str, dict[
 
 
 def lever_setting(baseline: Setting, lever: str) -> Setting:
-    """The baseline with one lever moved: `sdpa=BACKEND`, `compile=MODE`, `optim=IMPL` or `batch=N`."""
-    key, _, value = lever.partition("=")
-    if key == "sdpa" and value in SDPA:
-        return replace(baseline, sdpa=value)
-    if key == "compile" and value in COMPILE_MODES:
-        return replace(baseline, compile_mode=value)
-    if key == "optim" and value in OPTIM_IMPLS:
-        return replace(baseline, optim_impl=value)
-    if key == "batch" and value.isdigit() and int(value) > 0:
-        return replace(baseline, batch=int(value))
-    print(f"error: --levers takes sdpa=BACKEND, compile=MODE, optim=IMPL or batch=N, got {lever!r}", file=sys.stderr)
-    raise SystemExit(2)
+    """The baseline with one lever moved, or several joined by '+': `sdpa=BACKEND`, `compile=MODE`, `optim=IMPL`,
+    `batch=N`, `fp8=RECIPE`."""
+    setting = baseline
+    for knob in lever.split("+"):
+        key, _, value = knob.partition("=")
+        if key == "sdpa" and value in SDPA:
+            setting = replace(setting, sdpa=value)
+        elif key == "compile" and value in COMPILE_MODES:
+            setting = replace(setting, compile_mode=value)
+        elif key == "optim" and value in OPTIM_IMPLS:
+            setting = replace(setting, optim_impl=value)
+        elif key == "batch" and value.isdigit() and int(value) > 0:
+            setting = replace(setting, batch=int(value))
+        elif key == "fp8" and value in RECIPES:
+            setting = replace(setting, fp8=value)
+        else:
+            print(f"error: --levers takes sdpa=BACKEND, compile=MODE, optim=IMPL, batch=N or fp8=RECIPE (several "
+                  f"joined by '+'), got {lever!r}", file=sys.stderr)
+            raise SystemExit(2)
+    return setting
 
 
 def unavailable(error: RuntimeError, setting: Setting) -> str | None:
@@ -193,17 +209,18 @@ def unavailable(error: RuntimeError, setting: Setting) -> str | None:
 
 def levers(args: argparse.Namespace, baseline: Setting) -> dict:
     """Each of --levers against the baseline, in turn, the baseline's model kept for all (each lever's is freed
-    before the next is made)."""
+    before the next is made). A lever that fails is recorded with its reason and the next one runs."""
     base = make_step(args, baseline, "mpp")
     record: dict = {"baseline": asdict(baseline), "levers": {}}
     for lever in args.levers:
         setting = lever_setting(baseline, lever)
         try:
             results = measure(args, {"lever": make_step(args, setting, "mpp"), "baseline": base})
-        except (RuntimeError, torch.OutOfMemoryError) as e:
-            reason = unavailable(e, setting)
+        except Exception as e:  # one lever that breaks (a compiler error, a missing kernel) must not end the others
+            reason = unavailable(e, setting) if isinstance(e, RuntimeError) else None
             if reason is None:
-                raise
+                traceback.print_exc()
+                reason = f"failed: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
             print(f"{lever:22s} {reason}", flush=True)
             record["levers"][lever] = {"setting": asdict(setting), "unavailable": reason}
         else:
@@ -236,12 +253,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sdpa", choices=SDPA, default="default", help="attention backend (torch.nn.attention)")
     p.add_argument("--optim-impl", choices=OPTIM_IMPLS, default="auto",
                    help="AdamW kernel, as optim.impl (auto: fused on CUDA)")
+    p.add_argument("--fp8", choices=RECIPES, help="FP8 matmuls (torchao) with this scaling, as train.fp8=true does")
     p.add_argument("--mpp-only", action="store_true", help="leave the supervised step out")
     p.add_argument("--against-baseline", action="store_true",
                    help="also time the bf16 eager MPP step of --baseline-batch and print the ratio")
     p.add_argument("--levers", nargs="+", metavar="LEVER",
                    help="time each of these against the baseline (bf16 eager MPP of --batch), in one process: "
-                        "sdpa=BACKEND, compile=MODE, optim=IMPL, batch=N")
+                        "sdpa=BACKEND, compile=MODE, optim=IMPL, batch=N, fp8=RECIPE; several joined by '+'")
     p.add_argument("--peak-tflops", type=float, default=0.0,
                    help="dense peak of the device for MFU (0: vit_mpp/run/flops.py's table of GPUs)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
@@ -277,7 +295,7 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     compile_mode = args.compile_mode or ("default" if args.compile else None)
-    setting = Setting(args.batch, args.bf16, compile_mode, args.sdpa, args.optim_impl)
+    setting = Setting(args.batch, args.bf16, compile_mode, args.sdpa, args.optim_impl, args.fp8)
     baseline = Setting(args.baseline_batch or args.batch, True, None, "default", "auto")
     where = torch.cuda.get_device_name() if args.device == "cuda" else f"{torch.get_num_threads()} threads"
     if args.levers:

@@ -64,7 +64,7 @@ def _train(cfg: FinetuneConfig, signals: StopSignals) -> None:
     ema = build_ema(accelerator, model, tc.ema_decay)  # None when off; checkpointed with the training state
     peak_lr = scaled_lr(cfg.optim, tc.batch_size)
     optimizer = build_optimizer(model, cfg.optim, peak_lr, layer_decay=cfg.optim.layer_decay)
-    model, optimizer = prepare_model(accelerator, model, optimizer, tc.compile)
+    model, optimizer = prepare_model(accelerator, model, optimizer, tc)
     objective = ClassificationObjective(cfg, num_classes, gbatch.micro_batch, accelerator.device, mean, std)
 
     steps_per_epoch = max(1, data.samples_per_epoch() // tc.batch_size)

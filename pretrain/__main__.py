@@ -11,15 +11,15 @@ from pretrain.config import DESCRIPTION, PretrainConfig  # noqa: E402
 from vit_mpp.cli import run_main  # noqa: E402
 from vit_mpp.config.engine import parse_args  # noqa: E402
 from vit_mpp.data.manifest import check_location  # noqa: E402
+from vit_mpp.run.device_checks import check_device_settings  # noqa: E402
 from vit_mpp.run.run_clock import mark_start  # noqa: E402
-from vit_mpp.run.unbuilt import refuse_unbuilt  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
     stop_during_start_up()  # a signal during the seconds of imports: one line, not a silent end
     mark_start()  # the run's clock: its summary's total time counts the start-up too
     cfg = parse_args(PretrainConfig, argv, prog="pretrain", description=DESCRIPTION)
-    refuse_unbuilt(cfg)  # data.decode=gpu, train.fp8=true: one line, before any path is read
+    check_device_settings(cfg)  # data.decode=gpu, train.fp8=true where they cannot run: one line, first
     for location in [*cfg.data.shard_sets(), cfg.data.val_shards]:  # local paths; a URL is read by the run
         if location.strip():
             check_location(location)

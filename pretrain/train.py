@@ -60,7 +60,7 @@ def _train(cfg: PretrainConfig, signals: StopSignals) -> None:
     peak_lr = scaled_lr(cfg.optim, tc.batch_size)
     warmup = warmup_steps(cfg.optim, tc.steps)
     optimizer = build_optimizer(model, cfg.optim, peak_lr)
-    model, optimizer = prepare_model(accelerator, model, optimizer, tc.compile)
+    model, optimizer = prepare_model(accelerator, model, optimizer, tc)
 
     schedule = partial(lr_at, peak_lr=peak_lr, warmup=warmup, total_steps=tc.steps, min_lr_ratio=cfg.optim.min_lr_ratio)
     if run.dry_run:

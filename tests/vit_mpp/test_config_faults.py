@@ -16,8 +16,8 @@ from pretrain.__main__ import main as pretrain_main
 from tests.helpers.processes import launch, run_module
 from vit_mpp.cli import run_main
 
-# Settings this version names but does not build are refused in words that depend on the machine's device
-# (tests/vit_mpp/test_unbuilt.py checks each case): these rows expect this machine's.
+# Settings that need a device are refused in words that depend on the machine's (tests/vit_mpp/test_device_checks.py
+# checks each case): these rows expect this machine's.
 CUDA = torch.cuda.is_available()
 FP8_GPU = CUDA and torch.cuda.get_device_capability() >= (8, 9)
 # (stage, overrides, what the one line must contain)
@@ -150,13 +150,14 @@ BAD_VALUES = [
     ("finetune", ["train.ema_decay=high"], "'train.ema_decay' expects float"),
     # what a run prints: the peak the MFU is measured against
     ("finetune", ["train.peak_tflops=-1"], "'train.peak_tflops' must be >= 0"),
-    # named but not built in this version (vit_mpp/run/unbuilt.py): refused before any path is read
-    ("pretrain", ["data.decode=gpu"], "data.decode=gpu is not implemented in this version" if CUDA
-     else "data.decode=gpu decodes JPEGs on a CUDA device (nvJPEG"),
-    ("finetune", ["data.decode=gpu"], "data.decode=gpu is not implemented" if CUDA else "data.decode=gpu decodes"),
-    ("pretrain", ["train.fp8=true"], "train.fp8=true is not implemented in this version" if FP8_GPU
-     else "train.fp8=true needs a CUDA GPU of compute capability 8.9 or later (Ada Lovelace, Hopper) and torchao"),
+    # settings that need a device (vit_mpp/run/device_checks.py): refused before any path is read
+    ("finetune", ["data.decode=gpu", "augment.auto_augment=rand-m9-n2"], "runs on the decoded crop in the loader "
+     "workers" if CUDA else "data.decode=gpu decodes JPEGs on a CUDA device (nvJPEG"),
+    *([] if CUDA else [("pretrain", ["data.decode=gpu"], "data.decode=gpu decodes JPEGs on a CUDA device (nvJPEG")]),
+    *([] if FP8_GPU else [("pretrain", ["train.fp8=true"], "train.fp8=true needs a CUDA GPU of compute capability 8.9 "
+                                                           "or later (Ada Lovelace, Hopper) and torchao")]),
     ("pretrain", ["data.decode=cuda"], "'data.decode' expects one of 'cpu' | 'gpu'"),
+    ("pretrain", ["train.fp8_recipe=blockwise"], "'train.fp8_recipe' expects one of 'tensorwise' | 'rowwise'"),
 ]
 MAINS = {"pretrain": pretrain_main, "finetune": finetune_main}
 IDS = [" ".join(o) for _, o, _ in BAD_VALUES]
@@ -172,7 +173,7 @@ PYTHON_M_SAMPLE = {
     "init.std=[0.2,0,0.2]", "augment.mixup=-1", "optim.lrr=1", "train.steps=many",
     "--config configs/finetune/missing.yaml", "train.trackers=[nosuch]", "knn.k=0", "export.push_to_hub=a/b/c",
     "augment.auto_augment=rand-m9-x1", "train.ema_decay=high", "data.shards=[a,b] data.weights=[0,0]",
-    "train.preempt_signals=[SIGKILL]", "train.fp8=true",
+    "train.preempt_signals=[SIGKILL]", "data.decode=gpu augment.auto_augment=rand-m9-n2",
 }
 assert PYTHON_M_SAMPLE <= set(IDS), sorted(PYTHON_M_SAMPLE - set(IDS))  # the sample names rows of the table
 

@@ -52,6 +52,30 @@ def test_a_classifier_export_is_a_timm_local_dir_model(tmp_path, pool):
     torch.testing.assert_close(loaded(x), model(x), rtol=0, atol=0)
 
 
+def test_with_a_timm_whose_config_writer_takes_no_data_config_the_export_records_the_same(tmp_path, monkeypatch):
+    """timm before 1.0.30 (the GPU machines' image had 1.0.29): the preprocessing is set in pretrained_cfg by us."""
+    import timm.models._hub as hub
+
+    model, cfg = classifier("token")
+    export = Export(tmp_path / "new", model.state_dict(), cfg, num_classes=3, mean=(0.2, 0.3, 0.4),
+                    std=(0.5, 0.6, 0.7), crop_pct=0.9)
+    write_export(export, kind="classifier")
+    writer = hub.save_config_for_hf
+    def old_writer(model, config_path: Path, model_config=None):  # timm 1.0.29's signature; it calls .open()
+        assert isinstance(config_path, Path)
+        writer(model, config_path, model_config=model_config)
+
+    monkeypatch.setattr(hub, "save_config_for_hf", old_writer)
+    write_export(dataclasses.replace(export, path=tmp_path / "old"), kind="classifier")
+    new, old = (json.loads((tmp_path / d / "config.json").read_text())["pretrained_cfg"] for d in ("new", "old"))
+    assert {k: old[k] for k in ("mean", "std", "crop_pct", "crop_mode", "interpolation")} == {
+        k: new[k] for k in ("mean", "std", "crop_pct", "crop_mode", "interpolation")}
+    assert old["mean"] == [0.2, 0.3, 0.4] and old["crop_pct"] == 0.9
+    loaded = timm.create_model(f"local-dir:{tmp_path / 'old'}", pretrained=True).eval()
+    x = torch.randn(2, 3, 16, 24)
+    torch.testing.assert_close(loaded(x), model(x), rtol=0, atol=0)
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, encoder_export):
     """Two tiny fine-tuning runs from the same pretraining export, with token and with avg pooling."""

@@ -87,9 +87,9 @@ class DataConfig:
                                 "long is a stall; the stream is aborted and reopened", above(0))
     read_retries: int = opt(READ_RETRIES, "shards: reopen a stalled stream (local or remote) or a broken remote "
                             "one this many times (backoff 1, 2, 4 s ...), then stop with an error", at_least(0))
-    decode: Literal["cpu", "gpu"] = opt("cpu", "where JPEGs are decoded: cpu (in the loader workers) or gpu (batched "
-                                        "on the CUDA device with nvJPEG); gpu is not implemented in this version and "
-                                        "is refused")
+    decode: Literal["cpu", "gpu"] = opt("cpu", "where training JPEGs are decoded: cpu (in the loader workers) or gpu "
+                                        "(batched on the CUDA device with nvJPEG, crops and flips there too; the "
+                                        "workers only read bytes)")
 
     def problems(self) -> Iterator[tuple[str, str]]:
         if self.crop_scale[0] > self.crop_scale[1]:
@@ -165,8 +165,10 @@ class TrainConfig:
                                        at_least(1))
     mixed_precision: Literal["no", "bf16", "fp16"] = opt("no", "mixed precision")
     compile: bool = opt(False, "torch.compile the model")
-    fp8: bool = opt(False, "FP8 matmuls through torchao's float8 training (a GPU of compute capability 8.9+); not "
-                           "implemented in this version and refused")
+    fp8: bool = opt(False, "FP8 matmuls through torchao's float8 training (a GPU of compute capability 8.9+ and "
+                           "torchao: pip install 'vit-mpp[fp8]'); the linear layers whose sizes divide by 16")
+    fp8_recipe: Literal["tensorwise", "rowwise"] = opt("tensorwise", "torchao's float8 scaling with train.fp8: one "
+                                                       "scale per tensor (faster) or per row (closer to bf16)")
     peak_tflops: float = opt(0.0, "peak TFLOP/s of one device at the run's precision, for the MFU the progress line "
                                   "and metrics.jsonl show (0: from a table of common GPUs; none on a CPU)", at_least(0))
     log_every: int = opt(10, "log every N optimizer steps", at_least(1))

@@ -11,10 +11,12 @@ from typing import Any
 
 import torch
 from PIL import Image
+from torchvision import transforms as TV1
 from torchvision.transforms import v2 as T
 from torchvision.transforms.v2.functional import pil_to_tensor
 
 from vit_mpp.config.sections import DataConfig, img_hw
+from vit_mpp.data.device_decode import EncodedCrop
 from vit_mpp.data.image_formats import IMAGE_EXTENSIONS, image_member
 
 try:  # deprecated since torchvision 0.29 (for TorchCodec, which needs FFmpeg) and to be removed: where it is gone,
@@ -51,6 +53,8 @@ class ImageDecoder:
         h, w = img_hw(img_size)
         self.size = (h, w)
         self.augment = augment if train else None  # evaluation stays deterministic
+        self.train, self.crop_scale, self.hflip = train, tuple(crop_scale), hflip
+        self.on_device = False  # see `decoding_on_device`
         if train:
             ops = [T.RandomResizedCrop((h, w), scale=tuple(crop_scale), antialias=True)]
             if hflip:
@@ -67,8 +71,17 @@ class ImageDecoder:
     def for_training(cls, data: DataConfig, img_size: int | list[int],
                      augment: Callable[[torch.Tensor], torch.Tensor] | None = None) -> ImageDecoder:
         """The training decoder `data` describes (crop scale, flips), with `augment` after the crop."""
-        return cls(img_size, train=True, crop_scale=tuple(data.crop_scale), hflip=data.hflip,
-                   eval_crop_pct=data.eval_crop_pct, augment=augment)
+        decoder = cls(img_size, train=True, crop_scale=tuple(data.crop_scale), hflip=data.hflip,
+                      eval_crop_pct=data.eval_crop_pct, augment=augment)
+        return decoder.decoding_on_device() if data.decode == "gpu" else decoder
+
+    def decoding_on_device(self) -> ImageDecoder:
+        """This decoder for data.decode=gpu: a training JPEG leaves the worker encoded, with the crop and flip drawn
+        for it (vit_mpp/data/device_decode.py); crops and flips only, so no `augment`. Evaluation is unchanged."""
+        if self.train and self.augment is not None:
+            raise ValueError("decoding on the device crops and flips there: an augment of the crop cannot run")
+        self.on_device = self.train
+        return self
 
     @classmethod
     def for_evaluation(cls, data: DataConfig, img_size: int | list[int]) -> ImageDecoder:
@@ -84,7 +97,17 @@ class ImageDecoder:
         img.draft("RGB", self.draft)  # a no-op except for JPEGs
         return pil_to_tensor(img.convert("RGB"))
 
-    def __call__(self, data: bytes, seed: int | None = None) -> torch.Tensor:
+    def _encoded_crop(self, data: bytes, size: tuple[int, int]) -> EncodedCrop:
+        """The bytes with the crop and flip the CPU path would draw for an image of `size` (width, height): the same
+        calls on the same generator, on the full size (the CPU path draws on the size it decoded at, which draft mode
+        can reduce: then the boxes are the same up to that scale)."""
+        width, height = size
+        top, left, h, w = TV1.RandomResizedCrop.get_params(torch.empty(1, height, width, dtype=torch.uint8),
+                                                          list(self.crop_scale), [3 / 4, 4 / 3])
+        flip = self.hflip and bool(torch.rand(1) < 0.5)
+        return EncodedCrop(torch.frombuffer(bytearray(data), dtype=torch.uint8), (top, left, h, w), flip)
+
+    def __call__(self, data: bytes, seed: int | None = None) -> torch.Tensor | EncodedCrop:
         """The model's input for an image's bytes. With `seed` the random crop, flip and `augment` are drawn from it
         alone (torch's and Python's generators, restored after): a sample then gets the same augmentation whenever and
         by whichever worker it is read, so a resumed run sees what the uninterrupted run saw."""
@@ -104,7 +127,11 @@ class ImageDecoder:
             if python_state is not None:
                 random.setstate(python_state)
 
-    def _prepare(self, data: bytes) -> torch.Tensor:
+    def _prepare(self, data: bytes) -> torch.Tensor | EncodedCrop:
+        if self.on_device:
+            img = Image.open(io.BytesIO(data))  # the header only: size and colour mode
+            if img.format == "JPEG" and img.mode in ("RGB", "L"):  # what nvJPEG decodes to RGB (not CMYK)
+                return self._encoded_crop(data, img.size)
         x = self.decode(data).unsqueeze(0).contiguous(memory_format=torch.channels_last)  # (1, 3, h, w)
         x = self.transform(x)[0]  # (3, H, W) uint8, channels-last in memory
         if self.augment is not None:

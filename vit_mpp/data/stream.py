@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from vit_mpp.config.sections import DataConfig
 from vit_mpp.data import urls
+from vit_mpp.data.device_decode import collate_images, decode_on_device
 from vit_mpp.data.image_decoder import ImageDecoder, image_bytes
 from vit_mpp.data.labels import sample_label
 from vit_mpp.data.manifest import Split
@@ -209,7 +210,7 @@ class TrainStream(IterableDataset):
         try:
             for rnd in itertools.count(rounds):
                 slots = composition.slots(rnd * layout.micro, layout.micro).tolist()
-                yield _batch([(*next(readers[i]), i) for i in slots])
+                yield _batch([(*next(readers[i]), i) for i in slots], self.decoder.size)
         finally:
             for reader in readers:
                 reader.items.close()
@@ -225,11 +226,12 @@ def check_label(label: int, key: str, num_classes: int | None) -> None:
                      f"(0..{num_classes - 1}): num_classes is smaller than the shards' labels")
 
 
-def _batch(items: list[tuple]) -> dict[str, Any]:
-    """One training micro-batch from (image, label, key, epoch, bad keys, set) items."""
+def _batch(items: list[tuple], size: tuple[int, int]) -> dict[str, Any]:
+    """One training micro-batch from (image, label, key, epoch, bad keys, set) items; images of `size`, or JPEGs
+    still encoded with data.decode=gpu (vit_mpp/data/device_decode.py)."""
     images, labels, keys, epochs, bad_keys, sets = zip(*items)
     replaced = [k for ks in bad_keys for k in ks]
-    return {"image": torch.stack(images), "label": torch.tensor(labels, dtype=torch.int64),
+    return {**collate_images(list(images), size), "label": torch.tensor(labels, dtype=torch.int64),
             "valid": torch.ones(len(items), dtype=torch.bool), "key": list(keys), "set": list(sets),
             "epoch": list(epochs), "bad": len(replaced), "bad_keys": replaced}
 
@@ -401,8 +403,10 @@ def make_loader(stream: TrainStream | EvalStream, data: DataConfig) -> DataLoade
 
 
 def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    """Move the tensors of a batch to `device` without blocking; images stay uint8 until `normalize`."""
-    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    """Move the tensors of a batch to `device` without blocking; images stay uint8 until `normalize`. JPEGs still
+    encoded (data.decode=gpu) are decoded, cropped and flipped there (vit_mpp/data/device_decode.py)."""
+    moved = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    return decode_on_device(moved, device) if "jpeg" in moved else moved
 
 
 def normalize(images: torch.Tensor, mean: tuple[float, ...], std: tuple[float, ...]) -> torch.Tensor:

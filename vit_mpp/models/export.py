@@ -7,6 +7,7 @@ crash-safely; `read_export` reads it (older formats too). See docs/exports.md.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import os
 import uuid
@@ -113,10 +114,15 @@ def _write_files(export: Export, model: torch.nn.Module, kind: str) -> Path:
     model_config: dict[str, Any] = {RECORD: ours, "pretrained_cfg": {"tag": "vit-mpp"}}
     if class_names:
         model_config["label_names"] = list(class_names)
-    save_config_for_hf(model, str(config_new), model_config=model_config, data_config={
-        "mean": tuple(mean), "std": tuple(std), "crop_pct": crop_pct, "crop_mode": "center",
-        "interpolation": INTERPOLATION})
-    config = json.loads(config_new.read_text())
+    data_config = {"mean": tuple(mean), "std": tuple(std), "crop_pct": crop_pct, "crop_mode": "center",
+                   "interpolation": INTERPOLATION}
+    if "data_config" in inspect.signature(save_config_for_hf).parameters:
+        save_config_for_hf(model, str(config_new), model_config=model_config, data_config=data_config)
+        config = json.loads(config_new.read_text())
+    else:  # timm before 1.0.30 (GPU images ship it): the same keys, set in pretrained_cfg here
+        save_config_for_hf(model, config_new, model_config=model_config)  # a Path: those versions call .open()
+        config = json.loads(config_new.read_text())
+        config["pretrained_cfg"].update({k: list(v) if isinstance(v, tuple) else v for k, v in data_config.items()})
     config["pretrained_cfg"].pop("license", None)  # the named model's licence, not the licence of these weights
     config_new.write_text(json.dumps(config, indent=2) + "\n")
     for path in (weights_new, config_new):

@@ -83,13 +83,21 @@ def make_eval_accelerator(mixed_precision: str, collective_timeout_s: float = 60
 
 
 def prepare_model(accelerator: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                  compile: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """`accelerator.prepare` the model and optimizer, then (with `compile`) torch.compile the model in place.
+                  train: TrainConfig) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """With `train.fp8`, swap the linear layers for FP8 ones (vit_mpp/models/fp8.py: the parameters, which the
+    optimizer holds, stay the same objects); `accelerator.prepare` the model and optimizer, then (with
+    `train.compile`) torch.compile the model in place.
 
     In place (nn.Module.compile): `torch.compile(model)` would return a wrapper whose state dict keys start with
     `_orig_mod.`, and the exports would then find no encoder keys.
     """
+    if train.fp8:
+        from vit_mpp.models.fp8 import to_fp8
+
+        swapped = to_fp8(model, train.fp8_recipe)
+        accelerator.print(f"fp8: {len(swapped)} linear layers in FP8 ({train.fp8_recipe} scaling, torchao)"
+                          + ("" if train.compile else "; without train.compile=true its casts are slower than bf16"))
     model, optimizer = accelerator.prepare(model, optimizer)
-    if compile:
+    if train.compile:
         model.compile()
     return model, optimizer

@@ -24,12 +24,12 @@ from vit_mpp.data.training_data import TrainingData, load_training_data
 from vit_mpp.models.vit import architecture
 from vit_mpp.run.accelerator import GlobalBatch, make_accelerator
 from vit_mpp.run.checkpoint import Checkpointer, RunState, resume_latest
+from vit_mpp.run.device_checks import check_device_settings
 from vit_mpp.run.hub import check_hub
 from vit_mpp.run.preemption import StopGate, StopSignals
 from vit_mpp.run.run_dir import MetricsLog, prepare_run_dir
 from vit_mpp.run.sample_audit import SampleAudit
 from vit_mpp.run.step_meter import StepMeter
-from vit_mpp.run.unbuilt import refuse_unbuilt
 
 
 @dataclass
@@ -145,14 +145,14 @@ class _Gated:
 
 
 def start_run(cfg: Any, check_data: Callable[[TrainingData], object] | None = None) -> Run:
-    """Start a run: settings this version does not build refused (vit_mpp/run/unbuilt.py), the accelerator
+    """Start a run: device settings this machine cannot run refused (vit_mpp/run/device_checks.py), the accelerator
     (trackers checked), the Hub checked, the seed, the data's manifests, the model's architecture (built in shapes
     only), the run directory (taken, its config written; in a dry run only checked), the metrics log and the sample
     audit. The model and the data are checked before the run directory is touched, so a wrong setting or path
     changes nothing. `check_data`: the stage's own checks of the data (fine-tuning: classes and labels), run before
     the run directory is touched; what it returns is kept as `data_check`."""
     tc, dry_run = cfg.train, is_dry_run(cfg)
-    refuse_unbuilt(cfg)  # the stages' __main__ ask first; this covers a run started from code (`train(cfg)`)
+    check_device_settings(cfg)  # the stages' __main__ ask first; this covers a run started from code (`train(cfg)`)
     accelerator, gbatch = make_accelerator(tc)
     if accelerator.is_main_process:
         check_hub(cfg.export)  # a push at the end of a long run must not fail for want of a token
