@@ -1,7 +1,8 @@
 """`data.decode=gpu`: training JPEGs decoded on the device in batches (nvJPEG, `torchvision.io.decode_jpeg` with a
 CUDA device), cropped, resized and flipped there. The loader workers read the bytes and the JPEG header only, and
-draw each sample's crop and flip exactly as the CPU path does (the same seeded draws, on the image's full size), so
-the sample order, the audit and the crops are those of `data.decode=cpu`. Other formats, and JPEGs nvJPEG does not
+draw each sample's crop and flip as the CPU path does (the same seeded draws, on the image's full size), so the
+sample order and the audit are those of `data.decode=cpu`, and so are the crops where the CPU path decodes at full
+size (it draws on the reduced size where draft mode applies). Other formats, and JPEGs nvJPEG does not
 take (CMYK), are decoded in the workers as before. docs/data_stream.md#decoding-on-the-gpu."""
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch.nn.functional as F
 
 try:  # deprecated in torchvision 0.29 (see vit_mpp/data/image_decoder.py); batched and on CUDA since 0.19
     from torchvision.io import ImageReadMode, decode_jpeg
-except ImportError:  # pragma: no cover - a torchvision without it: data.decode=gpu is refused at the run's start
+except ImportError:  # pragma: no cover - a torchvision without it: data.decode=gpu cannot work there
     decode_jpeg = None
 
 
