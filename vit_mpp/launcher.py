@@ -82,6 +82,11 @@ def stop_during_start_up() -> None:
 
 
 def _stop_during_start_up(signum: int, frame: object) -> None:
+    # This handler is back once the run's own ones are gone (their context restores it as the run's error goes up):
+    # the launcher's SIGTERM after a peer's failure then meets it. The peer's failure comes first, as everywhere.
+    if _stopping.locked():  # this thread is printing a peer's failure and ending: let it
+        return
+    stop_if_peer_failed()
     if process_rank() == 0:
         print(f"preempted ({signal.Signals(signum).name}) during start-up: nothing new was saved; run the same "
               "command to resume", file=sys.stderr, flush=True)

@@ -168,6 +168,23 @@ def test_a_signal_while_the_group_is_being_made_waits_for_it_to_read_the_peers_n
     assert capsys.readouterr().err.strip() == "error: [rank 0] stopped: rank 1 failed (its error is above)"
 
 
+def test_the_start_up_handler_back_after_the_run_names_the_failed_peer_first(monkeypatch, capsys):
+    # slow CI: rank 1 failed; rank 0's broken collective ended its run, whose signal context gave the start-up
+    # handler back; torch elastic's SIGTERM then met it, and rank 0 said "preempted during start-up" (exit 143)
+    monkeypatch.setattr(launcher, "_store", NotedStore)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(launcher.os, "_exit", lambda code: (_ for _ in ()).throw(SystemExit(code)))
+    monkeypatch.setattr(launcher, "_stopping", threading.Lock())
+    with pytest.raises(SystemExit) as e:
+        launcher._stop_during_start_up(signal.SIGTERM, None)
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip() == "error: [rank 0] stopped: rank 1 failed (its error is above)"
+    # the signal arriving while this thread prints that line: the handler leaves it to finish
+    launcher._stop_during_start_up(signal.SIGTERM, None)
+    assert capsys.readouterr().err == ""
+
+
 @pytest.mark.parametrize("text, broken", [
     ("Application timeout caused pair closure", True),  # slow CI: DDP's buffer broadcast met the hung peer
     ("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1234", True),
