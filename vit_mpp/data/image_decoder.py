@@ -100,7 +100,7 @@ class ImageDecoder:
     def _encoded_crop(self, data: bytes, size: tuple[int, int]) -> EncodedCrop:
         """The bytes with the crop and flip the CPU path would draw for an image of `size` (width, height): the same
         calls on the same generator, on the full size (the CPU path draws on the size it decoded at, which draft mode
-        can reduce: then the boxes are the same up to that scale)."""
+        can reduce: there the two crops are drawn alike but land elsewhere)."""
         width, height = size
         top, left, h, w = TV1.RandomResizedCrop.get_params(torch.empty(1, height, width, dtype=torch.uint8),
                                                           list(self.crop_scale), [3 / 4, 4 / 3])
