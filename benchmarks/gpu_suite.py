@@ -40,6 +40,8 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from vit_mpp.durable import replace, write_atomic  # noqa: E402
+
 DOCS = REPO / "docs" / "benchmarks.md"
 LAUNCH = ["-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1", "--dynamo_backend",
           "no"]
@@ -91,7 +93,7 @@ class Row:
     needs: tuple[str, ...] = ()
     prepare: Callable[[Suite], None] | None = None  # before the command, inside its time
     vs_step: str | None = None  # a run end to end: the step row whose MPP img/s it is compared with
-    cuda_only: bool = False  # FP8, device decoding: not run by a smoke run on the CPU
+    cuda_only: bool = False  # FP8: not run by a smoke run on the CPU
     status: str = "not run"
     seconds: float = 0.0
     lines: list[dict] = field(default_factory=list)
@@ -468,21 +470,15 @@ def table(suite: Suite, info: dict, command: str, used_s: float) -> str:
 def write_results(suite: Suite, info: dict, command: str, used_s: float) -> None:
     """table.md, suite.json and (packed) raw.tar.gz as they stand, each replaced whole."""
     out = suite.out
-    write_file(out / "table.md", table(suite, info, command, used_s))
-    write_file(out / "suite.json", json.dumps({"machine": info, "command": command, "rows": {
+    write_atomic(out / "table.md", table(suite, info, command, used_s))
+    write_atomic(out / "suite.json", json.dumps({"machine": info, "command": command, "rows": {
         k: {"model": r.model, "status": r.status, "seconds": round(r.seconds, 1), "lines": r.lines}
         for k, r in suite.rows.items()}}, indent=1) + "\n")
     if suite.packed:
         part = out / "raw.tar.gz.part"
         with tarfile.open(part, "w:gz") as tar:
             tar.add(suite.raw(""), arcname="raw")
-        os.replace(part, out / "raw.tar.gz")
-
-
-def write_file(path: Path, text: str) -> None:
-    part = path.with_name(path.name + ".part")
-    part.write_text(text)
-    os.replace(part, path)
+        replace(part, out / "raw.tar.gz")
 
 
 def append(table_md: Path) -> None:

@@ -71,10 +71,10 @@ def decode_on_device(batch: dict[str, Any], device: torch.device) -> dict[str, A
         places.append(i)
     if crops:
         image[torch.tensor(places, device=image.device)] = torch.cat(crops).round_().clamp_(0, 255).to(torch.uint8)
+    good = [j for j in range(image.shape[0]) if j not in bad]
+    if bad and not good:
+        raise RuntimeError(f"no JPEG of the batch could be decoded on {device} or the CPU: {batch['key'][:3]}...")
     for i in bad:  # like a worker's bad sample: the previous image of the batch (the next one for the first)
-        good = [j for j in range(image.shape[0]) if j not in bad]
-        if not good:
-            raise RuntimeError(f"no JPEG of the batch could be decoded on {device} or the CPU: {batch['key'][:3]}...")
         source = max([j for j in good if j < i], default=min(good))
         image[i] = image[source]
         batch["bad_keys"] = [*batch["bad_keys"], batch["key"][i]]

@@ -53,7 +53,7 @@ class ImageDecoder:
         h, w = img_hw(img_size)
         self.size = (h, w)
         self.augment = augment if train else None  # evaluation stays deterministic
-        self.train, self.crop_scale, self.hflip = train, tuple(crop_scale), hflip
+        self.train, self.hflip = train, hflip
         self.on_device = False  # see `decoding_on_device`
         if train:
             ops = [T.RandomResizedCrop((h, w), scale=tuple(crop_scale), antialias=True)]
@@ -102,8 +102,9 @@ class ImageDecoder:
         calls on the same generator, on the full size (the CPU path draws on the size it decoded at, which draft mode
         can reduce: there the two crops are drawn alike but land elsewhere)."""
         width, height = size
+        crop = self.transform.transforms[0]  # the CPU path's RandomResizedCrop: its scale and ratio
         top, left, h, w = TV1.RandomResizedCrop.get_params(torch.empty(1, height, width, dtype=torch.uint8),
-                                                          list(self.crop_scale), [3 / 4, 4 / 3])
+                                                          list(crop.scale), list(crop.ratio))
         flip = self.hflip and bool(torch.rand(1) < 0.5)
         return EncodedCrop(torch.frombuffer(bytearray(data), dtype=torch.uint8), (top, left, h, w), flip)
 
