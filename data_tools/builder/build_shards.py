@@ -33,6 +33,8 @@ from vit_mpp.data.manifest import MANIFEST_NAME
 from vit_mpp.errors import UserError
 from vit_mpp.progress import progress
 
+SETTLE_S = 60.0  # a build stopping on an error waits this long for the shards being published to be journaled
+
 
 def _inside(path: str, folder: str) -> bool:
     path, folder = os.path.realpath(path), os.path.realpath(folder)
@@ -137,8 +139,12 @@ def run_ranges(b: Build, todo: list[RangeRef], journal: Journal, resumed: int, t
                 committer.poll()
                 shown.update(completed=resumed + runner.processed())
 
-            for record in runner.results(tasks, committer.room, idle):
-                committer.add(record)
+            try:
+                for record in runner.results(tasks, committer.room, idle):
+                    committer.add(record)
+            except Exception:
+                committer.settle(SETTLE_S)
+                raise
             committer.drain()
             idle()
     except KeyboardInterrupt:

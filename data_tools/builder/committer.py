@@ -7,6 +7,7 @@ See docs/build_shards.md#one-machine.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 
@@ -76,6 +77,21 @@ class Committer:
                 raise BuildStopped(f"{what}: {' '.join(str(e).split())}. Finished shards are kept: re-run the same "
                                    "command to continue") from None
             self._commit(record)
+
+    def settle(self, timeout: float) -> None:
+        """The build is stopping on an error: journal the ranges whose publication finishes within `timeout`
+        seconds, so a full disk or a failed range loses only the ranges still being written. A publication or
+        journal write that fails here is left to the resume (the error that stopped the build is the one told)."""
+        deadline = time.monotonic() + timeout
+        while self.pending and time.monotonic() < deadline:
+            done, _ = wait(self.pending, timeout=max(0.0, deadline - time.monotonic()), return_when=FIRST_COMPLETED)
+            for future in done:
+                record = self.pending.pop(future)
+                if future.exception() is None:
+                    try:
+                        self._commit(record)
+                    except OSError:
+                        return
 
     def drain(self) -> None:
         while self.pending:

@@ -62,10 +62,16 @@ class LocalExecutor:
                     continue
                 done, _ = wait(pending, timeout=0.25, return_when=FIRST_COMPLETED)
                 idle()
-                records = []
+                records, failed = [], None
                 for future in done:
                     task = pending.pop(future)
-                    records.append(future.result())
+                    if future.exception() is None:
+                        records.append(future.result())
+                    elif failed is None:
+                        failed = future
+                if failed is not None:  # the ranges that finished beside it are committed first, then it stops
+                    yield from (r for r in records if r is not None)
+                    failed.result()
             except BrokenProcessPool:  # from submit() or result(): the pool lost a worker
                 first = next(iter(pending.values()), None)
                 example = f" (e.g. {_describe(first)})" if first is not None else ""

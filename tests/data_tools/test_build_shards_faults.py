@@ -566,3 +566,35 @@ def test_a_full_disk_is_one_line_and_the_same_command_finishes_once_there_is_roo
         assert again.returncode == 0, again.stderr
         assert "resuming" in again.stdout and (disk / "out" / "_info.json").is_file()
         assert all((disk / "out" / name).read_bytes() == data for name, data in kept.items())
+
+
+def test_a_range_published_while_another_fails_is_journaled_and_not_written_again(tmp_path, capsys, monkeypatch):
+    # CI caught it: range 0's shard was still being published (synced, renamed) when range 1 hit the full disk; the
+    # error ended the build before range 0 was journaled, so its finished shard was written again on resume.
+    import errno
+
+    from data_tools.builder import shard_ranges
+    from data_tools.store import LocalStore
+
+    make_tree(tmp_path / "src", {"a": 8})
+    argv = [str(tmp_path / "src"), str(tmp_path / "out"), "--shard-size", "4", "--val-fraction", "0",
+            "--workers", "1"]
+    real_write, real_publish = shard_ranges._write_range, LocalStore.publish
+
+    def fails_after_the_first(task, *args):
+        if task.index > 0:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(task, *args)
+
+    def slow_publish(self, tmp, name):
+        time.sleep(1.0)  # the failure reaches the main process while this shard is being published
+        real_publish(self, tmp, name)
+
+    monkeypatch.setattr(shard_ranges, "_write_range", fails_after_the_first)  # the forked worker inherits it
+    monkeypatch.setattr(LocalStore, "publish", slow_publish)
+    assert "no space left on device" in one_line_error(capsys, *argv)
+    journal = (tmp_path / "out" / "_journal.jsonl").read_text().splitlines()
+    assert [json.loads(x)["range"] for x in journal[1:]] == [0]
+    monkeypatch.undo()
+    build_main(argv)
+    assert "resuming: 4 of 8 inputs are in 1 finished ranges" in capsys.readouterr().out
