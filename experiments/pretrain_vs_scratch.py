@@ -149,6 +149,7 @@ def compare_argv(args: argparse.Namespace, out: Path) -> list[str]:
         sets.append(PROBE_AVG)
     for arm, overrides in ABLATIONS.items() if args.ablations else ():
         sets += [f"{arm}.pretrain:{o}" for o in [f"train.steps={args.ablation_steps}", *overrides]]
+    sets += args.set
     threads = ["--threads", str(args.threads)] if args.threads else []
     return ["--unlabelled", str(out / "shards" / "all"), "--labelled", str(labelled),
             "--test", f"{out / 'shards' / 'all'}:val", "--seeds", *map(str, args.seeds),
@@ -174,6 +175,9 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--pretrain-set", nargs="*", default=[], metavar="KEY=VALUE", help="more pretrain overrides")
     p.add_argument("--finetune-set", nargs="*", default=[], metavar="KEY=VALUE",
                    help="more overrides of every run of the finetune config")
+    p.add_argument("--set", nargs="*", default=[], metavar="TARGET:KEY=VALUE",
+                   help="compare's own overrides, applied last: one arm's stage (mpp-l2n.pretrain:mpp.norm_pix=true "
+                        "for a variant arm mpp-l2n) or every run of a config (pretrain:..., finetune:...)")
     p.add_argument("--ablations", action="store_true", help="also run the target and mask-ratio ablations")
     p.add_argument("--ablation-steps", type=int, default=600, help="pretraining steps of each ablation arm")
     p.add_argument("--report-only", action="store_true",

@@ -58,3 +58,12 @@ def test_the_flags_become_compare_arms_and_overrides(tmp_path: Path) -> None:
     assert "mpp-l2.pretrain:train.steps=50" in sets and not any("probe-avg" in s for s in sets)
     assert argv[argv.index("--labelled") + 1] == str(tmp_path / "shards" / "all")  # 0 per class: every label
     assert argv[argv.index("--test") + 1] == f"{tmp_path / 'shards' / 'all'}:val"
+
+
+def test_set_gives_a_variant_arm_its_own_overrides_after_the_scripts(tmp_path: Path) -> None:
+    # The digits run of the normalised-pixel recipe (docs/results.md, "The digits") needs a variant arm's own --set.
+    args = bench.build_parser().parse_args(["--arms", "mpp-l2n,scratch", "--pretrain-set", "train.steps=9", "--set",
+                                            "mpp-l2n.pretrain:mpp.target=l2", "mpp-l2n.pretrain:mpp.norm_pix=true"])
+    argv = bench.compare_argv(args, tmp_path)
+    sets = argv[argv.index("--set") + 1:]
+    assert sets == ["pretrain:train.steps=9", "mpp-l2n.pretrain:mpp.target=l2", "mpp-l2n.pretrain:mpp.norm_pix=true"]
