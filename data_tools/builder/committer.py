@@ -83,15 +83,13 @@ class Committer:
         seconds, so a full disk or a failed range loses only the ranges still being written. A publication or
         journal write that fails here is left to the resume (the error that stopped the build is the one told)."""
         deadline = time.monotonic() + timeout
-        while self.pending and time.monotonic() < deadline:
-            done, _ = wait(self.pending, timeout=max(0.0, deadline - time.monotonic()), return_when=FIRST_COMPLETED)
-            for future in done:
-                record = self.pending.pop(future)
-                if future.exception() is None:
-                    try:
-                        self._commit(record)
-                    except OSError:
-                        return
+        while self.pending and (left := deadline - time.monotonic()) > 0:
+            try:
+                self.poll(timeout=left)
+            except OSError:  # the journal cannot be written either
+                return
+            except Exception:  # that range's publication failed: it is written again on resume
+                continue
 
     def drain(self) -> None:
         while self.pending:
