@@ -38,28 +38,53 @@ def die_with_launcher() -> None:
         return
     _watched = True
     parent = os.getppid()
-    if parent == 1 and not _own_launcher_serves():
-        _orphaned(parent)
     if not die_with_parent(parent, signal.SIGTERM):
         _watch_parent(parent)
+    if _hosts_launchers_store():
+        _watch_launchers_store()
 
 
-def _own_launcher_serves() -> bool:
-    """For a rank adopted by init before it could watch its launcher (the launcher died in the first tenths of a
-    second of this process, or is itself init, as in a container): whether the launcher still serves. Only
-    knowable where this rank's own launcher hosts the group's store (node 0, torch elastic's agent store): a refused
-    connection means it is gone. Elsewhere, assumed alive."""
+STORE_WATCH_S = 5.0  # how long a rank on node 0 keeps checking that its launcher's store is served
+STORE_POLL_S = 0.25
+
+
+def _hosts_launchers_store() -> bool:
+    """Whether this rank's own launcher serves the group's store (node 0 under torch elastic's agent store): then a
+    refused connection to it means the launcher is gone. Elsewhere nothing tells (docs/cluster.md)."""
+    return (os.environ.get("GROUP_RANK", "0") == "0" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            and "MASTER_ADDR" in os.environ and os.environ.get("MASTER_PORT", "").isdigit())
+
+
+def _watch_launchers_store() -> None:
+    """For a launcher that dies while this rank starts, before the kernel could be asked to signal it: the rank was
+    adopted by init (or a subreaper) and the death signal was asked of the wrong parent. A launcher that is init
+    itself (a container's first process) is told apart by the store it serves. Checked now, then for a few
+    seconds from a thread: a killed launcher's children are adopted as its first thread exits, while its other
+    threads may still hold its store open for some milliseconds (CI: both ranks saw it served, then waited for it
+    until the collective timeout)."""
+    _launcher_gone_unless_store_serves()
+
+    def watch() -> None:
+        deadline = time.monotonic() + STORE_WATCH_S
+        while time.monotonic() < deadline:
+            time.sleep(STORE_POLL_S)
+            _launcher_gone_unless_store_serves()
+
+    threading.Thread(target=watch, name="launcher-store-watch", daemon=True).start()
+
+
+def _launcher_gone_unless_store_serves() -> None:
     import socket
 
-    if os.environ.get("GROUP_RANK", "0") != "0" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return True
+    address = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
     try:
-        socket.create_connection((os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])), timeout=2).close()
-    except (KeyError, ValueError):
-        return True
+        socket.create_connection(address, timeout=2).close()
+    except ConnectionRefusedError:  # nothing listens: the launcher is gone (a slow answer proves nothing)
+        print(f"error: [rank {process_rank()}] the launcher is gone (nothing serves its store at "
+              f"{address[0]}:{address[1]}); this rank stops", file=sys.stderr, flush=True)
+        os._exit(1)
     except OSError:
-        return False
-    return True
+        pass
 
 
 def _orphaned(parent: int) -> None:

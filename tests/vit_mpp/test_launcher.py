@@ -89,7 +89,46 @@ def test_a_rank_adopted_by_init_before_it_watched_its_launcher_ends_unless_the_l
         assert out.stdout.strip() == "alive" and not out.stderr, out.stderr
     else:
         assert "alive" not in out.stdout, out.stdout
-        assert out.stderr.strip() == "error: [rank 3] the launcher (pid 1) is gone; this rank stops", out.stderr
+        assert out.stderr.strip() == (f"error: [rank 3] the launcher is gone (nothing serves its store at "
+                                      f"127.0.0.1:{port}); this rank stops"), out.stderr
+
+
+WATCHING = """
+import sys, time
+from vit_mpp import launcher
+launcher.STORE_WATCH_S = 1.5
+launcher.die_with_launcher()
+print("watching", flush=True)
+time.sleep(float(sys.argv[1]))
+print("alive", flush=True)
+"""
+
+
+@pytest.mark.parametrize("store_closes", [True, False])
+def test_a_rank_on_node_0_ends_when_its_launchers_store_goes_away_during_its_start(store_closes):
+    # CI: the launcher was killed as its ranks started; its first thread's exit gave them to init while its other
+    # threads still held its store open, so both ranks found the store served, and then waited for it until the
+    # collective timeout. The store is now watched for the first seconds of a rank, whoever its parent is.
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    env = {**subprocess_env(), "TORCHELASTIC_RUN_ID": "t", "GROUP_RANK": "0", "RANK": "1",
+           "TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    rank = subprocess.Popen([sys.executable, "-c", WATCHING, "3"], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert rank.stdout.readline().strip() == "watching"
+        if store_closes:
+            listener.close()
+        out, err = rank.communicate(timeout=60)
+    finally:
+        listener.close()
+        rank.kill()
+    if store_closes:
+        assert rank.returncode == 1 and "alive" not in out, (out, err)
+        assert err.strip() == (f"error: [rank 1] the launcher is gone (nothing serves its store at "
+                               f"127.0.0.1:{port}); this rank stops"), err
+    else:  # a launcher that serves is never taken for gone, and the watch ends
+        assert rank.returncode == 0 and out.strip() == "alive" and not err, (out, err)
 
 
 def test_loader_workers_know_their_rank_from_before_the_fork():
