@@ -26,7 +26,6 @@ from finetune.objective import ClassificationObjective
 from vit_mpp.config.engine import ConfigError, replaced, to_dict
 from vit_mpp.config.sections import ModelConfig
 from vit_mpp.data.manifest import check_every_sample_labelled, manifest_classes
-from vit_mpp.data.stream import to_device
 from vit_mpp.data.training_data import TrainingData
 from vit_mpp.models.vit import count_params
 from vit_mpp.run import dry_run
@@ -37,8 +36,9 @@ from vit_mpp.run.optimizer import build_optimizer
 from vit_mpp.run.preemption import StopSignals
 from vit_mpp.run.schedule import describe_lr, itstime, lr_at, scaled_lr, set_lr, warmup_steps
 from vit_mpp.run.start import Run, start_run
-from vit_mpp.run.step_meter import micro_batch_output, plain_number
+from vit_mpp.run.step_meter import plain_number
 from vit_mpp.run.tracking import finish_trackers, start_trackers
+from vit_mpp.run.train_step import optimizer_step
 
 
 def train(cfg: FinetuneConfig) -> None:
@@ -95,19 +95,8 @@ def _train(cfg: FinetuneConfig, signals: StopSignals) -> None:
         meter.data_ready()  # the step's batches are in hand: the time before was the wait for them
         lr = schedule(step)
         set_lr(optimizer, lr)
-        outputs = []
-        for batch in micro_batches:  # gradients are synchronised on the last micro-batch only
-            batch = to_device(batch, accelerator.device)
-            with accelerator.accumulate(model):
-                out = objective(model, batch)  # device-side augmentation, classifier and loss
-                accelerator.backward(out["loss"])
-                if accelerator.sync_gradients and cfg.optim.clip_grad_norm > 0:
-                    accelerator.clip_grad_norm_(model.parameters(), cfg.optim.clip_grad_norm)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            outputs.append(micro_batch_output(out, batch, data.names))
-            audit.add(batch)
-        meter.add(outputs)
+        # device-side augmentation, classifier and loss (finetune/objective.py), backward, clipping, the update
+        meter.add(optimizer_step(run, model, optimizer, micro_batches, partial(objective, model)))
         if ema is not None:
             ema.update(accelerator.unwrap_model(model))
         done = step + 1

@@ -18,7 +18,6 @@ from pretrain.config import PretrainConfig
 from pretrain.mpp import MaskedPatchPrediction
 from pretrain.validation import Validation
 from vit_mpp.config.engine import to_dict
-from vit_mpp.data.stream import to_device
 from vit_mpp.models.export import Export, strip_prefix, write_export
 from vit_mpp.models.vit import count_params, create_vit, norm_stats, patch_size
 from vit_mpp.run import dry_run
@@ -29,8 +28,8 @@ from vit_mpp.run.optimizer import build_optimizer
 from vit_mpp.run.preemption import StopSignals
 from vit_mpp.run.schedule import describe_lr, itstime, lr_at, scaled_lr, set_lr, warmup_steps
 from vit_mpp.run.start import Run, start_run
-from vit_mpp.run.step_meter import micro_batch_output
 from vit_mpp.run.tracking import finish_trackers, start_trackers
+from vit_mpp.run.train_step import optimizer_step
 
 
 def corruption_generator(device: torch.device, seed: int, rank: int, step: int = 0) -> torch.Generator:
@@ -82,6 +81,10 @@ def _train(cfg: PretrainConfig, signals: StopSignals) -> None:
         trainer=lambda: {"config": to_dict(cfg), "stream": resumed.generation.to_dict(), **meter.checkpoint_state()},
         rank=lambda: {"mpp_generator": gen.get_state()}))
     last_eval: dict[str, float] = {}
+
+    def forward(batch: dict) -> dict:  # corruption, encoder, head and loss (pretrain/mpp.py)
+        return model(batch["image"], generator=gen)
+
     model.train()
     signals.in_loop = True
     for step in range(resumed.step, tc.steps):
@@ -91,19 +94,7 @@ def _train(cfg: PretrainConfig, signals: StopSignals) -> None:
         meter.data_ready()  # the step's batches are in hand: the time before was the wait for them
         lr = schedule(step)
         set_lr(optimizer, lr)
-        outputs = []
-        for batch in micro_batches:  # gradients are synchronised on the last micro-batch only
-            batch = to_device(batch, accelerator.device)
-            with accelerator.accumulate(model):
-                out = model(batch["image"], generator=gen)  # corruption, encoder, head and loss (pretrain/mpp.py)
-                accelerator.backward(out["loss"])
-                if accelerator.sync_gradients and cfg.optim.clip_grad_norm > 0:
-                    accelerator.clip_grad_norm_(model.parameters(), cfg.optim.clip_grad_norm)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            outputs.append(micro_batch_output(out, batch, data.names))
-            audit.add(batch)
-        meter.add(outputs)
+        meter.add(optimizer_step(run, model, optimizer, micro_batches, forward))  # backward, clipping, the update
         done = step + 1
         checkpointer.completed(done)
         audit.write(done)

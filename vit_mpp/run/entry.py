@@ -1,0 +1,29 @@
+"""What each stage's entry point does before torch is imported (a bad config fails in a fraction of a second): the
+start-up signals, the run's clock, the config read and checked, the settings this machine cannot run, the data's
+local paths."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vit_mpp.config.engine import parse_args
+from vit_mpp.data.manifest import check_location
+from vit_mpp.launcher import stop_during_start_up
+from vit_mpp.run.device_checks import check_device_settings
+from vit_mpp.run.run_clock import mark_start
+
+
+def read_run_config(cls: type, argv: list[str] | None, prog: str, description: str) -> Any:
+    """The stage's config from the command line, checked (a user error raises, the entry point prints one line)."""
+    stop_during_start_up()  # a signal during the seconds of imports: one line, not a silent end
+    mark_start()  # the run's clock: its summary's total time counts the start-up too
+    cfg = parse_args(cls, argv, prog=prog, description=description)
+    check_device_settings(cfg)  # data.decode=gpu, train.fp8=true where they cannot run: one line, first
+    return cfg
+
+
+def check_data_locations(cfg: Any) -> None:
+    """Every local shard location of the run exists and holds a manifest (a URL is read by the run itself)."""
+    for location in [*cfg.data.shard_sets(), cfg.data.val_shards]:
+        if location.strip():
+            check_location(location)
