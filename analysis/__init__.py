@@ -3,6 +3,5 @@
     python -m analysis CHECKPOINT [--images ...] [--shards DIR]   the ViT paper's figures, parameter table (analyze.py)
     python -m analysis plot RUN_DIR [RUN_DIR ...]                training curves of runs, overlaid (plot_runs.py)
     python -m analysis summary RUN_DIR [RUN_DIR ...] [--csv FILE] a table of runs (run_table.py)
-    python -m analysis compare --unlabelled ... --out DIR         MPP against its baselines, per seed (compare.py)
-See docs/analysis.md.
+Comparing recipes by training them is an experiment: experiments/compare.py. See docs/analysis.md.
 """

@@ -1,10 +1,14 @@
-"""`python -m analysis CHECKPOINT ...` (figures), `python -m analysis plot RUN_DIR ...` (curves),
-`python -m analysis summary RUN_DIR ...` (a table of runs) or `python -m analysis compare ...` (pretraining against
-its baselines, run and tabled): see __init__.py."""
+"""`python -m analysis CHECKPOINT ...` (figures), `python -m analysis plot RUN_DIR ...` (curves) or
+`python -m analysis summary RUN_DIR ...` (a table of runs): see __init__.py."""
 
 import sys
 
-from vit_mpp.cli import run_main
+from vit_mpp.cli import UsageError, run_main
+
+
+def moved(argv: list[str] | None) -> None:
+    raise UsageError("compare trains runs, so it is an experiment now: python -m experiments.compare ...")
+
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["plot"]:
@@ -16,9 +20,7 @@ if __name__ == "__main__":
 
         run_main(summary_main, sys.argv[2:])
     elif sys.argv[1:2] == ["compare"]:
-        from analysis.compare import main as compare_main
-
-        run_main(compare_main, sys.argv[2:])
+        run_main(moved, sys.argv[2:])
     else:
         from analysis.analyze import main
 

@@ -192,7 +192,7 @@ def default_out(checkpoint: str) -> Path:
     """`PATH-analysis` beside the export folder PATH, never inside an export (the folder is the model as trained and
     uploaded); `FILE-analysis` beside a bare weights file; for a Hub or timm name, `NAME-analysis` here. The same
     rule as evaluation's (vit_mpp.models.pretrained.results_folder). The model card's figures are drawn into the
-    export on purpose, with --out (vit_mpp/run/hub.py)."""
+    export on purpose, with --out (vit_mpp/models/hub.py)."""
     return results_folder(checkpoint, "analysis")
 
 

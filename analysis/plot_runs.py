@@ -7,7 +7,8 @@ from pathlib import Path
 
 from vit_mpp.cli import ArgumentParser
 from vit_mpp.config.engine import ConfigError
-from vit_mpp.run.curves import plot_curves, read_metrics
+from vit_mpp.run.metering.curves import plot_curves
+from vit_mpp.run.metering.metrics_log import read_metrics
 from vit_mpp.tools.args import check_distinct_runs, check_out_file
 from vit_mpp.tools.figures import check_figure_name
 

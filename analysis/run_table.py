@@ -18,8 +18,8 @@ from vit_mpp.config.engine import ConfigError
 from vit_mpp.models.export import ExportError, read_export_config
 from vit_mpp.models.export_folder import is_export
 from vit_mpp.progress import format_duration
-from vit_mpp.run.curves import read_metrics
-from vit_mpp.run.metrics_summary import BEST_OF, best_metrics, final_metrics, read_summary, wall_time_s
+from vit_mpp.run.metering.metrics_log import read_metrics
+from vit_mpp.run.metering.summary import BEST_OF, best_metrics, final_metrics, read_summary, wall_time_s
 from vit_mpp.tools.args import check_distinct_runs, check_out_file, open_out_file
 
 # Metrics shown, in this order: the final value of each, and the best of those that have one (vit_mpp/run_metrics).
@@ -62,7 +62,7 @@ def trained_model(run_dir: Path, cfg: dict[str, Any]) -> str:
 
 
 def peak_lr(cfg: dict[str, Any]) -> float | None:
-    """`optim.lr`, else `optim.base_lr` scaled from `optim.base_batch_size` to the batch (vit_mpp.run.schedule)."""
+    """`optim.lr`, else `optim.base_lr` scaled from `optim.base_batch_size` to the batch (vit_mpp.run.loop)."""
     optim, train = cfg.get("optim") or {}, cfg.get("train") or {}
     if optim.get("lr") is not None:
         return float(optim["lr"])

@@ -15,7 +15,7 @@ a classifier head on the [class] token (1000 classes, timm's own), the MPP one (
 torch.Generator as a run passes one) corrupts 50% of the patch embeddings and predicts the 512-way mean colour of
 each. The steps are timed interleaved (--rounds rounds of --steps steps after 3 warm-up steps, which also compile),
 and the median is reported: time per step, images/s, the ratio MPP / supervised (the target is <= 1.05: the
-objective should cost next to nothing on top of the encoder) and, on a GPU the FLOPs table of vit_mpp/run/flops.py
+objective should cost next to nothing on top of the encoder) and, on a GPU the FLOPs table of vit_mpp/models/flops.py
 knows (or with --peak-tflops), the model FLOPs utilisation (MFU) as a run reports it.
 
 The levers: --sdpa runs forward and backward inside `torch.nn.attention.sdpa_kernel` with one backend (flash,
@@ -52,9 +52,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pretrain.config import MPPConfig  # noqa: E402
 from pretrain.mpp import MaskedPatchPrediction  # noqa: E402
 from vit_mpp.config.sections import ModelConfig, OptimConfig  # noqa: E402
+from vit_mpp.models.flops import peak_flops, training_flops  # noqa: E402
 from vit_mpp.models.fp8 import RECIPES, to_fp8  # noqa: E402
 from vit_mpp.models.vit import create_vit, norm_stats  # noqa: E402
-from vit_mpp.run.flops import peak_flops, training_flops  # noqa: E402
 from vit_mpp.run.optimizer import build_optimizer  # noqa: E402
 
 SDPA = ("default", "flash", "cudnn", "efficient", "math")
@@ -261,7 +261,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="time each of these against the baseline (bf16 eager MPP of --batch), in one process: "
                         "sdpa=BACKEND, compile=MODE, optim=IMPL, batch=N, fp8=RECIPE; several joined by '+'")
     p.add_argument("--peak-tflops", type=float, default=0.0,
-                   help="dense peak of the device for MFU (0: vit_mpp/run/flops.py's table of GPUs)")
+                   help="dense peak of the device for MFU (0: vit_mpp/models/flops.py's table of GPUs)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--json", type=Path, help="write every figure to this file")
     return p.parse_args(argv)

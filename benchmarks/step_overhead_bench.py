@@ -30,10 +30,11 @@ from pretrain.config import PretrainConfig  # noqa: E402
 from pretrain.mpp import MaskedPatchPrediction  # noqa: E402
 from vit_mpp.config.engine import load_config  # noqa: E402
 from vit_mpp.models.vit import create_vit, norm_stats  # noqa: E402
-from vit_mpp.run.accelerator import make_accelerator, prepare_model  # noqa: E402
+from vit_mpp.run.durability.preemption import StopSignals  # noqa: E402
+from vit_mpp.run.loop import StopGate  # noqa: E402
+from vit_mpp.run.metering.sample_audit import SampleAudit  # noqa: E402
 from vit_mpp.run.optimizer import build_optimizer  # noqa: E402
-from vit_mpp.run.preemption import StopGate, StopSignals  # noqa: E402
-from vit_mpp.run.sample_audit import SampleAudit  # noqa: E402
+from vit_mpp.run.start.accelerator import make_accelerator, prepare_model  # noqa: E402
 
 
 def main() -> None:
@@ -69,8 +70,7 @@ def main() -> None:
             t1 = time.perf_counter()
             gate.agree()
             t2 = time.perf_counter()
-            audit.add(batch)
-            audit.write(i + 1)
+            audit.write(i + 1, [batch])
             t3 = time.perf_counter()
             if i >= 20:  # after warm-up
                 for name, took in (("step", t1 - t0), ("check", t2 - t1), ("audit", t3 - t2)):

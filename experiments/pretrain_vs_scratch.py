@@ -1,4 +1,4 @@
-"""Does MPP pretraining help? `python -m analysis compare` on real images: scikit-learn's digits.
+"""Does MPP pretraining help? `python -m experiments.compare` on real images: scikit-learn's digits.
 
     python experiments/pretrain_vs_scratch.py                   # every arm, 3 seeds (see docs/results.md)
     python experiments/pretrain_vs_scratch.py --ablations       # plus the target and mask-ratio ablations
@@ -12,10 +12,10 @@ What it does:
    split seed 0, the same for every run), then `build-shards --existing-splits` on it (`shards/all`), and per seed
    the labelled subset (--labels-per-class images of each digit, drawn with that seed; 0 = all) as its own shards
    (`shards/labelled_k<K>_s<seed>`).
-2. Runs `python -m analysis compare` on them (analysis/compare.py): the pool is every training image (labels unused
-   by MPP; used by the supervised arm), the fine-tunings train on the seed's labelled subset and are scored on the
-   360 validation images, with configs/pretrain/digits.yaml and configs/finetune/digits.yaml. The arms: from
-   scratch, MPP pretrain -> fine-tune, from scratch at the MPP arm's total compute, supervised pretraining on the
+2. Runs `python -m experiments.compare` on them (experiments/compare.py): the pool is every training image
+   (labels unused by MPP; used by the supervised arm), the fine-tunings train on the seed's labelled subset and are
+   scored on the 360 validation images, with configs/pretrain/digits.yaml and configs/finetune/digits.yaml. The arms:
+   from scratch, MPP pretrain -> fine-tune, from scratch at the MPP arm's total compute, supervised pretraining on the
    labelled pool, and linear probes of the MPP encoder on the [class] token and on the mean of the patch tokens
    (probe-avg); --ablations adds one MPP arm per target and mask ratio, pretrained for --ablation-steps.
 3. Prints compare's paired table and, as a reference, a logistic regression on the raw 64 pixels of the same labelled
@@ -29,17 +29,12 @@ what is missing. --jobs runs that many processes at once, each with cores / jobs
 from __future__ import annotations
 
 import argparse
-import csv
-import shutil
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
-from PIL import Image
-
-from analysis import compare
+from experiments import compare
+from experiments.digits import labelled_subset, load_digits, make_data, write_digits
 from vit_mpp.cli import ArgumentParser, run_main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -55,91 +50,21 @@ ABLATIONS = {  # arm -> its pretraining overrides; each is pretrained at --ablat
 }
 
 
-def write_digits(root: Path, size: int, val_fraction: float) -> dict[str, list[tuple[str, int]]]:
-    """The digits as PNGs in `root/{train,val}/<digit>/<index>.png`; returns split -> [(relative path, label)].
-
-    Grey levels 0..16 map to 0..255; nearest-neighbour upsampling keeps the 8x8 pixels as sharp squares and adds no
-    made-up detail (at 16x16 a 4x4 patch is exactly 2x2 original pixels).
-    """
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-
-    digits = load_digits()
-    pixels = np.rint(digits.images * (255 / 16)).astype(np.uint8)  # (1797, 8, 8)
-    index = np.arange(len(pixels))
-    train_idx, val_idx = train_test_split(index, test_size=val_fraction, stratify=digits.target, random_state=0)
-    items: dict[str, list[tuple[str, int]]] = {}
-    for split, idx in (("train", train_idx), ("val", val_idx)):
-        items[split] = []
-        for i in sorted(idx.tolist()):
-            label = int(digits.target[i])
-            rel = f"{split}/{label}/{i:04d}.png"
-            path = root / rel
-            path.parent.mkdir(parents=True, exist_ok=True)
-            Image.fromarray(pixels[i], mode="L").resize((size, size), Image.NEAREST).save(path)
-            items[split].append((rel, label))
-    return items
-
-
-def labelled_subset(items: dict[str, list[tuple[str, int]]], per_class: int, seed: int) -> list[tuple[str, int]]:
-    """`per_class` training images of each digit, drawn with `seed` (0: all of them)."""
-    if per_class <= 0:
-        return list(items["train"])
-    rng = np.random.default_rng(seed)
-    chosen = []
-    for label in sorted({lab for _, lab in items["train"]}):
-        paths = [it for it in items["train"] if it[1] == label]
-        chosen += [paths[j] for j in sorted(rng.permutation(len(paths))[:per_class].tolist())]
-    return chosen
-
-
 def pixel_baseline(items: dict[str, list[tuple[str, int]]], per_class: int, seed: int) -> float:
     """Validation top-1 of a logistic regression on the raw 64 pixels, trained on the same labelled subset: a
     reference for what the labels alone give on this easy dataset."""
-    from sklearn.datasets import load_digits
     from sklearn.linear_model import LogisticRegression
 
-    x, y = load_digits(return_X_y=True)
+    digits = load_digits()
+    x, y = digits.data, digits.target
     train = [int(Path(p).stem) for p, _ in labelled_subset(items, per_class, seed)]  # file stem = sklearn index
     val = [int(Path(p).stem) for p, _ in items["val"]]
     clf = LogisticRegression(max_iter=5000).fit(x[train] / 16, y[train])
     return float((clf.predict(x[val] / 16) == y[val]).mean())
 
 
-def build_shards(source: Path, out: Path) -> None:
-    """`build-shards` with the source's own train/val splits, PNG bytes kept as they are."""
-    # `python -m data_tools.cli` is the `build-shards` command, without relying on the venv's bin/ on PATH.
-    cmd = [sys.executable, "-m", "data_tools.cli", str(source), str(out), "--existing-splits",
-           "--format", "png", "--shard-size", "250", "--min-side", "8", "--max-side", "0", "--workers", "1",
-           "--overwrite"]
-    subprocess.run(cmd, check=True, cwd=REPO, capture_output=True, text=True)
-
-
-def make_data(out: Path, size: int, val_fraction: float, per_class: int, seeds: list[int],
-              ) -> tuple[dict[str, list[tuple[str, int]]], dict[int, Path]]:
-    """Images, the all-images shards (for pretraining) and each seed's labelled shards: (items, seed -> shards)."""
-    images = out / "images"
-    shutil.rmtree(images, ignore_errors=True)
-    items = write_digits(images, size, val_fraction)
-    build_shards(images, out / "shards" / "all")
-    if per_class <= 0:
-        return items, {s: out / "shards" / "all" for s in seeds}
-    labelled = {}
-    for seed in seeds:
-        # A list source (path, label, split) over the same PNGs: only the train split is subsampled.
-        listing = images / f"labelled_k{per_class}_s{seed}.csv"
-        with listing.open("w", newline="") as f:
-            w = csv.writer(f)
-            w.writerow(["path", "label", "split"])
-            w.writerows([(p, lab, "train") for p, lab in labelled_subset(items, per_class, seed)])
-            w.writerows([(p, lab, "val") for p, lab in items["val"]])
-        labelled[seed] = out / "shards" / f"labelled_k{per_class}_s{seed}"
-        build_shards(listing, labelled[seed])
-    return items, labelled
-
-
 def compare_argv(args: argparse.Namespace, out: Path) -> list[str]:
-    """`python -m analysis compare`'s command line for these flags, on the data under `out`."""
+    """`python -m experiments.compare`'s command line for these flags, on the data under `out`."""
     labelled = out / "shards" / (f"labelled_k{args.labels_per_class}_s{{seed}}" if args.labels_per_class else "all")
     arms = [args.arms, *(ABLATIONS if args.ablations else ())]
     sets = [*([f"pretrain:train.steps={args.pretrain_steps}"] if args.pretrain_steps else []),

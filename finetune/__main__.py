@@ -8,9 +8,9 @@ from vit_mpp.launcher import die_with_launcher
 die_with_launcher()  # first of all: a launcher killed while this rank starts must not leave it running
 
 from finetune.config import DESCRIPTION, FinetuneConfig  # noqa: E402
-from vit_mpp.cli import run_main  # noqa: E402
+from vit_mpp.cli import one_line_errors  # noqa: E402
 from vit_mpp.models.export_folder import check_checkpoint_path  # noqa: E402
-from vit_mpp.run.entry import check_data_locations, read_run_config  # noqa: E402
+from vit_mpp.run.start.entry import check_data_locations, read_run_config  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -23,4 +23,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    run_main(main)
+    with one_line_errors():  # a user error is one line and exit status 2, a preemption status 75 (vit_mpp/cli.py)
+        main()

@@ -17,9 +17,11 @@ from accelerate import Accelerator
 from vit_mpp.config.sections import ExportConfig, ModelConfig
 from vit_mpp.data.training_data import TrainingData
 from vit_mpp.models.export import Export, write_export
+from vit_mpp.models.hub import publish
 from vit_mpp.models.pretrained import describe_checkpoint, hub_model_id
-from vit_mpp.run.hub import publish
-from vit_mpp.run.start import Run
+from vit_mpp.run.loop import At
+from vit_mpp.run.metering.curves import CURVES_NAME
+from vit_mpp.run.start.run import Run
 
 
 @dataclass
@@ -34,14 +36,14 @@ class ClassifierExporter:
     crop_pct: float
     class_names: list[str] | None
     record: dict[str, Any]  # {"finetune": {...}, "data": {...}, and "pretrain": {...} from the init export}
-    training_data: TrainingData | None = None  # the run's: its record is read again at each export (shares so far)
+    training_data: TrainingData | None = None  # the run's: its record is made again at each export (shares so far)
 
     @classmethod
     def for_run(cls, run: Run, model_cfg: ModelConfig, mean: tuple[float, ...], std: tuple[float, ...],
                 peak_lr: float) -> ClassifierExporter:
         """The exporter of a fine-tuning run, recording its recipe, its training data (`data`), the Hub model it
         started from (`base_model`) and the pretraining recipe of the export it started from, carried on."""
-        cfg, tc, (num_classes, class_names) = run.cfg, run.cfg.train, run.data_check
+        cfg, tc, classes = run.cfg, run.cfg.train, run.data_check
         record = {"finetune": {"init": cfg.init.checkpoint, "base_model": hub_model_id(cfg.init.checkpoint),
                                "mode": tc.mode, "epochs": tc.epochs, "batch_size": tc.batch_size,
                                "optimizer": cfg.optim.name, "lr": peak_lr, "ema_decay": tc.ema_decay},
@@ -49,16 +51,18 @@ class ClassifierExporter:
         pretrained = pretrain_record(cfg.init.checkpoint, cfg.init.kind)
         if pretrained:
             record["pretrain"] = pretrained
-        return cls(run.accelerator, model_cfg, num_classes, mean, std, cfg.data.eval_crop_pct, class_names,
+        return cls(run.accelerator, model_cfg, classes.count, mean, std, cfg.data.eval_crop_pct, classes.names,
                    record=record, training_data=run.data)
 
-    def write(self, net: torch.nn.Module, out_dir: Path, step: int, metrics: dict[str, Any], ema: bool = False) -> None:
-        """Export `net` as it is now. Every process calls this (FSDP gathers the shards); the main process writes."""
+    def write(self, net: torch.nn.Module, out_dir: Path, at: At, metrics: dict[str, Any], ema: bool = False) -> None:
+        """Export `net` as it is at `at.step`, with the mixture's shares so far. Every process calls this (FSDP
+        gathers the shards); the main process writes."""
         state = self.accelerator.get_state_dict(net)
         if not self.accelerator.is_main_process:
             return
-        finetune = {**self.record["finetune"], "step": step, "weights": "ema" if ema else "model"}
-        data = {**self.record["data"], **(self.training_data.record() if self.training_data is not None else {})}
+        finetune = {**self.record["finetune"], "step": at.step, "weights": "ema" if ema else "model"}
+        now = self.training_data.record(at.shares) if self.training_data is not None else {}
+        data = {**self.record["data"], **now}
         write_export(Export(out_dir, state, self.model_cfg, num_classes=self.num_classes, mean=self.mean,
                             std=self.std, crop_pct=self.crop_pct, class_names=self.class_names,
                             record={**self.record, "finetune": finetune, "data": data, "metrics": metrics}),
@@ -83,17 +87,19 @@ def pretrain_record(checkpoint: str, kind: str = "auto") -> dict[str, Any]:
 
 
 def publish_exports(accelerator: Accelerator, run_dir: str | Path, export: ExportConfig, shards: str,
-                    with_ema: bool) -> None:
-    """A model card for every export of the run; the best model (else the last) goes to the Hub when asked."""
-    if not accelerator.is_main_process:
-        return
+                    with_ema: bool) -> list[Path]:
+    """A model card for every export of the run; the best model (else the last) goes to the Hub when asked. Returns
+    the export folders of the run."""
     run = Path(run_dir)
     upload = run / "export" / "best" if (run / "export" / "best").is_dir() else run / "export"
     folders = [run / "export", run / "export" / "best"]
     if with_ema:
         folders += [run / "export_ema", run / "export_ema" / "best"]
+    if not accelerator.is_main_process:
+        return folders
     for folder in folders:
         if folder.is_dir():
-            url = publish(folder, run, export, shards, push_it=folder == upload)
+            url = publish(folder, run / CURVES_NAME, export, shards, push_it=folder == upload)
             if url:
                 accelerator.print(f"uploaded {folder} to {url}")
+    return folders

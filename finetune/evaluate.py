@@ -8,24 +8,28 @@ See docs/finetune.md, "Evaluate an export".
 
 from __future__ import annotations
 
-import argparse
-import json
-from pathlib import Path
-from typing import Any
+from vit_mpp.launcher import die_with_launcher
 
-from finetune.scoring import evaluate, per_class_accuracy, write_confusion
-from vit_mpp.cli import ArgumentParser, run_main
-from vit_mpp.config.engine import ConfigError
-from vit_mpp.config.sections import DataConfig
-from vit_mpp.data.image_decoder import ImageDecoder
-from vit_mpp.data.manifest import check_every_sample_labelled, load_split, manifest_classes
-from vit_mpp.data.stream import eval_split_loader, loader_layout
-from vit_mpp.models.pretrained import Pretrained, load_classifier, results_folder
-from vit_mpp.run.accelerator import make_eval_accelerator
-from vit_mpp.run.dry_run import probe
-from vit_mpp.run.eval_progress import with_progress
-from vit_mpp.run.step_meter import with_unread
-from vit_mpp.tools.args import check_out_folder, make_out_folder
+die_with_launcher()  # first of all, under `accelerate launch -m finetune.evaluate`: before the heavy imports
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+from finetune.scoring import evaluate, per_class_accuracy, write_confusion  # noqa: E402
+from vit_mpp.cli import ArgumentParser, run_main  # noqa: E402
+from vit_mpp.config.engine import ConfigError  # noqa: E402
+from vit_mpp.config.sections import DataConfig  # noqa: E402
+from vit_mpp.data.image_decoder import ImageDecoder  # noqa: E402
+from vit_mpp.data.manifest import check_every_sample_labelled, load_split, manifest_classes  # noqa: E402
+from vit_mpp.data.stream import eval_split_loader, loader_layout  # noqa: E402
+from vit_mpp.models.pretrained import Pretrained, load_classifier, results_folder  # noqa: E402
+from vit_mpp.run.metering.eval_progress import with_progress  # noqa: E402
+from vit_mpp.run.metering.step_meter import with_unread  # noqa: E402
+from vit_mpp.run.start.accelerator import make_eval_accelerator  # noqa: E402
+from vit_mpp.run.start.dry_run import probe  # noqa: E402
+from vit_mpp.tools.args import check_out_folder, make_out_folder  # noqa: E402
 
 MAX_ROWS = 20  # per-class rows printed; evaluation.json has them all
 

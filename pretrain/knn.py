@@ -12,16 +12,20 @@ from timm.models.vision_transformer import VisionTransformer
 
 from vit_mpp.data.manifest import Split
 from vit_mpp.data.stream import normalize, to_device
-from vit_mpp.run.eval_progress import with_progress
-from vit_mpp.run.start import Run
+from vit_mpp.run.loop import Gate
+from vit_mpp.run.metering.eval_progress import with_progress
+from vit_mpp.run.start.run import Run
+
+Norm = tuple[tuple[float, ...], tuple[float, ...]]  # the encoder's mean and std
 
 
 @torch.no_grad()
-def features(run: Run, encoder: VisionTransformer, split: Split, limit: int, mean: tuple[float, ...],
-             std: tuple[float, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def features(run: Run, encoder: VisionTransformer, split: Split, limit: int, norm: Norm, gated: Gate,
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """([class] features (N, D), patch-mean features (N, D), labels (N,)) of the first `limit` images of `split`,
-    gathered from every process (each image once)."""
-    accelerator, loader = run.accelerator, run.eval_loader(split, limit=limit)
+    gathered from every process (each image once); batches taken through `gated`."""
+    accelerator, loader = run.accelerator, gated(run.eval_loader(split, limit=limit))
+    mean, std = norm
     cls, avg, labels, valid = [], [], [], []
     shown = with_progress(accelerator, loader, f"k-NN features ({split.name})", min(limit, split.num_samples))
     with shown as batches:
@@ -56,14 +60,14 @@ def knn_top1(ref: torch.Tensor, ref_labels: torch.Tensor, query: torch.Tensor, q
     return correct / max(1, query.shape[0])
 
 
-def knn_monitor(run: Run, encoder: VisionTransformer, ref_split: Split, mean: tuple[float, ...],
-                std: tuple[float, ...]) -> dict[str, float] | None:
+def knn_monitor(run: Run, encoder: VisionTransformer, ref_split: Split, norm: Norm, gated: Gate,
+                ) -> dict[str, float] | None:
     """`knn_top1_cls` and `knn_top1_avg` of the run's validation split against `ref_split`, or None when either is
-    unlabelled. Leaves the encoder in eval mode."""
+    unlabelled; batches taken through `gated`. Leaves the encoder in eval mode."""
     knn = run.cfg.knn
     encoder.eval()
-    ref_cls, ref_avg, ref_y = features(run, encoder, ref_split, knn.train_images, mean, std)
-    val_cls, val_avg, val_y = features(run, encoder, run.data.val_split, knn.val_images, mean, std)
+    ref_cls, ref_avg, ref_y = features(run, encoder, ref_split, knn.train_images, norm, gated)
+    val_cls, val_avg, val_y = features(run, encoder, run.data.val_split, knn.val_images, norm, gated)
     if not len(ref_y) or not len(val_y) or ref_y.min() < 0 or val_y.min() < 0:
         return None  # unlabelled (label -1): no classes to vote for
     return {"knn_top1_cls": knn_top1(ref_cls, ref_y, val_cls, val_y, knn.k, knn.temperature),

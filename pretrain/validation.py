@@ -11,10 +11,11 @@ from accelerate import Accelerator
 
 from pretrain.knn import knn_monitor
 from pretrain.mpp import MaskedPatchPrediction
-from vit_mpp.data.manifest import load_split
+from vit_mpp.data.manifest import Split, load_split
 from vit_mpp.data.stream import to_device
-from vit_mpp.run.eval_progress import with_progress
-from vit_mpp.run.start import Run
+from vit_mpp.run.loop import Gate
+from vit_mpp.run.metering.eval_progress import with_progress
+from vit_mpp.run.start.run import Run
 
 
 @torch.no_grad()
@@ -41,8 +42,9 @@ def mpp_validation(accelerator: Accelerator, model: MaskedPatchPrediction, loade
 
 
 class Validation:
-    """`validation(model)`: the MPP validation, plus the k-NN monitor while the shards carry labels (it turns itself
-    off, saying so once, when they do not). Every process calls it: its reductions are collective."""
+    """`validation(model, gated)`: the MPP validation, plus the k-NN monitor while the shards carry labels (it turns
+    itself off, saying so once, when they do not); every batch is taken through `gated` (the loop's stop agreement).
+    Every process calls it: its reductions are collective."""
 
     def __init__(self, run: Run, mean: tuple[float, ...], std: tuple[float, ...]) -> None:
         cfg = run.cfg
@@ -52,20 +54,23 @@ class Validation:
         self.knn_split = None
         if cfg.knn.train_images:
             self.knn_split = load_split(run.data.val_location, cfg.knn.train_split or cfg.data.train_split)[0]
-        run.data.knn = self.knn_split, cfg.knn.train_images  # what the export records of the monitor's references
 
-    def __call__(self, model: torch.nn.Module) -> dict[str, float]:
+    @property
+    def knn_references(self) -> tuple[Split, int] | None:
+        """The k-NN monitor's labelled references (split, images), while it is on: what the export records."""
+        return (self.knn_split, self.run.cfg.knn.train_images) if self.knn_split is not None else None
+
+    def __call__(self, model: torch.nn.Module, gated: Gate) -> dict[str, float]:
         accelerator, split = self.run.accelerator, self.run.data.val_split
         mpp = accelerator.unwrap_model(model)
-        with with_progress(accelerator, self.loader, f"validation ({split.name})", split.num_samples) as batches:
+        with with_progress(accelerator, gated(self.loader), f"validation ({split.name})",
+                           split.num_samples) as batches:
             result = mpp_validation(accelerator, mpp, batches, self.run.cfg.train.seed)
         if self.knn_split is not None:
-            knn = knn_monitor(self.run, mpp.encoder, self.knn_split, self.mean, self.std)
-            model.train()
+            knn = knn_monitor(self.run, mpp.encoder, self.knn_split, (self.mean, self.std), gated)
             if knn is None:
                 accelerator.print("note: the k-NN monitor is off: the shards carry no labels")
                 self.knn_split = None
-                self.run.data.knn = None, 0
             else:
                 result.update(knn)
         return result

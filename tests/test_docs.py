@@ -1,5 +1,5 @@
 """Every name a doc or a docstring gives exists: files and folders of the repository, dotted modules and their
-attributes, a module's definitions named beside its path (`vit_mpp/run/start.py` `start_run`), and config keys
+attributes, a module's definitions named beside its path (`vit_mpp/run/start/run.py` `start_run`), and config keys
 (`data.num_workers`). A moved or renamed thing fails here until its references are mended.
 
 Read: README.md, docs/*.md, and the docstrings (module, class, function) of the product, benchmarks, experiments
@@ -21,8 +21,8 @@ from finetune.config import FinetuneConfig
 from pretrain.config import PretrainConfig
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("vit_mpp", "data_tools", "pretrain", "finetune", "analysis")
-FOLDERS = (*PACKAGES, "benchmarks", "tests", "configs", "scripts", "experiments", "docs")
+PACKAGES = ("vit_mpp", "data_tools", "pretrain", "finetune", "analysis", "experiments")
+FOLDERS = (*PACKAGES, "benchmarks", "tests", "configs", "scripts", "docs")
 SUFFIXES = ("py", "md", "yaml", "json", "jsonl", "png", "tar", "csv", "txt", "safetensors", "pt", "sh", "lock")
 
 PATH = re.compile(r"(?<![\w/.-])((?:" + "|".join(FOLDERS) + r")/[\w/.-]*[\w/])")
@@ -34,7 +34,7 @@ def texts() -> dict[str, str]:
     """Where -> text, for every doc page and docstring read."""
     found = {str(p.relative_to(REPO)): p.read_text()
              for p in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]}
-    for folder in (*PACKAGES, "benchmarks", "experiments", "tests"):
+    for folder in (*PACKAGES, "benchmarks", "tests"):
         for path in sorted((REPO / folder).rglob("*.py")):
             for node in ast.walk(ast.parse(path.read_text())):
                 if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -156,7 +156,7 @@ CHECKS = {"path": missing_paths, "dotted": broken_dotted, "name": undefined_name
 
 def test_the_reader_finds_the_docs_and_docstrings():
     assert "README.md" in TEXTS and "docs/architecture.md" in TEXTS
-    assert any(where.startswith("vit_mpp/run/start.py:") for where in TEXTS)
+    assert any(where.startswith("vit_mpp/run/start/run.py:") for where in TEXTS)
     assert {"data.num_workers", "train.steps", "train.epochs", "mpp.target", "init.checkpoint"} <= KEYS
 
 
@@ -167,11 +167,11 @@ def test_every_name_a_doc_gives_exists(check):
 
 @pytest.mark.parametrize("check, text", [
     ("path", "see vit_mpp/nowhere.py"), ("dotted", "vit_mpp.data.stream.NoSuchThing"),
-    ("name", "vit_mpp/run/start.py `no_such_function`"), ("key", "set `data.no_such_key=1`"),
+    ("name", "vit_mpp/run/start/run.py `no_such_function`"), ("key", "set `data.no_such_key=1`"),
     ("short", "stream_plan.NoSuchThing"), ("short", "data_stream.read_segment"),
 ])
 def test_a_stale_reference_is_caught_and_a_good_one_is_not(check, text):
-    good = {"path": "vit_mpp/run/start.py", "dotted": "vit_mpp.data.stream.TrainStream",
-            "name": "vit_mpp/run/start.py `start_run`", "key": "`data.num_workers=2`",
+    good = {"path": "vit_mpp/run/start/run.py", "dotted": "vit_mpp.data.stream.TrainStream",
+            "name": "vit_mpp/run/start/run.py `start_run`", "key": "`data.num_workers=2`",
             "short": "stream_plan.Layout and shard_reader.read_segment"}[check]
     assert CHECKS[check]({"doc": text}) and not CHECKS[check]({"doc": good})

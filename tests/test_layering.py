@@ -1,6 +1,7 @@
 """The house's rules (docs/architecture.md): no import cycle among the project's modules, package `__init__`s
 included; the wings of vit_mpp/ import only wings below them; no stage imports another, and vit_mpp/ imports no
-stage; no function of the product over 100 lines or over 6 parameters.
+stage; no function of the product over 100 lines or over 6 parameters; a package's `__init__.py` holds only its
+docstring; each command has one `main`, in the module that runs it.
 
 Every `import` and `from ... import` counts, at any depth (inside a function too), when it names a module of the
 packages checked; `from package import name` counts as an import of `package.name` when that is a module, and an
@@ -13,13 +14,13 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("data_tools", "vit_mpp", "pretrain", "finetune", "analysis")
+PACKAGES = ("data_tools", "vit_mpp", "pretrain", "finetune", "analysis", "experiments")
 MAX_FUNCTION_LINES = 100
 MAX_PARAMETERS = 6  # beside self/cls: what a function needs beyond that travels as one object (a Run, a dataclass)
 # vit_mpp/'s floors, lowest first: a module imports only modules of its own floor or of floors below it
 WINGS = (("vit_mpp.errors", "vit_mpp.durable", "vit_mpp.launcher", "vit_mpp.progress", "vit_mpp.cli", "vit_mpp"),
          ("vit_mpp.config",), ("vit_mpp.data",), ("vit_mpp.models",), ("vit_mpp.tools",), ("vit_mpp.run",))
-STAGES = ("data_tools", "pretrain", "finetune", "analysis")
+STAGES = ("data_tools", "pretrain", "finetune", "analysis", "experiments")
 
 
 def module_files(packages: tuple[str, ...]) -> dict[str, Path]:
@@ -171,3 +172,40 @@ def test_no_function_of_the_product_takes_over_6_parameters():
                 if len(names) > MAX_PARAMETERS:
                     many.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name} ({len(names)} parameters)")
     assert not many, many
+
+
+def test_a_package_init_holds_only_its_docstring():
+    busy = []
+    for name, path in module_files(PACKAGES).items():
+        if path.name != "__init__.py":
+            continue
+        body = ast.parse(path.read_text(encoding="utf-8")).body
+        rest = body[1:] if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) else body
+        if name == "vit_mpp":  # the root also says its version, which pyproject reads
+            rest = [n for n in rest if not (isinstance(n, ast.Assign) and [t.id for t in n.targets] == ["__version__"])]
+        if rest or not body:
+            busy.append(str(path.relative_to(REPO)))
+    assert not busy, busy
+
+
+def test_each_command_has_one_main_in_the_module_that_runs_it():
+    """A `main` lives in a `__main__.py`, in a module that runs it when run (`if __name__ == "__main__"`), or in one
+    a package's `__main__.py` imports it from (a sub-command); never two in a module, never nested."""
+    known = module_files(PACKAGES)
+    dispatched = set()
+    for path in known.values():
+        if path.name == "__main__.py":
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.ImportFrom) and any(a.name == "main" for a in node.names):
+                    dispatched.add(node.module)
+    wrong = []
+    for name, path in known.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        mains = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "main"]
+        if not mains:
+            continue
+        runs_itself = "if __name__ == \"__main__\":" in path.read_text(encoding="utf-8")
+        top = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main"]
+        if len(mains) != 1 or len(top) != 1 or not (path.name == "__main__.py" or runs_itself or name in dispatched):
+            wrong.append(str(path.relative_to(REPO)))
+    assert not wrong, wrong

@@ -5,10 +5,11 @@ preempted run exits 75. See docs/reliability.md."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from vit_mpp import launcher
 from vit_mpp.errors import Preempted, StoppedUnsaved, UserError
@@ -38,13 +39,15 @@ def error_line(error: BaseException) -> str:
     return lines[0] if lines else type(error).__name__
 
 
-def run_main(main: Callable[[list[str] | None], object], argv: list[str] | None = None) -> None:
-    """Call `main(argv)`; print a user error as `error: ...` on one line (once per run) and exit with status 2; a
-    preempted run prints its line and exits with status 75 when a checkpoint of the step it names exists, 128 + the
-    signal's number when nothing was saved; a rank whose collective broke because a peer went away prints one line
-    naming the peer and exits with status 2. Anything else is a bug and keeps its traceback."""
+@contextlib.contextmanager
+def one_line_errors() -> Iterator[None]:
+    """An entry point's body (`with one_line_errors(): main()`): a user error (bad config, path, file or data)
+    becomes one line, `error: ...`, and exit 2 (once per run); a preempted run prints its line and exits with status
+    75 when a checkpoint of the step it names exists, 128 + the signal's number when nothing was saved; a rank whose
+    collective broke because a peer went away prints one line naming the peer and exits with status 2. Anything
+    else is a bug and keeps its traceback."""
     try:
-        main(argv)
+        yield
     except (Preempted, StoppedUnsaved) as e:
         if process_rank() == 0:
             print(e, flush=True)
@@ -68,3 +71,9 @@ def run_main(main: Callable[[list[str] | None], object], argv: list[str] | None 
             os._exit(2)  # the group is broken: no clean-up can finish, and nothing was saved now
         note_failure()
         raise
+
+
+def run_main(main: Callable[[list[str] | None], object], argv: list[str] | None = None) -> None:
+    """`main(argv)` under `one_line_errors` (the tools' entry points, and tests that call them in-process)."""
+    with one_line_errors():
+        main(argv)

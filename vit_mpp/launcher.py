@@ -13,8 +13,9 @@ from datetime import timedelta
 LAUNCHER_POLL_S = 1.0
 FAILED_KEY = "vit_mpp/failed_rank"  # + the launcher's restart count: a restarted group starts with a clean slate
 STORE_TIMEOUT = timedelta(seconds=5)  # the note is a courtesy: never wait long for it
-signalled = False  # a preemption signal reached this process (vit_mpp/run/preemption.py sets it; vit_mpp/cli.py reads
-# it when a collective breaks)
+# a preemption signal reached this process (vit_mpp/run/durability/preemption.py sets it; vit_mpp/cli.py reads it when
+# a collective breaks)
+signalled = False
 
 
 def launched() -> bool:
@@ -98,8 +99,8 @@ START_UP_SIGNALS = ("SIGTERM", "SIGUSR1")  # train.preempt_signals' default: the
 
 def stop_during_start_up() -> None:
     """A rank's start-up under a launcher (its imports take seconds): until the run catches its signals
-    (vit_mpp/run/preemption.py), a preemption signal ends the rank at once with one line, not silently, nothing new
-    being saved yet: status 128 + the signal's number."""
+    (vit_mpp/run/durability/preemption.py), a preemption signal ends the rank at once with one line, not silently,
+    nothing new being saved yet: status 128 + the signal's number."""
     if not launched():
         return
     for name in START_UP_SIGNALS:

@@ -13,8 +13,8 @@ from analysis.analyze import main as analyze_main
 from finetune.evaluate import default_out as eval_out
 from tests.helpers.models import SMALL_MODEL, write_encoder_export
 from vit_mpp.config.engine import ConfigError
+from vit_mpp.models.hub import draw_figures
 from vit_mpp.models.vit import create_vit
-from vit_mpp.run.hub import draw_figures
 
 
 def files(folder: Path) -> list[str]:

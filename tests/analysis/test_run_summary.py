@@ -18,8 +18,8 @@ from pretrain.config import PretrainConfig
 from tests.helpers.processes import run_module
 from vit_mpp.cli import run_main
 from vit_mpp.config.engine import load_config, save_config
-from vit_mpp.run.curves import read_metrics
-from vit_mpp.run.metrics_summary import wall_time_s
+from vit_mpp.run.metering.metrics_log import read_metrics
+from vit_mpp.run.metering.summary import wall_time_s
 
 
 def make_run(run_dir: Path, cls: type, overrides: list[str], records: list[dict]) -> Path:

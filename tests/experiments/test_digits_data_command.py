@@ -84,7 +84,7 @@ def test_the_experiment_is_a_call_of_compare_on_that_data(root):
     """The experiment's compare command passes compare's checks on the data its data command made: the pool is every
     training image (labelled, so the supervised arm runs), each seed fine-tunes on its own labelled subset, every
     arm is scored on the 360 validation images."""
-    from analysis import compare
+    from experiments import compare
 
     spec = importlib.util.spec_from_file_location("pretrain_vs_scratch_cli", SCRIPT)
     script = importlib.util.module_from_spec(spec)

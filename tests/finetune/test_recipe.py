@@ -98,7 +98,7 @@ def test_the_augmentation_runs_in_the_workers_after_the_crop_and_only_for_traini
     split, _ = load_split(shards, "train")
     plain = first_batch(split)
     assert torch.equal(first_batch(split, augment=Invert()), 255 - plain)
-    # Evaluation loaders take no augmentation at all (vit_mpp/run/start.py `Run.eval_loader`), and a decoder for
+    # Evaluation loaders take no augmentation at all (vit_mpp/run/start/run.py `Run.eval_loader`), and a decoder for
     # evaluation drops one.
     assert ImageDecoder(24, train=False, augment=Invert()).augment is None
     data = png_bytes(np.random.default_rng(0), 24)

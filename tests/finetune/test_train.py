@@ -26,8 +26,8 @@ from vit_mpp.data.manifest import load_split
 from vit_mpp.models.export import read_export
 from vit_mpp.models.pretrained import resize_pos_embed
 from vit_mpp.models.vit import create_vit
+from vit_mpp.run.loop import set_lr
 from vit_mpp.run.optimizer import build_optimizer
-from vit_mpp.run.schedule import set_lr
 
 
 def test_linear_probe_leaves_the_encoder_unchanged(probe_run, pretrained):

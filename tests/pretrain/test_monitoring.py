@@ -44,7 +44,7 @@ def test_tensorboard_receives_the_scalars_and_the_flattened_config(watched):
         acc.Reload()
         scalars.update({tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]})
     for tag in ("train/loss", "train/acc", "train/lr", "train/img_per_s", "train/frac_mask", "val/loss", "val/acc",
-                "knn/top1_cls"):  # grouped by vit_mpp/run/tracking.py's rule (tests/test_trackers.py)
+                "knn/top1_cls"):  # grouped by vit_mpp/run/metering/tracking.py's rule (tests/test_trackers.py)
         assert tag in scalars, sorted(scalars)
     assert len(scalars["train/loss"]) == 4 and len(scalars["val/loss"]) == 2
     assert scalars["train/loss"] == pytest.approx([r["loss"] for r in read_metrics(watched) if "loss" in r])

@@ -76,7 +76,7 @@ def fake_run(**mpp_options) -> SimpleNamespace:
     """What `summary` reads of a `Run`."""
     cfg = PretrainConfig(model=SMALL_MODEL, mpp=MPPConfig(**mpp_options))
     data = SimpleNamespace(samples_per_epoch=lambda: 100, describe=lambda: "data")
-    return SimpleNamespace(cfg=cfg, data=data, gbatch=SimpleNamespace(describe=lambda: "batch"))
+    return SimpleNamespace(cfg=cfg, data=data, gbatch=SimpleNamespace(describe=lambda: "batch"), steps_per_epoch=1)
 
 
 def test_the_start_up_line_names_the_options_only_when_set():

@@ -1,7 +1,7 @@
 """No host synchronisation inside a pretraining step outside log steps: the step (pretrain/mpp.py,
-pretrain/targets.py, vit_mpp/run/step_meter.py, vit_mpp/data/stream.py `to_device`, the loop) never reads a tensor
-back to the host, so a GPU runs ahead of Python; the stop agreement (vit_mpp/run/preemption.py `StopGate.agree`)
-reads one, which lives on the CPU by design.
+pretrain/targets.py, vit_mpp/run/metering/step_meter.py, vit_mpp/data/stream.py `to_device`, the loop) never reads a
+tensor back to the host, so a GPU runs ahead of Python; the stop agreement (vit_mpp/run/loop.py `StopGate.agree`) reads
+one, which lives on the CPU by design.
 
 On the CPU, every Python-level read of a tensor's value (`.item()`, `.tolist()`, `.cpu()`, `.numpy()`, `bool()`,
 `float()`, `int()`, `__index__`) is counted and attributed to the first frame of the repository's own code; on a
@@ -22,18 +22,16 @@ import torch
 
 from tests.helpers.runs import read_metrics, run_tiny_pretrain
 from tests.helpers.shards import write_shard_set
-from vit_mpp.run.checkpoint import Checkpointer
-from vit_mpp.run.preemption import StopGate
-from vit_mpp.run.schedule import itstime
-from vit_mpp.run.step_meter import StepMeter
+from vit_mpp.run.loop import Loop, StopGate, itstime
 
 REPO = Path(__file__).resolve().parents[2]
 OWN = tuple(f"{REPO / folder}/" for folder in ("pretrain", "finetune", "vit_mpp"))
 READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__")
 # The step's own code: a read from any of these outside a log step would stall a GPU every step.
-STEP_CODE = ("pretrain/train.py", "pretrain/mpp.py", "pretrain/targets.py", "vit_mpp/run/step_meter.py",
-             "vit_mpp/data/stream.py:to_device", "vit_mpp/run/schedule.py", "vit_mpp/run/sample_audit.py",
-             "vit_mpp/run/checkpoint.py")
+STEP_CODE = ("pretrain/train.py", "pretrain/mpp.py", "pretrain/targets.py", "vit_mpp/run/metering/step_meter.py",
+             "vit_mpp/data/stream.py:to_device", "vit_mpp/run/metering/sample_audit.py",
+             "vit_mpp/run/durability/checkpoint.py", *(f"vit_mpp/run/loop.py:{f}" for f in (
+                 "Loop.step", "Loop._when_due", "optimizer_step", "Schedule.lr", "set_lr", "itstime")))
 STEPS = 4  # train.log_every is larger: only the last step logs
 RUN = ("train.steps=4", "train.log_every=100", "train.eval_every=0", "data.val_split=", "train.ckpt_every=100")
 
@@ -57,7 +55,7 @@ class Read:
 
 
 class Steps:
-    """Where the loop is: its step (counted at each `Checkpointer.next_step`) and the phase of the step."""
+    """Where the loop is: its step (counted at each `Loop.step`) and the phase of the step."""
 
     def __init__(self, total: int, log_every: int) -> None:
         self.total, self.log_every, self.step, self.phase = total, log_every, 0, "start"
@@ -69,26 +67,26 @@ class Steps:
     def watch(self, monkeypatch: pytest.MonkeyPatch, on_step=None) -> None:
         """Follow the loop through the calls it makes anyway: `on_step(steps)` when a step's computation starts,
         `on_step(None)` when it ends."""
-        next_step, log = Checkpointer.next_step, StepMeter.log
+        step, agree = Loop.step, Loop._agree
 
-        def watched_next_step(checkpointer, *args, **kwargs):
+        def watched_step(loop, *args, **kwargs):
             self.step, self.phase = self.step + 1, "data"
-            batches = next_step(checkpointer, *args, **kwargs)
-            self.phase = "step"
-            if on_step is not None:
-                on_step(self)
-            return batches
-
-        def watched_log(meter, *args, **kwargs):
             try:
-                return log(meter, *args, **kwargs)
+                return step(loop, *args, **kwargs)
             finally:
                 if on_step is not None:
                     on_step(None)
                 self.phase = "after"
 
-        monkeypatch.setattr(Checkpointer, "next_step", watched_next_step)
-        monkeypatch.setattr(StepMeter, "log", watched_log)
+        def watched_agree(loop, *args, **kwargs):
+            agree(loop, *args, **kwargs)
+            if self.phase == "data":  # the step's agreement (an evaluation's come after the step)
+                self.phase = "step"
+                if on_step is not None:
+                    on_step(self)
+
+        monkeypatch.setattr(Loop, "step", watched_step)
+        monkeypatch.setattr(Loop, "_agree", watched_agree)
 
 
 def _relative(filename: str) -> str:
@@ -112,7 +110,8 @@ def counting_reads(steps: Steps) -> Iterator[list[Read]]:
             caller = _relative(frame.f_code.co_filename)
             while frame is not None and not frame.f_code.co_filename.startswith(OWN):
                 frame = frame.f_back
-            where = "" if frame is None else f"{_relative(frame.f_code.co_filename)}:{frame.f_code.co_name}"
+            name = getattr(frame.f_code, "co_qualname", frame.f_code.co_name) if frame is not None else ""
+            where = "" if frame is None else f"{_relative(frame.f_code.co_filename)}:{name}"
             reads.append(Read(steps.step, steps.phase, steps.log_step, where, caller, tensor.device.type))
             return original(tensor, *args, **kwargs)
 
@@ -177,13 +176,13 @@ def test_no_step_reads_a_tensor_back_outside_log_steps(shards, tmp_path, monkeyp
     # While the step's batches are taken: the loader's decoding (a worker process's work; here, with
     # data.num_workers=0, in this one) and the stop agreement, once a step, each on CPU tensors only.
     taking = [r for r in plain if r.phase == "data"]
-    agreements = [r for r in taking if r.where == "vit_mpp/run/preemption.py:agree"]
+    agreements = [r for r in taking if r.where == "vit_mpp/run/loop.py:StopGate.agree"]
     assert {r.step for r in agreements} == set(range(1, STEPS)), "the agreement is made before every step"
     assert {r.device for r in agreements} == {"cpu"}
     assert all(r.where.startswith("vit_mpp/data/") and r.device == "cpu" for r in taking if r not in agreements)
     # The counting sees what it must: the log step reads its metrics back once (step_meter.py's one collective).
     logged = collections.Counter(r.where for r in reads if r.step == STEPS and r.phase == "step")
-    assert logged["vit_mpp/run/step_meter.py:log"] >= 1, logged
+    assert logged["vit_mpp/run/metering/step_meter.py:StepMeter.log"] >= 1, logged
 
 
 def _cuda_run(shards: Path, run_dir: Path, monkeypatch: pytest.MonkeyPatch, *overrides: str) -> list[int]:

@@ -22,7 +22,7 @@ from vit_mpp.config.sections import DataConfig, TrainConfig
 from vit_mpp.data.image_decoder import ImageDecoder
 from vit_mpp.data.manifest import load_split
 from vit_mpp.data.stream import eval_split_loader, loader_layout, train_split_loader
-from vit_mpp.run.accelerator import make_accelerator
+from vit_mpp.run.start.accelerator import make_accelerator
 
 
 def probe(accelerator, shards: str, workers: int, batch: int, epochs: int, seed: int) -> dict:

@@ -150,7 +150,7 @@ BAD_VALUES = [
     ("finetune", ["train.ema_decay=high"], "'train.ema_decay' expects float"),
     # what a run prints: the peak the MFU is measured against
     ("finetune", ["train.peak_tflops=-1"], "'train.peak_tflops' must be >= 0"),
-    # settings that need a device (vit_mpp/run/device_checks.py): refused before any path is read
+    # settings that need a device (vit_mpp/config/device_checks.py): refused before any path is read
     ("finetune", ["data.decode=gpu", "augment.auto_augment=rand-m9-n2"], "runs on the decoded crop in the loader "
      "workers" if CUDA else "data.decode=gpu decodes JPEGs on a CUDA device (nvJPEG"),
     *([] if CUDA else [("pretrain", ["data.decode=gpu"], "data.decode=gpu decodes JPEGs on a CUDA device (nvJPEG")]),

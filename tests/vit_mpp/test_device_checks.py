@@ -1,4 +1,4 @@
-"""Settings that need a device (vit_mpp/run/device_checks.py): `data.decode=gpu` and `train.fp8=true` are one
+"""Settings that need a device (vit_mpp/config/device_checks.py): `data.decode=gpu` and `train.fp8=true` are one
 `error:` line, exit status 2, before anything is written, in both stages and from code (`start_run`), where they
 cannot run: no CUDA device, a GPU before Ada for FP8, no torchao, RandAugment in the workers with device decoding.
 The GPU is torch's answers, patched."""
@@ -14,8 +14,8 @@ from finetune.__main__ import main as finetune_main
 from pretrain.__main__ import main as pretrain_main
 from pretrain.config import PretrainConfig
 from tests.helpers.processes import in_process
+from vit_mpp.config.device_checks import check_device_settings
 from vit_mpp.config.engine import ConfigError, load_config
-from vit_mpp.run.device_checks import check_device_settings
 
 NO_CUDA = {"data.decode=gpu": "error: data.decode=gpu decodes JPEGs on a CUDA device (nvJPEG, "
                               "torchvision.io.decode_jpeg with device='cuda'), and this machine has none; use "

@@ -14,7 +14,7 @@ from tests.helpers.models import SMALL_MODEL
 from tests.helpers.processes import REPO, subprocess_env
 from vit_mpp.models.export import Export, read_export, write_export
 from vit_mpp.models.vit import create_vit
-from vit_mpp.run.run_dir import MetricsLog
+from vit_mpp.run.metering.metrics_log import MetricsLog
 
 
 def test_rewind_drops_a_line_torn_by_a_kill(tmp_path):

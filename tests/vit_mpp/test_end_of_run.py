@@ -1,4 +1,4 @@
-"""The end of a run (vit_mpp/run/run_summary.py): one short block and run_dir/summary.json, on both stages, whose
+"""The end of a run (vit_mpp/run/metering/summary.py): one short block and run_dir/summary.json, on both stages, whose
 times agree with the run's own clock (the stage's main called to its return), start-up and export included;
 `python -m analysis summary` takes its wall time from summary.json, and from metrics.jsonl for runs without one."""
 

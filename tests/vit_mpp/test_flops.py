@@ -1,4 +1,4 @@
-"""The FLOPs a ViT costs per image (vit_mpp/run/flops.py) are what torch's own FLOP counter counts for the encoder's
+"""The FLOPs a ViT costs per image (vit_mpp/models/flops.py) are what torch's own FLOP counter counts for the encoder's
 forward pass (24 T D^2 + 4 T^2 D per block, the patch embedding), training triples them unless the encoder is frozen,
 and the peak FLOP/s comes from train.peak_tflops or a table of common GPUs by name, never on a CPU."""
 
@@ -10,8 +10,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from tests.helpers.models import SMALL_MODEL
 from vit_mpp.config.sections import ModelConfig
+from vit_mpp.models.flops import peak_flops, table_tflops, training_flops, vit_forward_flops
 from vit_mpp.models.vit import create_vit
-from vit_mpp.run.flops import peak_flops, table_tflops, training_flops, vit_forward_flops
 
 
 @pytest.mark.parametrize("cfg", [SMALL_MODEL, ModelConfig(img_size=32, patch_size=8, embed_dim=48, depth=3,

@@ -1,4 +1,4 @@
-"""`train.fp8=true` (vit_mpp/models/fp8.py through vit_mpp/run/accelerator.py `prepare_model`): the linear layers
+"""`train.fp8=true` (vit_mpp/models/fp8.py through vit_mpp/run/start/accelerator.py `prepare_model`): the linear layers
 whose sizes divide by 16 become torchao's Float8Linear, the parameters stay the objects the optimizer holds, and a
 step trains. torch runs FP8 matmuls on the CPU, slowly: the speed is measured on a GPU (docs/benchmarks.md)."""
 
@@ -13,8 +13,8 @@ from vit_mpp.config.engine import load_config
 from vit_mpp.config.sections import ModelConfig
 from vit_mpp.models.fp8 import fp8_eligible, to_fp8
 from vit_mpp.models.vit import create_vit, norm_stats
-from vit_mpp.run.accelerator import make_accelerator, prepare_model
 from vit_mpp.run.optimizer import build_optimizer
+from vit_mpp.run.start.accelerator import make_accelerator, prepare_model
 
 pytest.importorskip("torchao.float8")
 from torchao.float8.float8_linear import Float8Linear  # noqa: E402

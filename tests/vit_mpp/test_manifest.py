@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 
 from finetune.__main__ import main as finetune_main
+from finetune.classes import Classes, classes_of
 from finetune.config import FinetuneConfig
-from finetune.train import classes_of
 from pretrain.__main__ import main as pretrain_main
 from vit_mpp.cli import run_main
 from vit_mpp.config.engine import ConfigError, load_config
@@ -144,7 +144,7 @@ def test_a_mixture_of_indexed_sets_takes_the_most_classes_and_the_evaluation_set
     data = SimpleNamespace(locations=["a", "b"], manifests=[indexed(3), indexed(7)], val_location="c",
                            val_manifest=indexed(5))
     cfg = load_config(FinetuneConfig, None, [])
-    assert classes_of(cfg, data) == (7, None)
+    assert classes_of(cfg, data) == Classes(7, None)
     data.val_manifest = indexed(9)
     with pytest.raises(ConfigError, match=r"num_classes=7 \(from the training sets' manifests\) is below the 9 "
                                           r"classes of c \(labels up to 8\)"):

@@ -1,4 +1,4 @@
-"""Model cards written with huggingface_hub's ModelCard (vit_mpp/run/hub.py): they parse with `ModelCard.load` and
+"""Model cards written with huggingface_hub's ModelCard (vit_mpp/models/hub.py): they parse with `ModelCard.load` and
 carry their metadata (library, tags, the Hub dataset, the Hub model a fine-tuning started from, metrics as a
 model-index), a real title, a snippet that loads the folder itself (the Hub line only when it is uploaded), and a
 fine-tuned model's pretraining recipe, carried on from the export it started from; a mixture set by set (weight,
@@ -20,8 +20,8 @@ from tests.helpers.shards import write_shard_set
 from vit_mpp.config.sections import ExportConfig, ModelConfig
 from vit_mpp.data.manifest import data_record
 from vit_mpp.models.export import Export, write_export
+from vit_mpp.models.hub import architecture_label, model_card
 from vit_mpp.models.vit import create_vit
-from vit_mpp.run.hub import architecture_label, model_card
 
 PRETRAIN = {"steps": 1000, "batch_size": 4096, "target": "mean_color", "mask_ratio": 0.5, "optimizer": "adamw",
             "lr": 2e-4}

@@ -68,11 +68,12 @@ def test_predict_reports_nothing_but_its_own_lines_when_not_on_a_terminal(tmp_pa
 
 
 def test_an_evaluation_counts_every_process_images_on_the_main_process_only(monkeypatch):
-    # vit_mpp/run/eval_progress.py: validation, the k-NN monitor and fine-tuning's evaluations; in a log, plain lines
+    # vit_mpp/run/metering/eval_progress.py: validation, the k-NN monitor and fine-tuning's evaluations; in a log, plain
+    # lines
     from functools import partial
     from types import SimpleNamespace
 
-    from vit_mpp.run import eval_progress
+    from vit_mpp.run.metering import eval_progress
 
     out = io.StringIO()
     monkeypatch.setattr(eval_progress, "progress", partial(progress, console=Console(file=out), every_s=0.0))

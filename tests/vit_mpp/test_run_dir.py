@@ -2,8 +2,8 @@
 
 import json
 
-from vit_mpp.run.run_dir import MetricsLog
-from vit_mpp.run.step_meter import format_duration, progress_line
+from vit_mpp.run.metering.metrics_log import MetricsLog
+from vit_mpp.run.metering.step_meter import format_duration, progress_line
 
 
 def test_rewind_drops_steps_logged_after_the_resumed_checkpoint(tmp_path):

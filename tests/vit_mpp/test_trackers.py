@@ -1,7 +1,7 @@
-"""Trackers that group and compare (vit_mpp/run/tracking.py), read back from TensorBoard's event files: a run lands in
-its own folder named after `train.run_name`, its scalars are grouped (`train/`, `val/`, `knn/`), its hyperparameters
-sit in the same run with its final metrics (not in a separate sub-run), and curves.png and the confusion matrix
-arrive as images."""
+"""Trackers that group and compare (vit_mpp/run/metering/tracking.py), read back from TensorBoard's event files: a run
+lands in its own folder named after `train.run_name`, its scalars are grouped (`train/`, `val/`, `knn/`), its
+hyperparameters sit in the same run with its final metrics (not in a separate sub-run), and curves.png and the confusion
+matrix arrive as images."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from finetune.__main__ import main as finetune_main
 from pretrain.__main__ import main as pretrain_main
 from tests.helpers.models import SMALL_MODEL, write_encoder_export
 from vit_mpp.models.vit import create_vit
-from vit_mpp.run.tracking import tensorboard_folder, tracker_key
+from vit_mpp.run.metering.tracking import tensorboard_folder, tracker_key
 
 pytest.importorskip("tensorboard")
 

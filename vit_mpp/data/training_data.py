@@ -10,7 +10,7 @@ proportional to the sets' sizes, every set runs out together); each set keeps it
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from vit_mpp.config.engine import ConfigError
@@ -31,10 +31,6 @@ class TrainingData:
     val_location: str
     val_split: Split | None
     val_manifest: dict[str, Any] | None = None
-    # What the run learns of its data as it goes, for its exports' records: a mixture's realised share of each set
-    # (the mean of the `mix_<name>` the meter logs), and the k-NN monitor's references (split, images; pretraining)
-    realised: dict[str, float] = field(default_factory=dict)
-    knn: tuple[Split | None, int] = (None, 0)
 
     @property
     def sizes(self) -> list[int]:
@@ -63,22 +59,24 @@ class TrainingData:
             return self.names[self.locations.index(self.val_location)]
         return set_name(self.val_location, self.val_manifest or {})
 
-    def record(self) -> dict[str, Any]:
+    def record(self, shares: dict[str, float] | None = None, knn: tuple[Split, int] | None = None) -> dict[str, Any]:
         """What an export records of its training data: the first set's manifest record; for a mixture every set
-        with its weight, its realised share once known, and its training images; the set and split evaluation read
-        (`val`) and the k-NN monitor's references (`knn`), when there were any."""
+        with its weight, its realised share (`shares`, as the run measured them) and its training images; the set
+        and split evaluation read (`val`) and the k-NN monitor's references (`knn`: split and images), when there
+        were any."""
+        shares = shares or {}
         first = data_record(self.locations[0], self.manifests[0])
         if self.mixture:
             total = sum(self.weights)
             first["mixture"] = [{**data_record(loc, man), "name": s.name, "weight": s.weight / total,
                                  "images": s.split.num_samples,
-                                 **({"share": self.realised[s.name]} if s.name in self.realised else {})}
+                                 **({"share": shares[s.name]} if s.name in shares else {})}
                                 for loc, man, s in zip(self.locations, self.manifests, self.sets)]
         if self.val_split is not None:
             first["val"] = {"set": self.val_name, "shards": self.val_location, "split": self.val_split.name,
                             "images": self.val_split.num_samples}
-        knn_split, knn_images = self.knn
-        if knn_split is not None and knn_images:
+        if knn is not None and knn[1]:
+            knn_split, knn_images = knn
             first["knn"] = {"set": self.val_name, "shards": self.val_location, "split": knn_split.name,
                             "images": min(knn_images, knn_split.num_samples)}
         return first

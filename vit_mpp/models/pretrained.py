@@ -43,8 +43,8 @@ HUB, LOCAL_DIR = "hf-hub:", "local-dir:"
 
 
 class CheckpointError(UserError):
-    """A checkpoint is missing, unreadable or does not fit: a run's saved state (vit_mpp/run/checkpoint.py), or the
-    weights a user brings (init.checkpoint, --checkpoint); one-line message. Exports have their own ExportError
+    """A checkpoint is missing, unreadable or does not fit: a run's saved state (vit_mpp/run/durability/checkpoint.py),
+    or the weights a user brings (init.checkpoint, --checkpoint); one-line message. Exports have their own ExportError
     (vit_mpp/models/export.py)."""
 
 

@@ -12,7 +12,7 @@ from vit_mpp.config.sections import OptimConfig
 def build_optimizer(model: torch.nn.Module, optim: OptimConfig, lr: float, layer_decay: float | None = None,
                     ) -> torch.optim.Optimizer:
     """AdamW/Adam/SGD over timm's parameter groups (no decay on biases, norms, tokens, position embeddings); with
-    `layer_decay`, each group's `lr_scale` follows timm's layer-wise decay (vit_mpp/run/schedule.py `set_lr` applies
+    `layer_decay`, each group's `lr_scale` follows timm's layer-wise decay (vit_mpp/run/loop.py `set_lr` applies
     it)."""
     skip = model.no_weight_decay() if hasattr(model, "no_weight_decay") else set()
     if layer_decay is not None:

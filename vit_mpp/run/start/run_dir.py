@@ -1,8 +1,8 @@
-"""The run directory: owned by one run at a time (a lock), its resolved config.yaml, and its metrics.jsonl.
+"""The run directory: owned by one run at a time (a lock), and its resolved config.yaml (metrics.jsonl:
+vit_mpp/run/metering/metrics_log.py).
 
     run_dir/.lock          held by the run's main process for its whole life (who holds it is written inside)
     run_dir/config.yaml    the resolved config; a resumed run may change settings, but not its architecture
-    run_dir/metrics.jsonl  one JSON object per logged step or evaluation
 """
 
 from __future__ import annotations
@@ -21,9 +21,8 @@ import yaml
 
 from vit_mpp.config.engine import ConfigError, flatten, save_config, to_dict
 from vit_mpp.data.manifest import MANIFEST_NAME
-from vit_mpp.durable import write_atomic, writing
 from vit_mpp.errors import UserError
-from vit_mpp.run.checkpoint import TRAINER_STATE, latest_checkpoint
+from vit_mpp.run.durability.checkpoint import TRAINER_STATE, latest_checkpoint
 from vit_mpp.tools.args import make_out_folder
 
 LOCK_NAME = ".lock"
@@ -186,44 +185,3 @@ def _get(cfg: Any, dotted: str) -> Any:
     for part in dotted.split("."):
         cfg = getattr(cfg, part)
     return cfg
-
-
-def rewind_jsonl(path: Path, step: int) -> None:
-    """Cut a JSON-lines log of steps back to the records of steps up to `step`, the step a run resumes from.
-
-    A run killed between a record and its next checkpoint has written steps that the resumed run writes again;
-    without this the file would hold those steps twice. A line torn by the kill (half-written, not JSON) goes too.
-    """
-    if not path.is_file():
-        return
-    lines = path.read_text(errors="replace").splitlines()
-    kept = [line for line in lines if _step_of(line) is not None and _step_of(line) <= step]
-    if len(kept) != len(lines):
-        write_atomic(path, "".join(line + "\n" for line in kept))
-
-
-def _step_of(line: str) -> int | None:
-    """The step of a JSON-lines record (0 when it names none), or None for a line that is not a JSON object."""
-    try:
-        record = json.loads(line)
-        return int(record.get("step", 0)) if isinstance(record, dict) else None
-    except (ValueError, TypeError):
-        return None
-
-
-class MetricsLog:
-    """Appends metrics to run_dir/metrics.jsonl (main process only)."""
-
-    def __init__(self, run_dir: str | Path, is_main: bool) -> None:
-        self.path = Path(run_dir) / "metrics.jsonl"
-        self.is_main = is_main
-
-    def rewind(self, step: int) -> None:
-        """Drop records logged after `step`, the step a run resumes from (see `rewind_jsonl`)."""
-        if self.is_main:
-            rewind_jsonl(self.path, step)
-
-    def write(self, record: dict[str, Any]) -> None:
-        if self.is_main:
-            with writing(self.path), self.path.open("a") as f:
-                f.write(json.dumps(record) + "\n")

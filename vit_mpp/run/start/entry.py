@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from vit_mpp.config.device_checks import check_device_settings
 from vit_mpp.config.engine import parse_args
 from vit_mpp.data.manifest import check_location
 from vit_mpp.launcher import stop_during_start_up
-from vit_mpp.run.device_checks import check_device_settings
-from vit_mpp.run.run_clock import mark_start
+from vit_mpp.run.metering.run_clock import mark_start
 
 
 def read_run_config(cls: type, argv: list[str] | None, prog: str, description: str) -> Any:

@@ -1,6 +1,7 @@
 """What a training step asks of the hardware: the FLOPs of a timm ViT per image (`vit_forward_flops`,
 `training_flops`) and the peak FLOP/s of the device (`peak_flops`: `train.peak_tflops`, else a table of common GPUs),
-from which vit_mpp/run/step_meter.py logs the model FLOPs utilisation (MFU). See docs/pretrain.md#what-a-run-prints.
+from which vit_mpp/run/metering/step_meter.py logs the model FLOPs utilisation (MFU). See
+docs/pretrain.md#what-a-run-prints.
 """
 
 from __future__ import annotations

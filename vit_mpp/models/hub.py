@@ -20,13 +20,13 @@ from vit_mpp.config.sections import ExportConfig, ModelConfig
 from vit_mpp.durable import writing
 from vit_mpp.errors import UserError
 from vit_mpp.models.export import read_export
-from vit_mpp.run.curves import CURVES_NAME
 
 if TYPE_CHECKING:
     from huggingface_hub import ModelCard
 
 CARD_NAME = "README.md"
-FIGURES = ("curves.png", "analysis/position_similarity.png", "analysis/embedding_filters.png",
+CURVES_NAME = "curves.png"  # the training curves a card shows, copied from the run (vit_mpp/run/metering/curves.py)
+FIGURES = (CURVES_NAME, "analysis/position_similarity.png", "analysis/embedding_filters.png",
            "analysis/attention_distance.png", "analysis/attention_0_*.png")
 
 
@@ -180,8 +180,8 @@ def model_card(export_dir: str | Path, export: ExportConfig) -> ModelCard:
 
 
 def mixture_table(sets: list[dict[str, Any]]) -> str:
-    """A mixture set by set: its name, shards, weight (normalised), realised share (the mean of the run's logged
-    `mix_<name>`) and training images."""
+    """A mixture set by set: its name, shards, weight (normalised), realised share (the share of the samples its
+    steps took) and training images."""
     def number(value: Any) -> str:
         return f"{value:.3f}" if isinstance(value, (int, float)) else "not logged"
 
@@ -221,12 +221,13 @@ def _table(values: dict[str, Any]) -> str:
     return "\n".join(["| | |", "| --- | --- |", *(f"| {k} | {v} |" for k, v in rows)])
 
 
-def write_card(export_dir: str | Path, run_dir: str | Path, export: ExportConfig) -> Path:
-    """Copy the run's curves.png into the export and write its README.md model card; returns the card's path."""
-    export_dir, run_dir = Path(export_dir), Path(run_dir)
-    if (run_dir / CURVES_NAME).is_file():
+def write_card(export_dir: str | Path, curves: Path, export: ExportConfig) -> Path:
+    """Copy the run's training curves (`curves`, when drawn) into the export and write its README.md model card;
+    returns the card's path."""
+    export_dir = Path(export_dir)
+    if curves.is_file():
         with writing(export_dir / CURVES_NAME):
-            shutil.copyfile(run_dir / CURVES_NAME, export_dir / CURVES_NAME)
+            shutil.copyfile(curves, export_dir / CURVES_NAME)
     card = export_dir / CARD_NAME
     with writing(card):
         model_card(export_dir, export).save(card)
@@ -244,13 +245,12 @@ def draw_figures(export_dir: str | Path, shards: str) -> None:
         print(f"warning: the analysis figures for the model card could not be drawn: {reason}", file=sys.stderr)
 
 
-def publish(export_dir: str | Path, run_dir: str | Path, export: ExportConfig, shards: str,
-            push_it: bool) -> str | None:
-    """Write the export's model card; with `export.push_to_hub` and `push_it`, draw the analysis figures into it
-    and upload it. Returns the repo URL when uploaded."""
+def publish(export_dir: str | Path, curves: Path, export: ExportConfig, shards: str, push_it: bool) -> str | None:
+    """Write the export's model card (with the run's `curves`); with `export.push_to_hub` and `push_it`, draw the
+    analysis figures into it and upload it. Returns the repo URL when uploaded."""
     if export.push_to_hub and push_it:
         draw_figures(export_dir, shards)
-    write_card(export_dir, run_dir, export)
+    write_card(export_dir, curves, export)
     return push(export_dir, export) if export.push_to_hub and push_it else None
 
 

@@ -1,5 +1,5 @@
-"""The fine-tuning objective: the augmentations that run on the device (colour jitter, random erasing, mixup and
-cutmix) and the classification loss, as one callable that the loop hands each micro-batch to."""
+"""Fine-tuning's forward pass of a micro-batch: the augmentations that run on the device (colour jitter, random
+erasing, mixup and cutmix), the classifier and the classification loss (`ClassificationLoss`)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from finetune.config import FinetuneConfig
 from vit_mpp.data.stream import normalize
 
 
-class ClassificationObjective:
-    """`objective(model, batch)` -> {"loss", "metrics": {"acc"}} for a uint8 batch on the device."""
+class ClassificationLoss:
+    """`loss(model, batch)` -> {"loss", "metrics": {"acc"}} for a uint8 batch on the device."""
 
     def __init__(self, cfg: FinetuneConfig, num_classes: int, micro_batch: int, device: torch.device,
                  mean: tuple[float, ...], std: tuple[float, ...]) -> None:

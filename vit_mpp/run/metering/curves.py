@@ -5,11 +5,11 @@ at each evaluation and at the end (`write_run_curves`), and `python -m analysis 
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
 
+from vit_mpp.run.metering.metrics_log import read_metrics
 from vit_mpp.tools.figures import plt, save_figure
 
 CURVES_NAME = "curves.png"
@@ -24,18 +24,6 @@ PANELS = [
     ("learning rate", [("lr", "")]),
     ("images / s", [("img_per_s", "")]),
 ]
-
-
-def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The records of a run's metrics.jsonl, in order (a torn last line, from a kill mid-write, is skipped)."""
-    path = Path(run_dir) / "metrics.jsonl"
-    records = []
-    for line in path.read_text().splitlines() if path.is_file() else []:
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return records
 
 
 def plot_curves(runs: dict[str, list[dict[str, Any]]], out: str | Path, title: str = "") -> Path | None:

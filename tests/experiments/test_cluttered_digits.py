@@ -1,4 +1,4 @@
-"""data_tools/cluttered_digits.py: the harder digits set (split sizes, balance, held-out writers, determinism, not
+"""experiments/cluttered_digits.py: the harder digits set (split sizes, balance, held-out writers, determinism, not
 separable by a class-mean template, shards built, one-line errors). Small sizes, so that it runs in seconds."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from PIL import Image
 
 pytest.importorskip("sklearn")  # the dev extra; its bundled digits and photos are the dataset
 
-from data_tools import cluttered_digits as cd  # noqa: E402
+from experiments import cluttered_digits as cd  # noqa: E402
 from tests.helpers.processes import in_process  # noqa: E402
 
 POOL, TEST, PER_CLASS = 400, 60, 3
@@ -83,7 +83,8 @@ def test_images_are_small_rgb_and_test_writers_are_held_out(made):
 
 
 def test_the_same_seed_writes_the_same_files_and_another_seed_others(tmp_path, monkeypatch):
-    monkeypatch.setattr(cd, "build_shards", lambda source, out: None)  # the images only: build-shards is tested above
+    # the images only: build-shards is tested above
+    monkeypatch.setattr(cd, "build_shards", lambda source, out, shard_size: None)
     runs = {}
     for name, seed in (("a", 0), ("b", 0), ("c", 1)):
         cd.generate(cd.Options(tmp_path / name, pool=200, test=20, labels_per_class=2, seed=seed))
@@ -141,7 +142,7 @@ def test_light_clutter_is_a_gradient_a_digit_and_noise(tmp_path, monkeypatch):
     light_spread, full_spread = off_plane(light), off_plane(full)
     assert light_spread.min(0).max() < 8  # every light image has a corner that is a plane and noise
     assert np.median(light_spread.max(0)) < 6 < 9 < np.median(full_spread.max(0))
-    monkeypatch.setattr(cd, "build_shards", lambda source, out: None)
+    monkeypatch.setattr(cd, "build_shards", lambda source, out, shard_size: None)
     code = cd.main([str(tmp_path / "light"), "--pool", "200", "--test", "20", "--labels-per-class", "2",
                     "--clutter", "light"])
     assert code is None

@@ -1,24 +1,25 @@
-"""Preemption and time-based checkpoints: a signal of `train.preempt_signals` on any rank raises a flag; at a step
-boundary every rank agrees in one small collective to save that step, and the run exits 75 with one line. A watcher
-thread sees a signal at once, so a rank blocked in a broken collective or still starting also ends. See
-docs/cluster.md and docs/reliability.md."""
+"""Preemption: `StopSignals` catches the signals of `train.preempt_signals` for a run's life and raises a flag the
+loop reads before every step (vit_mpp/run/loop.py: every rank then agrees in one small collective to save that step,
+and the run exits 75 with one line). A watcher thread sees a signal at once, so a rank blocked in a broken collective
+or still starting also ends; a rank waiting for data (`waiting`) has its wait cut short. See docs/cluster.md and
+docs/reliability.md."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import sys
 import threading
-import time
-from collections.abc import Callable, Iterator
-from datetime import timedelta
+from collections.abc import Callable
+from functools import partial
 from types import FrameType
 from typing import Any
 
 from vit_mpp import launcher
+from vit_mpp.config.sections import TrainConfig
 from vit_mpp.errors import EXIT_PREEMPTED, StoppedUnsaved
 from vit_mpp.launcher import process_rank, stop_if_peer_failed
+from vit_mpp.run.durability.checkpoint import saved_step
 
 _open_pipes: set[int] = set()  # the watchers' pipes, closed in forked children (data-loader workers)
 
@@ -42,24 +43,31 @@ GROUP_WAIT_S = 5.0  # a signal before the first step waits at most this long for
 
 
 class WaitInterrupted(Exception):
-    """A wait for data was cut short by a stop signal (`StopSignals.interruptible`)."""
+    """A wait for data was cut short by a stop signal (raised in the wait while `StopSignals.waiting`)."""
 
 
 class StopSignals:
     """Catches the preemption signals for the life of a run (a context manager: the previous handlers come back).
 
     `saved_step()` names the newest checkpoint of the run (None: none): what a signal during start-up, before the
-    first step, leaves to resume from."""
+    first step, leaves to resume from. The loop reads `received` and sets `in_loop` once it starts, and `waiting`
+    while it waits for a step's data: a signal then raises WaitInterrupted in the wait, so that a rank stuck on a
+    stalled read still reaches the stop agreement instead of its read's deadline."""
 
     def __init__(self, names: list[str], saved_step: Callable[[], int | None] = lambda: None) -> None:
         self.signals = [getattr(signal, n) for n in names]
         self.saved_step = saved_step
         self.received: int | None = None
         self.in_loop = False  # before the first step there is nothing new to save: a signal ends the run at once
-        self.waiting = False  # the main thread waits for data: a signal cuts the wait short (`interruptible`)
+        self.waiting = False  # the main thread waits for data: a signal cuts the wait short
         self._previous: dict[int, Any] = {}
         self._pipe: tuple[int, int] | None = None
         self._old_wakeup = -1
+
+    @classmethod
+    def for_run(cls, train: TrainConfig) -> StopSignals:
+        """The signals of `train.preempt_signals`, for a run in `train.run_dir`."""
+        return cls(train.preempt_signals, partial(saved_step, train.run_dir))
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is not threading.main_thread() or not self.signals:
@@ -85,18 +93,6 @@ class StopSignals:
         os.close(self._pipe[1])  # ends the watcher
         _open_pipes.difference_update(self._pipe)
         self._pipe = None
-
-    @contextlib.contextmanager
-    def interruptible(self) -> Iterator[None]:
-        """A wait for data that a stop signal cuts short: WaitInterrupted, at once when a signal came before it.
-        A rank stuck on a stalled read then still reaches the agreement (`StopGate`) instead of its read's deadline."""
-        if self.received is not None:
-            raise WaitInterrupted
-        self.waiting = True
-        try:
-            yield
-        finally:
-            self.waiting = False
 
     def _handler(self, signum: int, frame: FrameType | None) -> None:
         launcher.signalled = True
@@ -152,40 +148,3 @@ class StopSignals:
         if process_rank() == 0:
             print(line, file=sys.stderr, flush=True)
         os._exit(status)
-
-
-class StopGate:
-    """Before every step and every evaluation batch, once each rank holds its data (or was cut short waiting for
-    it), every rank takes the same decision: stop now (a signal reached some rank) and save now
-    (`every_minutes` passed since the last checkpoint, on the main rank's clock).
-
-    One all-reduce of two numbers on the host, over a gloo group of its own: no device synchronisation, about a
-    tenth of a millisecond, and no rank commits to a step (its gradient all-reduce) that another cannot take. A
-    signal is acted upon within one step or evaluation batch, whatever their length (docs/cluster.md)."""
-
-    def __init__(self, accelerator: Any, signals: StopSignals, every_minutes: float, timeout_s: float = 600.0) -> None:
-        self.accelerator, self.signals, self.every_s = accelerator, signals, every_minutes * 60.0
-        self.last_save = time.monotonic()
-        self.group = None
-        if accelerator.num_processes > 1:
-            import torch.distributed as dist
-
-            self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-
-    def agree(self, stuck: bool = False) -> tuple[bool, bool]:
-        """(stop, save for time), the same on every rank; `stuck`: this rank's wait for data was cut short."""
-        time_due = self.every_s > 0 and time.monotonic() - self.last_save >= self.every_s
-        flags = [float(stuck or self.signals.received is not None),
-                 float(time_due and self.accelerator.is_main_process)]
-        if self.group is None:
-            return flags[0] > 0, flags[1] > 0
-        import torch
-        import torch.distributed as dist
-
-        tensor = torch.tensor(flags)
-        dist.all_reduce(tensor, group=self.group)
-        return bool(tensor[0] > 0), bool(tensor[1] > 0)
-
-    def saved(self) -> None:
-        """A checkpoint was just written: the clock of time-based saves starts again."""
-        self.last_save = time.monotonic()

@@ -1,7 +1,7 @@
-"""`python -m analysis compare --unlabelled SHARDS --labelled SHARDS --test SHARDS[:SPLIT] --out DIR ...`: does MPP
+"""`python -m experiments.compare --unlabelled SHARDS --labelled SHARDS --test SHARDS[:SPLIT] --out DIR ...`: does MPP
 pretraining earn its keep? Per seed, each arm's product commands (`python -m pretrain`, `python -m finetune`) run
 as subprocesses into their own run directories; the table pairs the arms' final test top-1 by seed. Resumable.
-See docs/analysis.md, "Does pretraining earn its keep".
+See docs/experiments.md.
 """
 
 from __future__ import annotations
@@ -24,14 +24,14 @@ from typing import Any
 
 import yaml
 
-from vit_mpp.cli import ArgumentParser
+from vit_mpp.cli import ArgumentParser, run_main
 from vit_mpp.config.engine import ConfigError
 from vit_mpp.data.manifest import check_manifest, manifest_classes, manifest_file, read_manifest
 from vit_mpp.errors import UserError
 from vit_mpp.models.export_folder import is_export
 from vit_mpp.progress import format_duration
-from vit_mpp.run.curves import read_metrics
-from vit_mpp.run.metrics_summary import wall_time_s
+from vit_mpp.run.metering.metrics_log import read_metrics
+from vit_mpp.run.metering.summary import wall_time_s
 from vit_mpp.tools.args import check_out_folder, make_out_folder, open_out_file
 
 KINDS = ("scratch", "mpp", "scratch_equal", "supervised", "probe")
@@ -156,7 +156,7 @@ def parse_overrides(items: list[str], arms: list[str]) -> dict[str, list[str]]:
         config = "finetune" if stage == "finetune" or kind(arm) == "supervised" else "pretrain"
         computed = dot and (kind(arm), stage) in (("scratch_equal", "finetune"), ("supervised", "pretrain"))
         if key in OWN_KEYS[config] or (key == "train.epochs" and computed):
-            raise ConfigError(f"--set {item!r}: compare sets {key} itself (see python -m analysis compare --help)")
+            raise ConfigError(f"--set {item!r}: compare sets {key} itself (see python -m experiments.compare --help)")
         found.setdefault(target, []).append(setting)
     return found
 
@@ -175,7 +175,7 @@ def parse_arms(values: list[str]) -> list[str]:
 
 
 def build_parser() -> ArgumentParser:
-    p = ArgumentParser(prog="python -m analysis compare", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="python -m experiments.compare", description=__doc__.split("\n\n")[0])
     p.add_argument("--unlabelled", required=True, metavar="SHARDS",
                    help="the pool: MPP pretraining reads its train split without labels (and its val split for its "
                    "validation); the supervised arm pretrains on it with its labels")
@@ -654,3 +654,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     text = write_report(report, setup.out)
     print("\n" + text + f"\nwrote {setup.out / 'compare.md'}, compare.csv, compare.json", flush=True)
     return report
+
+
+if __name__ == "__main__":
+    run_main(main)

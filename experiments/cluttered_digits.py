@@ -2,7 +2,7 @@
 rotation, stroke thickness and colour over cluttered backgrounds (photo crops, gradients, lines, faint strokes of
 other digits): a harder real-image set to tell pretraining recipes apart (docs/results.md, "Cluttered digits").
 
-    python -m data_tools.cluttered_digits OUT [--size 32] [--pool 20000] [--test 2000] [--labels-per-class 20]
+    python -m experiments.cluttered_digits OUT [--size 32] [--pool 20000] [--test 2000] [--labels-per-class 20]
                                           [--clutter full|light] [--seed 0] [--overwrite]
 
 The source digits are split once (80/20, stratified, split seed 0, the split of experiments/pretrain_vs_scratch.py):
@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import csv
 import shutil
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,10 +23,9 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
+from experiments.digits import build_shards, digits_split, load_digits
 from vit_mpp.cli import ArgumentParser, run_main
-from vit_mpp.errors import UserError
 
-SPLIT_SEED = 0  # the source split never moves with --seed: the test writers stay the same
 TEST_FRACTION = 0.2
 VAL_FRACTION = 0.05  # of the pool, for the MPP validation loss and the k-NN monitor
 CHUNK = 2000  # images rendered at once (memory: a few float32 arrays of CHUNK x size x size x 3)
@@ -69,17 +66,11 @@ class Clutter:
 
 
 def load_sources() -> Sources:
-    """scikit-learn's bundled digits and the fixed stratified split (nothing is downloaded)."""
-    try:
-        from sklearn.datasets import load_digits
-        from sklearn.model_selection import train_test_split
-    except ImportError:
-        raise UserError("cluttered digits need scikit-learn (its bundled digits): pip install -e '.[dev]'") from None
+    """scikit-learn's bundled digits and the experiments' one fixed split (experiments/digits.py)."""
     digits = load_digits()
-    index = np.arange(len(digits.target))
-    train, test = train_test_split(index, test_size=TEST_FRACTION, stratify=digits.target, random_state=SPLIT_SEED)
+    train, test = digits_split(digits.target, TEST_FRACTION)
     images = _upsampled(np.pad(digits.images / 16.0, ((0, 0), (PAD, PAD), (PAD, PAD))).astype(np.float32))
-    return Sources(images, digits.target.astype(int), np.sort(train), np.sort(test))
+    return Sources(images, digits.target.astype(int), train, test)
 
 
 def _upsampled(images: np.ndarray) -> np.ndarray:
@@ -317,16 +308,6 @@ def samples_grid(images: np.ndarray, labels: np.ndarray, path: Path, zoom: int =
     grid.save(path)
 
 
-def build_shards(source: Path, out: Path) -> None:
-    """`build-shards SOURCE OUT` on a tree that has its own splits, PNG bytes kept as they are."""
-    cmd = [sys.executable, "-m", "data_tools.cli", str(source), str(out), "--existing-splits", "--format", "png",
-           "--max-side", "0", "--min-side", "8", "--shard-size", "1000", "--workers", "1"]
-    result = subprocess.run(cmd, capture_output=True, text=True)
-    if result.returncode != 0:
-        last = (result.stderr.strip().splitlines() or [f"exit status {result.returncode}"])[-1]
-        raise UserError(f"build-shards {source} failed: {last.removeprefix('error: ')}")
-
-
 @dataclass(frozen=True)
 class Options:
     """The command line, checked."""
@@ -371,13 +352,13 @@ def generate(opts: Options) -> dict[str, float]:
     samples_grid(pool_img[shown], pool_labels[shown], opts.out / "samples.png")
     times["png"] = time.perf_counter() - start - times["render"]
     for name in ("pool", "labelled", "test"):
-        build_shards(images / name, opts.out / "shards" / name)
+        build_shards(images / name, opts.out / "shards" / name, shard_size=1000)
     times["shards"] = time.perf_counter() - start - times["render"] - times["png"]
     return times
 
 
 def parse(argv: list[str] | None) -> Options:
-    p = ArgumentParser(prog="python -m data_tools.cluttered_digits", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="python -m experiments.cluttered_digits", description=__doc__.split("\n\n")[0])
     p.add_argument("out", type=Path, help="the folder to write (images/, shards/, sources.csv, samples.png)")
     p.add_argument("--size", type=int, default=32, help="image side in pixels (default: %(default)s)")
     p.add_argument("--pool", type=int, default=20000,

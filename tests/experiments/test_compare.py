@@ -1,4 +1,4 @@
-"""`python -m analysis compare`: the paired table's maths, the equal-compute epochs, resuming (a finished run is not
+"""`python -m experiments.compare`: the paired table's maths, the equal-compute epochs, resuming (a finished run is not
 run again, a half-finished one is), the supervised arm skipped without labels, and every mistake as one line before
 anything runs. The stages are faked here (their dry runs and launches); one slow test runs the real ones."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from analysis import compare
+from experiments import compare
 from tests.helpers.processes import in_process, run_module
 from tests.helpers.shards import write_shard_set
 
@@ -293,11 +293,14 @@ def test_dry_run_prints_every_run_and_writes_nothing(tmp_path, monkeypatch, shar
     assert out.count("python -m") >= 14 and not fake.launched and not (tmp_path / "out").exists()
 
 
-def test_the_sub_command_is_wired_and_a_mistake_is_one_line(tmp_path):
-    result = run_module("analysis", "compare", "--unlabelled", "x", "--labelled", "y", "--test", "z",
+def test_the_command_is_wired_and_a_mistake_is_one_line(tmp_path):
+    result = run_module("experiments.compare", "--unlabelled", "x", "--labelled", "y", "--test", "z",
                         "--pretrain-config", "a", "--finetune-config", "b", "--out", str(tmp_path), "--arms", "foo")
     assert result.returncode == 2 and result.stderr.startswith("error: --arms: unknown arm 'foo'")
     assert result.stderr.count("\n") == 1 and not result.stdout
+    moved = run_module("analysis", "compare", "--out", str(tmp_path))  # where it was: a pointer, one line
+    assert moved.returncode == 2 and moved.stderr.startswith("error: compare trains runs, so it is an experiment now")
+    assert moved.stderr.count("\n") == 1
 
 
 # ------------------------------------------------------------------------------------------------ for real

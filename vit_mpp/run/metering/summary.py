@@ -1,7 +1,8 @@
 """The end of a run in a few lines: its total time (start-up and export included), training and evaluation time,
 mean images/s, data wait and MFU, the final and best metrics and where the exports are; printed as a short block and
-written to run_dir/summary.json, which `python -m analysis summary` prefers to metrics.jsonl for the wall time.
-See docs/pretrain.md#what-a-run-prints."""
+written to run_dir/summary.json (`write_summary`); and what a finished run's records say, one reading for every tool
+that reports on runs (the trackers' `best/` numbers, `python -m analysis summary`): final and best values, the wall
+time (from summary.json, which it prefers to metrics.jsonl). See docs/pretrain.md#what-a-run-prints."""
 
 from __future__ import annotations
 
@@ -12,8 +13,50 @@ from typing import Any
 
 from vit_mpp.durable import write_atomic
 from vit_mpp.progress import format_duration
-from vit_mpp.run.curves import read_metrics
-from vit_mpp.run.metrics_summary import SUMMARY_NAME, best_metrics, final_metrics
+from vit_mpp.run.metering.metrics_log import read_metrics
+
+SUMMARY_NAME = "summary.json"
+
+# The metrics that have a best, and which way is better.
+BEST_OF = {"val_top1": max, "val_top5": max, "val_mean_class_acc": max, "ema_val_top1": max, "val_acc": max,
+           "knn_top1_cls": max, "knn_top1_avg": max, "val_loss": min, "ema_val_loss": min}
+
+
+def _numbers(records: list[dict[str, Any]], key: str) -> list[float]:
+    return [float(r[key]) for r in records if isinstance(r.get(key), (int, float)) and not isinstance(r[key], bool)]
+
+
+def final_metrics(records: list[dict[str, Any]], keys: tuple[str, ...]) -> dict[str, float]:
+    """The last value logged of each of `keys` that the records hold."""
+    return {k: values[-1] for k in keys if (values := _numbers(records, k))}
+
+
+def best_metrics(records: list[dict[str, Any]]) -> dict[str, float]:
+    """The best value of each metric of `BEST_OF` that the records hold (the highest accuracy, the lowest loss)."""
+    return {k: better(values) for k, better in BEST_OF.items() if (values := _numbers(records, k))}
+
+
+def read_summary(run_dir: str | Path) -> dict[str, Any] | None:
+    """The run's summary.json, None when it has none (a run not finished, or of an older version) or it is
+    unreadable."""
+    try:
+        summary = json.loads((Path(run_dir) / SUMMARY_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+    return summary if isinstance(summary, dict) else None
+
+
+def wall_time_s(records: list[dict[str, Any]], summary: dict[str, Any] | None = None) -> float | None:
+    """The run's wall time in seconds: its summary's `total_s` (start-up, evaluations and export included) when the
+    summary covers the last step the records reached (a finished run, not one extended since); else the
+    `elapsed_s` the records carry (the time since each process made its meter, a resumed run's included:
+    vit_mpp/run/metering/step_meter.py). None when neither has a time (runs of older versions)."""
+    last = max((int(r["step"]) for r in records if isinstance(r.get("step"), int)), default=0)
+    if summary and isinstance(summary.get("total_s"), (int, float)) and summary.get("step", -1) >= last:
+        return float(summary["total_s"])
+    times = _numbers(records, "elapsed_s")
+    return max(times) if times else None
+
 
 # The metrics a summary gives, final and best, when the run logged them: fine-tuning's validation top-1 (and its
 # EMA's), pretraining's k-NN monitor, MPP accuracy and loss.

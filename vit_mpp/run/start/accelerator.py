@@ -14,7 +14,7 @@ from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration
 from vit_mpp.config.engine import ConfigError
 from vit_mpp.config.sections import TrainConfig
 from vit_mpp.launcher import process_group_kwargs
-from vit_mpp.run.tracking import check_trackers
+from vit_mpp.run.metering.tracking import check_trackers
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ def make_accelerator(train: TrainConfig) -> tuple[Accelerator, GlobalBatch]:
         gradient_accumulation_steps=batch.accum_steps,
         log_with=train.trackers or None,
         project_config=project,
-        step_scheduler_with_optimizer=False,  # the LR is set by hand from the step (see vit_mpp/run/schedule.py)
+        step_scheduler_with_optimizer=False,  # the LR is set by hand from the step (see vit_mpp/run/loop.py)
     )
     if cpu and os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and accelerator.is_main_process:
         # accelerate silently drops FSDP for CPU processes; say so rather than let a user believe it sharded

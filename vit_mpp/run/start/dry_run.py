@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import io
 import json
-from collections.abc import Callable
 from typing import Any
 
 import yaml
@@ -18,8 +17,9 @@ from vit_mpp.data.image_decoder import image_bytes
 from vit_mpp.data.manifest import Split
 from vit_mpp.data.shard_reader import ShardError, range_segments, read_segment
 from vit_mpp.data.stream_plan import resume_generation
-from vit_mpp.run.checkpoint import TRAINER_STATE, latest_checkpoint
-from vit_mpp.run.start import Run
+from vit_mpp.run.durability.checkpoint import TRAINER_STATE, latest_checkpoint
+from vit_mpp.run.loop import Schedule
+from vit_mpp.run.start.run import Run
 
 
 def probe(split: Split, data: DataConfig, where: str) -> None:
@@ -39,7 +39,7 @@ def probe(split: Split, data: DataConfig, where: str) -> None:
                          f"({type(e).__name__})") from None
 
 
-def report(run: Run, summary: str, total_steps: int, warmup: int, lr: Callable[[int], float]) -> None:
+def report(run: Run, summary: str, schedule: Schedule) -> None:
     """Check the shards, then print what the run would do (main process); every process returns after it."""
     cfg = run.cfg
     for s in run.data.sets:
@@ -48,8 +48,9 @@ def report(run: Run, summary: str, total_steps: int, warmup: int, lr: Callable[[
         probe(run.data.val_split, cfg.data, f"evaluation split '{run.data.val_split.name}' of {run.data.val_location}")
     if not run.accelerator.is_main_process:
         return
+    total_steps, warmup = schedule.total, schedule.warmup
     steps = sorted({1, max(1, warmup), max(1, warmup + 1), max(1, total_steps // 2), total_steps})
-    rates = ", ".join(f"step {s} {lr(s - 1):.3g}" for s in steps if s <= total_steps)
+    rates = ", ".join(f"step {s} {schedule.lr(s - 1):.3g}" for s in steps if s <= total_steps)
     print("dry run: nothing is written; the resolved config:\n" + yaml.safe_dump(to_dict(cfg), sort_keys=False)
           + summary + f"\nlearning rate: {rates}\n" + _start(run, cfg, total_steps), flush=True)
 

@@ -1,11 +1,10 @@
 """The start of a training run, the same in both stages (`start_run`), and the `Run` it returns: what the run
-carries from its first line to its export, and the pieces made from it (resume, loaders, checkpointer, meter).
+carries from its first line to its export, and what it makes from itself (the resume, its loaders).
 docs/architecture.md."""
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,21 +14,21 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 
+from vit_mpp.config.device_checks import check_device_settings
 from vit_mpp.config.engine import is_dry_run
 from vit_mpp.data.image_decoder import ImageDecoder
 from vit_mpp.data.manifest import Split
 from vit_mpp.data.stream import Batches, EvalStream, TrainStream, loader_layout, make_loader, read_settings
 from vit_mpp.data.stream_plan import Generation, Layout, resume_generation
 from vit_mpp.data.training_data import TrainingData, load_training_data
+from vit_mpp.models.hub import check_hub
 from vit_mpp.models.vit import architecture
-from vit_mpp.run.accelerator import GlobalBatch, make_accelerator
-from vit_mpp.run.checkpoint import Checkpointer, RunState, resume_latest
-from vit_mpp.run.device_checks import check_device_settings
-from vit_mpp.run.hub import check_hub
-from vit_mpp.run.preemption import StopGate, StopSignals
-from vit_mpp.run.run_dir import MetricsLog, prepare_run_dir
-from vit_mpp.run.sample_audit import SampleAudit
-from vit_mpp.run.step_meter import StepMeter
+from vit_mpp.run.durability.checkpoint import resume_latest
+from vit_mpp.run.durability.preemption import StopSignals
+from vit_mpp.run.metering.metrics_log import MetricsLog
+from vit_mpp.run.metering.sample_audit import SampleAudit
+from vit_mpp.run.start.accelerator import GlobalBatch, make_accelerator
+from vit_mpp.run.start.run_dir import prepare_run_dir
 
 
 @dataclass
@@ -47,7 +46,7 @@ class Resumed:
 @dataclass
 class Run:
     """What every training run carries once it has started: its config (a stage config with `train`, `data`,
-    `model` and `export` sections), accelerator, batch, data, run directory logs."""
+    `model` and `export` sections), accelerator, batch, data, run directory logs, and the stop signals it catches."""
 
     cfg: Any
     accelerator: Accelerator
@@ -58,8 +57,8 @@ class Run:
     log: MetricsLog
     audit: SampleAudit
     dry_run: bool
-    data_check: Any = None  # what the stage's `check_data` returned (fine-tuning: its classes)
-    stops: Checkpointer | None = None  # made by `checkpointer`; evaluation batches pass its stop agreement
+    signals: StopSignals
+    data_check: Any = None  # what the stage's `check_data` returned (fine-tuning: its `Classes`)
 
     @property
     def run_dir(self) -> Path:
@@ -73,11 +72,20 @@ class Run:
     def device(self) -> torch.device:
         return self.accelerator.device
 
+    @property
+    def steps_per_epoch(self) -> int:
+        """Optimizer steps in one epoch of the training data (of a mixture: see `TrainingData.samples_per_epoch`)."""
+        return max(1, self.data.samples_per_epoch() // self.cfg.train.batch_size)
+
+    def print(self, text: str) -> None:
+        """Print on the main process."""
+        self.accelerator.print(text)
+
     def resume(self, total_steps: int, lr: Callable[[int], float]) -> Resumed:
-        """Restore the newest checkpoint (vit_mpp/run/checkpoint.py `resume_latest`), cut the metrics log and the
-        sample audit back to its step, and continue the data stream where it stopped, on this layout; a line says so
-        when the layout changed, and when a finished run goes on (train.extend), what its learning rate does (`lr`
-        of a step)."""
+        """Restore the newest checkpoint (vit_mpp/run/durability/checkpoint.py `resume_latest`), cut the metrics log and
+        the sample audit back to its step, and continue the data stream where it stopped, on this layout; a line says so
+        when the layout changed, and when a finished run goes on (train.extend), what its learning rate does (`lr` of a
+        step)."""
         accelerator, tc = self.accelerator, self.cfg.train
         state, own = resume_latest(accelerator, tc.run_dir, self.changed)
         step = state.get("step", 0)
@@ -107,50 +115,24 @@ class Run:
                              read=read_settings(cfg.data, cfg.train.seed, num_classes))
         return Batches(stream, make_loader(stream, cfg.data))
 
-    def eval_loader(self, split: Split, num_classes: int | None = None, limit: int | None = None) -> Iterable[Any]:
-        """One ordered pass over `split` (its first `limit` samples) for this rank, at the micro-batch size; once the
-        run has its checkpointer, each batch passes its stop agreement (a stop during an evaluation ends the run
-        with the last completed step saved)."""
+    def eval_loader(self, split: Split, num_classes: int | None = None, limit: int | None = None) -> DataLoader:
+        """One ordered pass over `split` (its first `limit` samples) for this rank, at the micro-batch size. In a
+        training run, take its batches through the loop's stop agreement (vit_mpp/run/loop.py `At.gated`)."""
         cfg = self.cfg
         stream = EvalStream(split, ImageDecoder.for_evaluation(cfg.data, cfg.model.img_size),
                             loader_layout(cfg.data, self.gbatch.micro_batch, self.accelerator.num_processes),
                             rank=self.rank, read=read_settings(cfg.data, num_classes=num_classes), limit=limit)
-        return _Gated(self, make_loader(stream, cfg.data))
-
-    def checkpointer(self, resumed: Resumed, total_steps: int, signals: StopSignals, state: RunState) -> Checkpointer:
-        """The run's checkpoints (every train.ckpt_every steps, train.ckpt_every_minutes, the last step) and its
-        stop: agreed by every rank before each step and evaluation batch (vit_mpp/run/preemption.py)."""
-        tc = self.cfg.train
-        gate = StopGate(self.accelerator, signals, tc.ckpt_every_minutes, tc.collective_timeout_s)
-        self.stops = Checkpointer(self.accelerator, tc, total_steps, gate,
-                                  dataclasses.replace(state, flush=self.audit.flush), resumed.step)
-        return self.stops
-
-    def meter(self, resumed: Resumed, total_steps: int) -> StepMeter:
-        """The run's step meter, from the step it resumes at."""
-        return StepMeter(self.accelerator, self.log, self.cfg.train, start_step=resumed.step, total_steps=total_steps,
-                         bad_total=resumed.state.get("bad_samples_total", 0))
+        return make_loader(stream, cfg.data)
 
 
-@dataclass
-class _Gated:
-    """An evaluation loader whose batches pass the run's stop agreement, once the run has one."""
-
-    run: Run
-    loader: DataLoader
-
-    def __iter__(self) -> Iterator[Any]:
-        stops = self.run.stops
-        return iter(self.loader) if stops is None else stops.evaluation(self.loader)
-
-
-def start_run(cfg: Any, check_data: Callable[[TrainingData], object] | None = None) -> Run:
-    """Start a run: device settings this machine cannot run refused (vit_mpp/run/device_checks.py), the accelerator
+def start_run(cfg: Any, signals: StopSignals, check_data: Callable[[TrainingData], object] | None = None) -> Run:
+    """Start a run: device settings this machine cannot run refused (vit_mpp/config/device_checks.py), the accelerator
     (trackers checked), the Hub checked, the seed, the data's manifests, the model's architecture (built in shapes
     only), the run directory (taken, its config written; in a dry run only checked), the metrics log and the sample
     audit. The model and the data are checked before the run directory is touched, so a wrong setting or path
     changes nothing. `check_data`: the stage's own checks of the data (fine-tuning: classes and labels), run before
-    the run directory is touched; what it returns is kept as `data_check`."""
+    the run directory is touched; what it returns is kept as `data_check`. `signals`: the run's stop signals, caught
+    from before this call to the run's end."""
     tc, dry_run = cfg.train, is_dry_run(cfg)
     check_device_settings(cfg)  # the stages' __main__ ask first; this covers a run started from code (`train(cfg)`)
     accelerator, gbatch = make_accelerator(tc)
@@ -168,4 +150,4 @@ def start_run(cfg: Any, check_data: Callable[[TrainingData], object] | None = No
     is_main = accelerator.is_main_process and not dry_run
     audit = SampleAudit(tc.run_dir, accelerator.process_index, is_main, data.names, tc.record_samples and not dry_run)
     return Run(cfg, accelerator, gbatch, layout, data, changed, MetricsLog(tc.run_dir, is_main), audit, dry_run,
-               data_check)
+               signals, data_check)

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from vit_mpp.durable import writing
-from vit_mpp.run.run_dir import rewind_jsonl
+from vit_mpp.run.metering.metrics_log import rewind_jsonl
 
 AUDIT_DIR = "samples"
 
@@ -20,19 +20,12 @@ def audit_file(run_dir: str | Path, rank: int) -> Path:
 
 
 class SampleAudit:
-    """Collects the keys of a step's micro-batches (`add`) and writes them as one line (`write`); a no-op when off."""
+    """Writes the keys of each step's micro-batches as one line (`write`); a no-op when off."""
 
     def __init__(self, run_dir: str | Path, rank: int, is_main: bool, set_names: list[str], enabled: bool) -> None:
         self.enabled, self.rank, self.is_main, self.set_names = enabled, rank, is_main, set_names
         self.path = audit_file(run_dir, rank)
         self.file: Any = None
-        self._reset()
-
-    def _reset(self) -> None:
-        self.keys: list[str] = []
-        self.epochs: list[int] = []
-        self.sets: list[int] = []
-        self.bad: list[str] = []
 
     def rewind(self, step: int) -> None:
         """On the main process, cut every rank's file back to `step` (the other ranks write their first line only
@@ -41,27 +34,23 @@ class SampleAudit:
             for path in sorted(self.path.parent.glob("rank_*.jsonl")):
                 rewind_jsonl(path, step)
 
-    def add(self, batch: dict[str, Any]) -> None:
-        if self.enabled:
-            self.keys.extend(batch["key"])
-            self.epochs.extend(batch["epoch"])
-            self.sets.extend(batch["set"])
-            self.bad.extend(batch["bad_keys"])
-
-    def write(self, step: int) -> None:
+    def write(self, step: int, micro_batches: list[dict[str, Any]]) -> None:
+        """The line of optimizer step `step`: the keys of its micro-batches, the epoch of each, its set (a mixture)
+        and the undecodable samples replaced in them."""
         if not self.enabled:
             return
-        record: dict[str, Any] = {"step": step, "keys": self.keys, "epochs": self.epochs}
+        keys = [k for b in micro_batches for k in b["key"]]
+        record: dict[str, Any] = {"step": step, "keys": keys, "epochs": [e for b in micro_batches for e in b["epoch"]]}
         if len(self.set_names) > 1:
-            record["sets"] = [self.set_names[i] for i in self.sets]
-        if self.bad:
-            record["bad"] = self.bad
+            record["sets"] = [self.set_names[i] for b in micro_batches for i in b["set"]]
+        bad = [k for b in micro_batches for k in b["bad_keys"]]
+        if bad:
+            record["bad"] = bad
         with writing(self.path):
             if self.file is None:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 self.file = self.path.open("a", buffering=1 << 16)
             self.file.write(json.dumps(record) + "\n")
-        self._reset()
 
     def flush(self) -> None:
         """Push the buffered lines to the file (at checkpoints and at the end)."""

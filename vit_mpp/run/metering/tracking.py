@@ -16,8 +16,8 @@ from accelerate.tracking import LOGGER_TYPE_TO_CLASS, TensorBoardTracker
 
 from vit_mpp.config.engine import ConfigError, flatten, to_dict
 from vit_mpp.config.sections import TrainConfig
-from vit_mpp.run.curves import read_metrics
-from vit_mpp.run.metrics_summary import best_metrics
+from vit_mpp.run.metering.metrics_log import read_metrics
+from vit_mpp.run.metering.summary import best_metrics
 
 # The package each tracker imports (Accelerate skips a tracker whose package is missing, with only a log message).
 PACKAGES = {"tensorboard": ("tensorboard", "tensorboardX"), "wandb": ("wandb",), "comet_ml": ("comet_ml",),

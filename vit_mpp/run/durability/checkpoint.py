@@ -1,30 +1,25 @@
 """Training-state checkpoints, `run_dir/checkpoints/step_NNNNNN/`: saved by every rank and marked complete
 (trainer_state.json) only once every file is synced, so a crash at any moment leaves a complete checkpoint or one that
-resume ignores; `Checkpointer` decides when to save. See docs/pretrain.md and docs/reliability.md."""
+resume ignores (`save_checkpoint`, `Checkpointer`); restored newest first, an unreadable one set aside
+(`resume_latest`). When to save is the loop's decision (vit_mpp/run/loop.py). See docs/pretrain.md and
+docs/reliability.md."""
 
 from __future__ import annotations
 
 import errno
-import itertools
 import json
 import os
 import shutil
-import signal
 import sys
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from accelerate import Accelerator
 
-from vit_mpp.config.sections import TrainConfig
 from vit_mpp.durable import WriteFailed, fsync, write_atomic, write_failed
-from vit_mpp.errors import Preempted, StoppedUnsaved
 from vit_mpp.models.pretrained import CheckpointError
-from vit_mpp.run.preemption import StopGate, WaitInterrupted
-from vit_mpp.run.schedule import itstime
 
 TRAINER_STATE = "trainer_state.json"  # written last: a checkpoint without it is incomplete and ignored
 
@@ -185,82 +180,15 @@ def resume_latest(accelerator: Accelerator, run_dir: str | Path, changed: list[s
     return {}, None
 
 
-@dataclass
-class RunState:
-    """What a checkpoint saves, built only when a save is due: the trainer state (every rank builds it: it may reduce
-    over ranks), this rank's own state, and what must reach the disk first (the sample audit's buffered lines)."""
-
-    trainer: Callable[[], dict[str, Any]]
-    rank: Callable[[], dict[str, Any]] | None = None
-    flush: Callable[[], None] = lambda: None
-
-
 class Checkpointer:
-    """Saves a run and stops it when told: every `train.ckpt_every` steps and at the last (`save_if_due`), every
-    `train.ckpt_every_minutes`, and when a stop is agreed (`StopGate`) at the start of a step (`next_step`) or of an
-    evaluation batch (`evaluation`): the last completed step is then saved, if it is not yet, and the run ends with
-    Preempted. `start_step`: where the run resumed (its checkpoint exists unless it is 0)."""
+    """Saves a run's checkpoints (`save`) and knows which step's exists (`saved`): the loop decides when
+    (vit_mpp/run/loop.py). `start_step`: where the run resumed (its checkpoint exists unless it is 0)."""
 
-    def __init__(self, accelerator: Accelerator, train: TrainConfig, total_steps: int, gate: StopGate,
-                 state: RunState, start_step: int = 0) -> None:
-        self.accelerator, self.run_dir, self.every, self.keep_last = (accelerator, train.run_dir, train.ckpt_every,
-                                                                     train.keep_last)
-        self.total, self.gate, self.state = total_steps, gate, state
-        self.start = self.step = start_step  # where this process started, the last completed step
+    def __init__(self, accelerator: Accelerator, run_dir: str | Path, keep_last: int, start_step: int = 0) -> None:
+        self.accelerator, self.run_dir, self.keep_last = accelerator, run_dir, keep_last
         self.saved: int | None = start_step if start_step else None  # the step whose checkpoint exists
 
-    def next_step(self, batches: Iterator[dict[str, Any]], count: int) -> list[dict[str, Any]]:
-        """The next step's `count` micro-batches, once every rank holds its own: a wait cut short by a signal, or a
-        signal on any rank, stops the run here, before any rank commits to the step."""
-        got = self._take(batches, count)
-        self._agree(got is None)
-        return got
-
-    def evaluation(self, batches: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
-        """An evaluation's batches, each passing the same agreement: a stop during an evaluation saves the last
-        completed step (the evaluation is not needed for it) and ends the run. Every rank gets as many batches."""
-        it = iter(batches)
-        while True:
-            got = self._take(it, 1)
-            self._agree(got is None)
-            if not got:
-                return
-            yield got[0]
-
-    def completed(self, step: int) -> None:
-        """`step` is done on every rank: what a stop from now on saves."""
-        self.step = step
-
-    def save_if_due(self) -> None:
-        """The periodic checkpoint of the last completed step (every `train.ckpt_every` steps, and the last)."""
-        if itstime(self.step, self.every, self.total) and self.saved != self.step:
-            self._save()
-
-    def _take(self, batches: Iterator[dict[str, Any]], count: int) -> list[dict[str, Any]] | None:
-        """Up to `count` batches (fewer at the end of an evaluation), or None when a signal cut the wait short."""
-        try:
-            with self.gate.signals.interruptible():
-                return list(itertools.islice(batches, count))
-        except WaitInterrupted:
-            return None
-
-    def _agree(self, stuck: bool) -> None:
-        stop, time_due = self.gate.agree(stuck)
-        saved_now = (stop or time_due) and self.saved != self.step and self.step > 0
-        if saved_now:
-            self._save()
-        if not stop:
-            return
-        self.accelerator.end_training()
-        if self.saved is None:
-            signum = self.gate.signals.received or signal.SIGTERM
-            raise StoppedUnsaved(signum, signal.Signals(signum).name)
-        raise Preempted(self.step, saved_now=self.step > self.start)  # else: the checkpoint resumed from
-
-    def _save(self) -> None:
-        self.state.flush()  # the sample audit's buffered lines reach the disk before the checkpoint says they happened
-        save_checkpoint(self.accelerator, self.run_dir, self.step,
-                        {**self.state.trainer(), "finished": self.step == self.total}, self.keep_last,
-                        self.state.rank() if self.state.rank is not None else None)
-        self.gate.saved()
-        self.saved = self.step
+    def save(self, step: int, trainer_state: dict[str, Any], rank_state: dict[str, Any] | None) -> None:
+        """The checkpoint of `step` (every process calls it; see `save_checkpoint`)."""
+        save_checkpoint(self.accelerator, self.run_dir, step, trainer_state, self.keep_last, rank_state)
+        self.saved = step
