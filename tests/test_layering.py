@@ -18,7 +18,8 @@ PACKAGES = ("data_tools", "vit_mpp", "pretrain", "finetune", "analysis", "experi
 MAX_FUNCTION_LINES = 100
 MAX_PARAMETERS = 6  # beside self/cls: what a function needs beyond that travels as one object (a Run, a dataclass)
 # vit_mpp/'s floors, lowest first: a module imports only modules of its own floor or of floors below it
-WINGS = (("vit_mpp.errors", "vit_mpp.durable", "vit_mpp.launcher", "vit_mpp.progress", "vit_mpp.cli", "vit_mpp"),
+WINGS = (("vit_mpp.errors", "vit_mpp.durable", "vit_mpp.launcher", "vit_mpp.launch", "vit_mpp.progress", "vit_mpp.cli",
+          "vit_mpp"),
          ("vit_mpp.config",), ("vit_mpp.data",), ("vit_mpp.models",), ("vit_mpp.tools",), ("vit_mpp.run",))
 STAGES = ("data_tools", "pretrain", "finetune", "analysis", "experiments")
 

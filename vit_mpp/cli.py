@@ -13,7 +13,14 @@ from collections.abc import Callable, Iterator
 
 from vit_mpp import launcher
 from vit_mpp.errors import Preempted, StoppedUnsaved, UserError
-from vit_mpp.launcher import is_peer_error, note_failure, peer_failure_line, process_rank, stop_if_peer_failed
+from vit_mpp.launcher import (
+    is_peer_error,
+    note_failure,
+    peer_failure_line,
+    process_rank,
+    quiet_after_the_outcome,
+    stop_if_peer_failed,
+)
 
 QUIET_WAIT_S = 10.0
 
@@ -49,10 +56,12 @@ def one_line_errors() -> Iterator[None]:
     try:
         yield
     except (Preempted, StoppedUnsaved) as e:
+        quiet_after_the_outcome(e.status)
         if process_rank() == 0:
             print(e, flush=True)
         sys.exit(e.status)
     except UserError as e:
+        quiet_after_the_outcome(2)
         rank, line, world = process_rank(), error_line(e), int(os.environ.get("WORLD_SIZE", "1"))
         if world == 1 or (rank == 0 and not e.rank_local):
             note_failure()  # before the line: a peer whose collective breaks names this rank
@@ -71,6 +80,7 @@ def one_line_errors() -> Iterator[None]:
             os._exit(2)  # the group is broken: no clean-up can finish, and nothing was saved now
         note_failure()
         raise
+    quiet_after_the_outcome(0)  # done: a signal as the process ends changes nothing
 
 
 def run_main(main: Callable[[list[str] | None], object], argv: list[str] | None = None) -> None:

@@ -42,3 +42,16 @@ class StoppedUnsaved(Exception):
         super().__init__(f"preempted ({name}) before the first step: nothing was saved; run the same command to "
                          "start")
         self.status = 128 + signum
+
+
+def start_up_stop(signum: int, step: int | None) -> tuple[str, int]:
+    """(line, exit status) of a run stopped by signal `signum` during its start-up, when nothing new can be saved:
+    75 when its run directory holds a checkpoint (of `step`), else 128 + the signal's number."""
+    import signal
+
+    name = signal.Signals(signum).name
+    if step is None:
+        return (f"preempted ({name}) during start-up: nothing was saved; run the same command to start",
+                128 + signum)
+    return (f"preempted ({name}) during start-up: nothing new to save; the checkpoint of step {step} is kept; run the "
+            "same command to resume", EXIT_PREEMPTED)

@@ -8,7 +8,10 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
+
+from vit_mpp.errors import start_up_stop
 
 LAUNCHER_POLL_S = 1.0
 FAILED_KEY = "vit_mpp/failed_rank"  # + the launcher's restart count: a restarted group starts with a clean slate
@@ -94,29 +97,66 @@ def _orphaned(parent: int) -> None:
     os._exit(1)
 
 
-START_UP_SIGNALS = ("SIGTERM", "SIGUSR1")  # train.preempt_signals' default: the config is not read yet
+START_UP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")  # train.preempt_signals' default: the config is not read yet
+UNDER_LAUNCH = "VIT_MPP_LAUNCH"  # set by vit-mpp-launch (vit_mpp/launch.py) for the ranks it starts
+_resumes_from: Callable[[], int | None] | None = None  # the run's newest checkpoint, once its run directory is known
+_early: int | None = None  # a signal that came before that
+
+
+def under_a_launch() -> bool:
+    """Whether this process is a rank a launcher started (`accelerate launch`, torchrun, vit-mpp-launch)."""
+    return launched() or UNDER_LAUNCH in os.environ
 
 
 def stop_during_start_up() -> None:
     """A rank's start-up under a launcher (its imports take seconds): until the run catches its signals
-    (vit_mpp/run/durability/preemption.py), a preemption signal ends the rank at once with one line, not silently,
-    nothing new being saved yet: status 128 + the signal's number."""
-    if not launched():
-        return
-    for name in START_UP_SIGNALS:
-        signal.signal(getattr(signal, name), _stop_during_start_up)
+    (vit_mpp/run/durability/preemption.py), a preemption signal ends the rank with one line, not silently, once what
+    a rerun resumes from is known (`start_up_resumes_from`): 75 when a checkpoint exists, 128 + the signal's number
+    when none does. vit-mpp-launch starts its ranks with these signals blocked, so that one sent before this call
+    waits for it; they are unblocked here."""
+    signals = [getattr(signal, name) for name in START_UP_SIGNALS]
+    if under_a_launch():
+        for sig in signals:
+            signal.signal(sig, _stop_during_start_up)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
+
+
+def start_up_resumes_from(saved_step: Callable[[], int | None]) -> None:
+    """The run directory is known: `saved_step()` names its newest checkpoint (None: none). A signal that came
+    during the imports before it is acted on now."""
+    global _resumes_from
+    _resumes_from = saved_step
+    if _early is not None:
+        _stop_during_start_up(_early, None)
+
+
+def quiet_after_the_outcome(status: int) -> None:
+    """The run's outcome is decided (done, preempted with its line, failed with its line): under a launcher, a later
+    stop signal (the launcher stops the other ranks when one has ended, a scheduler's second signal) ends this
+    process at once with that `status`, without a line of its own."""
+    if under_a_launch():
+        for name in START_UP_SIGNALS:
+            signal.signal(getattr(signal, name), lambda signum, frame: os._exit(status))
 
 
 def _stop_during_start_up(signum: int, frame: object) -> None:
     # This handler is back once the run's own ones are gone (their context restores it as the run's error goes up):
     # the launcher's SIGTERM after a peer's failure then meets it. The peer's failure comes first, as everywhere.
+    global _early
     if _stopping.locked():  # this thread is printing a peer's failure and ending: let it
         return
     stop_if_peer_failed()
+    if _resumes_from is None:  # the config is not read yet: what a rerun resumes from is not known
+        _early = _early or signum
+        return
+    try:
+        step = _resumes_from()
+    except Exception:  # the run directory cannot be read: say that nothing was saved now
+        step = None
+    line, status = start_up_stop(signum, step)
     if process_rank() == 0:
-        print(f"preempted ({signal.Signals(signum).name}) during start-up: nothing new was saved; run the same "
-              "command to resume", file=sys.stderr, flush=True)
-    os._exit(128 + signum)
+        print(line, file=sys.stderr, flush=True)
+    os._exit(status)
 
 
 def die_with_parent(parent: int, sig: int = signal.SIGKILL) -> bool:

@@ -188,8 +188,8 @@ class TrainConfig:
                               "rate then follows the schedule of the new length from where the run stopped)")
     record_samples: bool = opt(False, "sample audit: each rank appends one line per optimizer step to "
                                       "run_dir/samples/rank_<R>.jsonl listing the keys of every sample it used")
-    preempt_signals: list[str] = opt(["SIGTERM", "SIGUSR1"], "signals that preempt the run: all ranks save a "
-                                                             "checkpoint at the next step and exit with status 75",
+    preempt_signals: list[str] = opt(["SIGTERM", "SIGUSR1", "SIGINT"], "signals that preempt the run: all ranks save "
+                                     "a checkpoint at the next step and exit with status 75",
                                      Check(lambda v: all(x in PREEMPT_SIGNALS for x in v),
                                            "a list of signal names from: " + ", ".join(PREEMPT_SIGNALS)))
     collective_timeout_s: float = opt(600.0, "how long a rank waits in a collective for a peer before giving up "

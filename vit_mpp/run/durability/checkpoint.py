@@ -20,42 +20,13 @@ from accelerate import Accelerator
 
 from vit_mpp.durable import WriteFailed, fsync, write_atomic, write_failed
 from vit_mpp.models.pretrained import CheckpointError
-
-TRAINER_STATE = "trainer_state.json"  # written last: a checkpoint without it is incomplete and ignored
-
-
-def checkpoints_dir(run_dir: str | Path) -> Path:
-    return Path(run_dir) / "checkpoints"
-
-
-def complete_checkpoints(run_dir: str | Path) -> list[Path]:
-    """The complete checkpoints of a run directory (those whose marker was written), oldest first."""
-    root = checkpoints_dir(run_dir)
-    if not root.is_dir():
-        return []
-    return sorted(p for p in root.glob("step_*") if p.name[5:].isdigit() and (p / TRAINER_STATE).is_file())
-
-
-def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    """The newest complete checkpoint of a run directory, or None."""
-    done = complete_checkpoints(run_dir)
-    return done[-1] if done else None
-
-
-def set_aside_name(path: Path) -> Path:
-    """A free name for a checkpoint that cannot be read: `step_N.unreadable`, or `.unreadable-2`, `-3`, ... when the
-    same step was set aside before (a run damaged at the same step twice)."""
-    name, n = path.with_name(path.name + ".unreadable"), 1
-    while name.exists():
-        n += 1
-        name = path.with_name(f"{path.name}.unreadable-{n}")
-    return name
-
-
-def saved_step(run_dir: str | Path) -> int | None:
-    """The step of the newest complete checkpoint of a run directory, or None."""
-    path = latest_checkpoint(run_dir)
-    return int(path.name[5:]) if path is not None else None
+from vit_mpp.run.durability.checkpoint_files import (
+    TRAINER_STATE,
+    checkpoints_dir,
+    complete_checkpoints,
+    latest_checkpoint,
+    set_aside_name,
+)
 
 
 def rank_state_file(path: Path, rank: int) -> Path:

@@ -17,9 +17,9 @@ from typing import Any
 
 from vit_mpp import launcher
 from vit_mpp.config.sections import TrainConfig
-from vit_mpp.errors import EXIT_PREEMPTED, StoppedUnsaved
+from vit_mpp.errors import start_up_stop
 from vit_mpp.launcher import process_rank, stop_if_peer_failed
-from vit_mpp.run.durability.checkpoint import saved_step
+from vit_mpp.run.durability.checkpoint_files import saved_step
 
 _open_pipes: set[int] = set()  # the watchers' pipes, closed in forked children (data-loader workers)
 
@@ -132,19 +132,11 @@ class StopSignals:
 
     def _stop_before_the_loop(self, signum: int) -> None:
         """During start-up there is nothing new to save: end now, naming what a rerun resumes from, if anything."""
-        name = signal.Signals(signum).name
         try:
             step = self.saved_step()
         except Exception:  # the run directory cannot be read: say that nothing was saved now
             step = None
-        if step is None:
-            error: Exception = StoppedUnsaved(signum, name)
-            status = error.status
-            line = str(error)
-        else:
-            status = EXIT_PREEMPTED
-            line = (f"preempted ({name}) during start-up: nothing new to save; the checkpoint of step {step} is "
-                    "kept; run the same command to resume")
+        line, status = start_up_stop(signum, step)
         if process_rank() == 0:
             print(line, file=sys.stderr, flush=True)
         os._exit(status)

@@ -17,7 +17,7 @@ from vit_mpp.data.image_decoder import image_bytes
 from vit_mpp.data.manifest import Split
 from vit_mpp.data.shard_reader import ShardError, range_segments, read_segment
 from vit_mpp.data.stream_plan import resume_generation
-from vit_mpp.run.durability.checkpoint import TRAINER_STATE, latest_checkpoint
+from vit_mpp.run.durability.checkpoint_files import TRAINER_STATE, latest_checkpoint
 from vit_mpp.run.loop import Schedule
 from vit_mpp.run.start.run import Run
 

@@ -4,12 +4,14 @@ local paths."""
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from vit_mpp.config.device_checks import check_device_settings
 from vit_mpp.config.engine import parse_args
 from vit_mpp.data.manifest import check_location
-from vit_mpp.launcher import stop_during_start_up
+from vit_mpp.launcher import start_up_resumes_from, stop_during_start_up
+from vit_mpp.run.durability.checkpoint_files import saved_step
 from vit_mpp.run.metering.run_clock import mark_start
 
 
@@ -18,6 +20,7 @@ def read_run_config(cls: type, argv: list[str] | None, prog: str, description: s
     stop_during_start_up()  # a signal during the seconds of imports: one line, not a silent end
     mark_start()  # the run's clock: its summary's total time counts the start-up too
     cfg = parse_args(cls, argv, prog=prog, description=description)
+    start_up_resumes_from(partial(saved_step, cfg.train.run_dir))  # a signal from now on names what a rerun resumes
     check_device_settings(cfg)  # data.decode=gpu, train.fp8=true where they cannot run: one line, first
     return cfg
 

@@ -22,7 +22,7 @@ import yaml
 from vit_mpp.config.engine import ConfigError, flatten, save_config, to_dict
 from vit_mpp.data.manifest import MANIFEST_NAME
 from vit_mpp.errors import UserError
-from vit_mpp.run.durability.checkpoint import TRAINER_STATE, latest_checkpoint
+from vit_mpp.run.durability.checkpoint_files import TRAINER_STATE, latest_checkpoint
 from vit_mpp.tools.args import make_out_folder
 
 LOCK_NAME = ".lock"

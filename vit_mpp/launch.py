@@ -1,0 +1,189 @@
+"""`vit-mpp-launch` (`python -m vit_mpp.launch`): `accelerate launch`, with the same flags, as the process a scheduler
+starts. Accelerate's launcher (torch elastic's agent, for several processes) runs inside this process; a preemption
+signal (SIGTERM, SIGUSR1 or SIGINT: Kubernetes signals the container's first process, SLURM every process of a step)
+is passed on to the ranks, which agree, save and stop; this process then exits as they did: 75 when a checkpoint of
+the step their line names exists, with their one line and nothing of its own. `--max_restarts N` restarts the ranks
+after a crash, never after a preemption. docs/cluster.md.
+
+(vit_mpp/launcher.py is the other side: being one rank of a launched group.)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from vit_mpp.cli import UsageError, one_line_errors
+from vit_mpp.errors import EXIT_PREEMPTED
+from vit_mpp.launcher import START_UP_SIGNALS, UNDER_LAUNCH
+
+SIGNALS = tuple(getattr(signal, name) for name in START_UP_SIGNALS)  # what a scheduler sends, what the ranks catch
+POLL_S = 0.1
+START_GRACE_S = 15.0  # after a signal, how long to wait for ranks that have not started yet, to pass it on
+EXIT_FAILED = 2  # a rank failed, or was killed: one line says which (the ranks' own lines are above it)
+
+
+@dataclass
+class Attempt:
+    """One run of Accelerate's launcher in a thread of this process: what it ended with."""
+
+    statuses: dict[int, int] = field(default_factory=dict)  # rank -> exit status (negative: killed by that signal)
+    error: BaseException | None = None  # anything else the launcher raised
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+def children() -> Iterator[int]:
+    """The pids of this process's children (the ranks: torch elastic starts them from this process)."""
+    me = os.getpid()
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(b")") + 2:].split()  # after "pid (comm) ": state, ppid, ...
+        if len(fields) > 1 and int(fields[1]) == me:
+            yield int(entry.name)
+
+
+def _launch(args: object, attempt: Attempt) -> None:
+    """Accelerate's launcher, in this thread: the ranks it starts inherit the preemption signals blocked (a signal
+    that comes while a rank imports waits until the rank catches it: vit_mpp/launcher.py `stop_during_start_up`)."""
+    from accelerate.commands.launch import launch_command
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
+    try:
+        launch_command(args)
+    except ChildFailedError as e:
+        attempt.statuses = {rank: failure.exitcode for rank, failure in e.failures.items()}
+    except subprocess.CalledProcessError as e:  # one process, without torch elastic
+        attempt.statuses = {0: e.returncode}
+    except BaseException as e:  # noqa: BLE001 (a bug of the launcher's or a bad flag: reported by main)
+        attempt.error = e
+    finally:
+        attempt.done.set()
+
+
+class Job:
+    """The launcher's runs (one, and one per restart), and the signals this process receives meanwhile (from its
+    first line: `catch_signals`)."""
+
+    def __init__(self) -> None:
+        self.args: object = None
+        self.received: int | None = None
+        self.signalled: set[int] = set()  # ranks already sent the signal
+
+    def catch_signals(self) -> None:
+        for sig in SIGNALS:
+            signal.signal(sig, self.on_signal)
+
+    def run(self) -> Attempt:
+        """One run of the launcher, to its end; a signal meanwhile is passed on to its ranks, to those that start
+        later too (for START_GRACE_S after it, at most, when none has started)."""
+        attempt = Attempt()
+        self.signalled.clear()
+        threading.Thread(target=_launch, args=(self.args, attempt), name="launcher", daemon=True).start()
+        since = None
+        while not attempt.done.wait(POLL_S):
+            if self.received is None:
+                continue
+            since = since or time.monotonic()
+            self._pass_on(self.received)
+            if not self.signalled and time.monotonic() - since > START_GRACE_S:
+                name = signal.Signals(self.received).name
+                print(f"preempted ({name}) before the ranks started: nothing was saved by this launch; run the same "
+                      "command to resume", file=sys.stderr, flush=True)
+                os._exit(128 + self.received)
+        return attempt
+
+    def on_signal(self, signum: int, frame: object) -> None:
+        if self.received is None:
+            self.received = signum
+        self.signalled.clear()  # a second signal goes to every rank again, as the scheduler sent it
+        self._pass_on(signum)
+
+    def _pass_on(self, signum: int) -> None:
+        for pid in children():
+            if pid in self.signalled:
+                continue
+            try:
+                os.kill(pid, signum)
+                self.signalled.add(pid)
+            except ProcessLookupError:
+                pass
+
+
+def outcome(attempt: Attempt, preempted: bool) -> tuple[int, str | None]:
+    """(exit status, a line of this process's own or None) of a finished attempt. The ranks' lines are theirs: this
+    process adds one only where no rank could say it (a rank killed, the launcher's own failure)."""
+    if attempt.error is not None:
+        if isinstance(attempt.error, SystemExit):
+            code = attempt.error.code
+            return (code if isinstance(code, int) else 1), None
+        if isinstance(attempt.error, ValueError):  # Accelerate's check of the flags
+            return EXIT_FAILED, f"error: {' '.join(str(attempt.error).split())}"
+        return 1, f"error: the launcher failed: {type(attempt.error).__name__}: {attempt.error}"
+    statuses = attempt.statuses
+    if not statuses:
+        return 0, None
+    values = set(statuses.values())
+    if values <= {0, EXIT_PREEMPTED} and EXIT_PREEMPTED in values:
+        return EXIT_PREEMPTED, None  # rank 0 said so: `preempted at step N: checkpoint saved; ...`
+    if preempted and all(v > 128 or v < 0 for v in values if v):  # stopped during start-up, before any checkpoint
+        return max(v if v > 0 else 128 - v for v in values if v), None
+    if 2 in values:
+        return EXIT_FAILED, None  # a rank's own `error:` line, and its peers' `stopped: rank Q failed`
+    rank, status = min(((r, s) for r, s in statuses.items() if s), key=lambda rs: rs[0])
+    how = f"was killed by {signal.Signals(-status).name}" if status < 0 else f"exited with status {status}"
+    return EXIT_FAILED, (f"error: rank {rank} {how}, without a line of its own (its output is above); the newest "
+                         "checkpoint of its run is kept: run the same command to resume")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command: Accelerate's launcher, run again after a crash (`--max_restarts`); returns the exit status."""
+    job = Job()
+    job.catch_signals()  # first: a signal during the seconds of imports must not end this process unheard
+    with one_line_errors():
+        return _main(job, argv)
+
+
+def _main(job: Job, argv: list[str] | None) -> int:
+    from accelerate.commands.launch import launch_command_parser
+
+    parser = launch_command_parser()
+    parser.prog, parser.description = "vit-mpp-launch", __doc__.split("\n\n")[0]
+
+    def error(message: str) -> None:
+        raise UsageError(f"{message} (see vit-mpp-launch --help: the flags are accelerate launch's)")
+
+    parser.error = error  # type: ignore[method-assign]
+    args = parser.parse_args(argv)
+    restarts, args.max_restarts = args.max_restarts, 0  # restarts are this process's: never after a preemption
+    os.environ[UNDER_LAUNCH] = "1"
+    for name in ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)  # its reports repeat what the ranks said, as tracebacks
+    job.args = args
+    for number in range(restarts + 1):
+        attempt = job.run()
+        status, line = outcome(attempt, preempted=job.received is not None)
+        if job.received is not None or status in (0, EXIT_PREEMPTED) or number == restarts:
+            break
+        print(f"note: the ranks stopped with status {status}; restart {number + 1} of {restarts}, from the newest "
+              "checkpoint", file=sys.stderr, flush=True)
+    if line:
+        print(line, file=sys.stderr, flush=True)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
