@@ -47,13 +47,38 @@ def _existing(path: Path) -> Path:
     return path
 
 
+# How writers that are not Python's own file objects report a full disk: safetensors' Rust writer (SafetensorError,
+# `I/O error: No space left on device (os error 28)`), torch's zip writer (RuntimeError, `unexpected pos ...` or
+# `basic_ios::clear`, whatever the I/O error behind it).
+_FOREIGN = ((("Disk quota exceeded", "os error 122"), errno.EDQUOT),
+            (("No space left on device", "os error 28", "unexpected pos", "basic_ios"), errno.ENOSPC))
+
+
+def os_error_of(error: BaseException) -> OSError | None:
+    """The OSError a writer's exception stands for: itself when it is one, a full disk or quota for the exceptions
+    other writers raise for them (`_FOREIGN`), None for anything else (a bug keeps its traceback)."""
+    if isinstance(error, OSError):
+        return error
+    text = str(error)
+    for needles, number in _FOREIGN:
+        if any(n in text for n in needles):
+            return OSError(number, os.strerror(number))
+    return None
+
+
 @contextlib.contextmanager
 def writing(path: str | Path, needed: int | None = None) -> Iterator[None]:
-    """Writes to `path` in the block: an OSError becomes the one-line WriteFailed (`write_failed`)."""
+    """Writes to `path` in the block: an OSError (or another writer's full disk, `os_error_of`) becomes the one-line
+    WriteFailed (`write_failed`)."""
     try:
         yield
-    except OSError as e:
-        raise write_failed(path, e, needed) from None
+    except WriteFailed:
+        raise
+    except Exception as e:
+        os_error = os_error_of(e)
+        if os_error is None:
+            raise
+        raise write_failed(path, os_error, needed) from None
 
 
 def fsync(path: str | Path) -> None:

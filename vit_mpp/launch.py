@@ -137,8 +137,11 @@ def outcome(attempt: Attempt, preempted: bool) -> tuple[int, str | None]:
     if not statuses:
         return 0, None
     values = set(statuses.values())
-    if values <= {0, EXIT_PREEMPTED} and EXIT_PREEMPTED in values:
-        return EXIT_PREEMPTED, None  # rank 0 said so: `preempted at step N: checkpoint saved; ...`
+    if EXIT_PREEMPTED in values and not values & {1, EXIT_FAILED}:
+        # A rank exits 75 only once every rank's part of the checkpoint is written and marked: it exists, whatever
+        # ended the others after that (torch elastic stops the rest with SIGTERM once one has exited). Rank 0 said
+        # so: `preempted at step N: checkpoint saved; ...`.
+        return EXIT_PREEMPTED, None
     if preempted and all(v > 128 or v < 0 for v in values if v):  # stopped during start-up, before any checkpoint
         return max(v if v > 0 else 128 - v for v in values if v), None
     if 2 in values:

@@ -15,6 +15,8 @@ REPO = Path(__file__).resolve().parents[2]
 # `--multi_gpu` on a machine without GPUs starts N CPU processes with gloo; `--cpu --num_processes 2` starts one.
 LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0"]
+# vit-mpp-launch (vit_mpp/launch.py), the launcher a scheduler starts: accelerate launch's flags
+JOB_LAUNCH = [sys.executable, "-m", "vit_mpp.launch", *LAUNCH[3:]]
 
 
 def subprocess_env() -> dict[str, str]:
@@ -135,9 +137,14 @@ def alive(pid: int) -> bool:
 
 
 def _parent_is_launcher(pid: int) -> bool:
-    """Whether the parent of `pid` is an accelerate/torch launcher (a rank), not a rank (a data-loader worker)."""
-    parent = Path(f"/proc/{pid}/stat").read_text().split(") ")[1].split()[1]
-    return b"accelerate" in Path(f"/proc/{parent}/cmdline").read_bytes()
+    """Whether the parent of `pid` is a launcher (accelerate's, torch's, vit-mpp-launch), whose child is a rank, not
+    a rank (whose child is a data-loader worker)."""
+    parent = Path(f"/proc/{parent_pid}/cmdline").read_bytes() if (parent_pid := _parent(pid)) else b""
+    return b"accelerate" in parent or b"vit_mpp.launch" in parent or b"vit-mpp-launch" in parent
+
+
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().split(") ")[1].split()[1])
 
 
 def children(pid: int) -> list[int]:

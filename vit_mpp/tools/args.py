@@ -11,7 +11,7 @@ from typing import TextIO
 
 from vit_mpp.config.engine import ConfigError
 from vit_mpp.data.manifest import MANIFEST_NAME
-from vit_mpp.durable import WriteFailed, write_failed
+from vit_mpp.durable import TMP_SUFFIX, WriteFailed, write_failed
 from vit_mpp.models.export_folder import is_export
 
 
@@ -103,10 +103,15 @@ def open_out_file(path: str | Path, flag: str = "--out") -> TextIO:
 
 
 def write_out_bytes(path: str | Path, data: bytes, flag: str = "") -> None:
-    """Write an output file whole, creating its folder; a write that fails (no space, a special file system) is one
+    """Write an output file whole or not at all (under a temporary name, then renamed over the old one, which a full
+    disk then leaves as it was), creating its folder; a write that fails (no space, a special file system) is one
     line, naming `flag` where the user gave the path."""
+    path = Path(path)
+    tmp = path.with_name(path.name + TMP_SUFFIX)
     try:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_bytes(data)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
     except OSError as e:
+        tmp.unlink(missing_ok=True)
         raise _cannot_write(path, flag, e) from None

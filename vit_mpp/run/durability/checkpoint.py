@@ -6,9 +6,7 @@ docs/reliability.md."""
 
 from __future__ import annotations
 
-import errno
 import json
-import os
 import shutil
 import sys
 from collections.abc import Callable
@@ -18,7 +16,7 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 
-from vit_mpp.durable import WriteFailed, fsync, write_atomic, write_failed
+from vit_mpp.durable import WriteFailed, fsync, os_error_of, write_atomic, write_failed
 from vit_mpp.models.pretrained import CheckpointError
 from vit_mpp.run.durability.checkpoint_files import (
     TRAINER_STATE,
@@ -72,16 +70,17 @@ def _mark_complete(accelerator: Accelerator, path: Path, step: int, trainer_stat
 
 
 def _attempt(write: Callable[[], None]) -> Exception | None:
-    """Run `write`; the OSError (or WriteFailed) it met, if any. torch's own writer reports a full disk as a
-    RuntimeError (`unexpected pos`, `basic_ios::clear`): it is taken for one."""
+    """Run `write`; the error it met writing (a WriteFailed, an OSError, or what another writer raises for a full disk:
+    vit_mpp/durable.py `os_error_of`), if any. Anything else is a bug and keeps its traceback."""
     try:
         write()
-    except (OSError, WriteFailed) as e:
+    except WriteFailed as e:
         return e
-    except RuntimeError as e:
-        if "unexpected pos" in str(e) or "basic_ios" in str(e) or "No space left" in str(e):
-            return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        raise
+    except Exception as e:
+        os_error = os_error_of(e)
+        if os_error is None:
+            raise
+        return os_error
     return None
 
 
