@@ -47,8 +47,8 @@ def main() -> None:
     accelerator, gbatch = make_accelerator(cfg.train)
     encoder = create_vit(cfg.model)
     model = MaskedPatchPrediction(encoder, cfg.mpp, *norm_stats(encoder)).to(accelerator.device)
-    optimizer = build_optimizer(model, cfg.optim, 1e-3)
-    model, optimizer = prepare_model(accelerator, model, optimizer, cfg.train)  # tiny.yaml: no compile, no fp8
+    # tiny.yaml: no compile, no fp8
+    model, optimizer = prepare_model(accelerator, model, lambda m: build_optimizer(m, cfg.optim, 1e-3), cfg.train)
     images = torch.randint(0, 256, (gbatch.micro_batch, 3, 16, 16), dtype=torch.uint8, device=accelerator.device)
     batch = {"key": [f"train_{i:09d}" for i in range(gbatch.micro_batch)], "set": [0] * gbatch.micro_batch,
              "epoch": [0] * gbatch.micro_batch, "bad_keys": []}

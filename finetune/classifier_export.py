@@ -22,6 +22,7 @@ from vit_mpp.models.pretrained import describe_checkpoint, hub_model_id
 from vit_mpp.run.loop import At
 from vit_mpp.run.metering.curves import CURVES_NAME
 from vit_mpp.run.start.run import Run
+from vit_mpp.run.start.sharding import whole_state_dict
 
 
 @dataclass
@@ -55,9 +56,9 @@ class ClassifierExporter:
                    record=record, training_data=run.data)
 
     def write(self, net: torch.nn.Module, out_dir: Path, at: At, metrics: dict[str, Any], ema: bool = False) -> None:
-        """Export `net` as it is at `at.step`, with the mixture's shares so far. Every process calls this (FSDP
-        gathers the shards); the main process writes."""
-        state = self.accelerator.get_state_dict(net)
+        """Export `net` as it is at `at.step`, with the mixture's shares so far. Every process calls this (a sharded
+        model is gathered from every process); the main process writes."""
+        state = whole_state_dict(self.accelerator, net)
         if not self.accelerator.is_main_process:
             return
         finetune = {**self.record["finetune"], "step": at.step, "weights": "ema" if ema else "model"}

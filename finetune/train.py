@@ -33,7 +33,6 @@ from vit_mpp.run.metering.metrics_log import MetricsLog
 from vit_mpp.run.metering.step_meter import Evaluation, plain_number
 from vit_mpp.run.optimizer import build_optimizer
 from vit_mpp.run.start import dry_run
-from vit_mpp.run.start.accelerator import prepare_model
 from vit_mpp.run.start.run import Resumed, Run, start_run
 
 
@@ -53,8 +52,8 @@ def train(cfg: FinetuneConfig) -> None:
         model.to(run.device)
         ema = build_ema(run.accelerator, model, cfg.train.ema_decay)  # None when off; checkpointed with the state
         schedule = Schedule.of(cfg.optim, cfg.train.batch_size, cfg.total_steps(run.steps_per_epoch))
-        optimizer = build_optimizer(model, cfg.optim, schedule.peak, layer_decay=cfg.optim.layer_decay)
-        model, optimizer = prepare_model(run.accelerator, model, optimizer, cfg.train)
+        model, optimizer = run.prepare(  # data parallel, or sharded (FSDP)
+            model, lambda m: build_optimizer(m, cfg.optim, schedule.peak, layer_decay=cfg.optim.layer_decay))
         loss = ClassificationLoss(cfg, classes.count, run.gbatch.micro_batch, run.device, mean, std)
         about = summary(run, model, model_cfg, schedule.warmup, loss)
         if run.dry_run:

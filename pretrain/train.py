@@ -27,8 +27,8 @@ from vit_mpp.run.metering.curves import CURVES_NAME
 from vit_mpp.run.metering.step_meter import Evaluation
 from vit_mpp.run.optimizer import build_optimizer
 from vit_mpp.run.start import dry_run
-from vit_mpp.run.start.accelerator import prepare_model
 from vit_mpp.run.start.run import Resumed, Run, start_run
+from vit_mpp.run.start.sharding import whole_state_dict
 
 Norm = tuple[tuple[float, ...], tuple[float, ...]]  # the encoder's normalisation: mean and std
 
@@ -50,8 +50,7 @@ def train(cfg: PretrainConfig) -> None:
         norm = norm_stats(encoder)
         model = MaskedPatchPrediction(encoder, cfg.mpp, *norm).to(run.device)
         schedule = Schedule.of(cfg.optim, cfg.train.batch_size, cfg.train.steps)
-        optimizer = build_optimizer(model, cfg.optim, schedule.peak)
-        model, optimizer = prepare_model(run.accelerator, model, optimizer, cfg.train)
+        model, optimizer = run.prepare(model, lambda m: build_optimizer(m, cfg.optim, schedule.peak))  # or sharded
         about = summary(run, encoder, schedule.warmup)
         if run.dry_run:
             return dry_run.report(run, about, schedule)
@@ -115,9 +114,9 @@ def summary(run: Run, encoder: torch.nn.Module, warmup: int) -> str:
 def export_encoder(run: Run, model: torch.nn.Module, norm: Norm, record: dict, peak_lr: float) -> Path:
     """The hand-off to fine-tuning: the encoder's weights (timm names), the config to rebuild it, its model card, and
     the upload when asked; `record`: the run's last metrics and its data. The state dict is gathered on every process
-    (FSDP shards need all of them); the main process writes it. Returns the export folder."""
+    (a sharded model needs all of them); the main process writes it. Returns the export folder."""
     accelerator, cfg, tc = run.accelerator, run.cfg, run.cfg.train
-    (mean, std), state = norm, accelerator.get_state_dict(model)
+    (mean, std), state = norm, whole_state_dict(accelerator, model)
     out = run.run_dir / "export"
     if not accelerator.is_main_process:
         return out

@@ -16,6 +16,7 @@ from vit_mpp.data.stream import to_device
 from vit_mpp.run.loop import Gate
 from vit_mpp.run.metering.eval_progress import with_progress
 from vit_mpp.run.start.run import Run
+from vit_mpp.run.start.sharding import root_gathered
 
 
 @torch.no_grad()
@@ -67,7 +68,8 @@ class Validation:
                            split.num_samples) as batches:
             result = mpp_validation(accelerator, mpp, batches, self.run.cfg.train.seed)
         if self.knn_split is not None:
-            knn = knn_monitor(self.run, mpp.encoder, self.knn_split, (self.mean, self.std), gated)
+            with root_gathered(mpp):  # the monitor calls the encoder's forward_features, not the model's forward
+                knn = knn_monitor(self.run, mpp.encoder, self.knn_split, (self.mean, self.std), gated)
             if knn is None:
                 accelerator.print("note: the k-NN monitor is off: the shards carry no labels")
                 self.knn_split = None

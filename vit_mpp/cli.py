@@ -10,6 +10,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator
+from typing import NoReturn
 
 from vit_mpp import launcher
 from vit_mpp.errors import Preempted, StoppedUnsaved, UserError
@@ -20,6 +21,7 @@ from vit_mpp.launcher import (
     process_rank,
     quiet_after_the_outcome,
     stop_if_peer_failed,
+    worker_died,
 )
 
 QUIET_WAIT_S = 10.0
@@ -61,26 +63,35 @@ def one_line_errors() -> Iterator[None]:
             print(e, flush=True)
         sys.exit(e.status)
     except UserError as e:
-        quiet_after_the_outcome(2)
-        rank, line, world = process_rank(), error_line(e), int(os.environ.get("WORLD_SIZE", "1"))
-        if world == 1 or (rank == 0 and not e.rank_local):
-            note_failure()  # before the line: a peer whose collective breaks names this rank
-            print(f"error: {line}", file=sys.stderr, flush=True)
-        else:
-            if e.rank_local:
-                note_failure()
-            else:  # every rank met it: the main one prints it, and the launcher then ends this one
-                time.sleep(QUIET_WAIT_S)
-            print(f"error: [rank {rank}] {line}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        _one_line(e)
     except Exception as e:
+        died = worker_died(e)  # a loader worker killed from outside: this rank's error, in one line
+        if died is not None:
+            _one_line(died)
         if is_peer_error(e):
             stop_if_peer_failed()  # before the signal: the launcher's SIGTERM may follow the peer's failure
             print(peer_failure_line(e, signalled=launcher.signalled), file=sys.stderr, flush=True)
-            os._exit(2)  # the group is broken: no clean-up can finish, and nothing was saved now
+            launcher.exit_now(2)  # the group is broken: no clean-up can finish, and nothing was saved now
         note_failure()
         raise
     quiet_after_the_outcome(0)  # done: a signal as the process ends changes nothing
+
+
+def _one_line(error: UserError) -> NoReturn:
+    """A user error's line, once per run (the main process prints it; a rank's own data error is printed by that
+    rank, its peers naming it), and exit status 2."""
+    quiet_after_the_outcome(2)
+    rank, line, world = process_rank(), error_line(error), int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1 or (rank == 0 and not error.rank_local):
+        note_failure()  # before the line: a peer whose collective breaks names this rank
+        print(f"error: {line}", file=sys.stderr, flush=True)
+    else:
+        if error.rank_local:
+            note_failure()
+        else:  # every rank met it: the main one prints it, and the launcher then ends this one
+            time.sleep(QUIET_WAIT_S)
+        print(f"error: [rank {rank}] {line}", file=sys.stderr, flush=True)
+    sys.exit(2)
 
 
 def run_main(main: Callable[[list[str] | None], object], argv: list[str] | None = None) -> None:

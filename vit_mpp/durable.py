@@ -59,6 +59,10 @@ def os_error_of(error: BaseException) -> OSError | None:
     other writers raise for them (`_FOREIGN`), None for anything else (a bug keeps its traceback)."""
     if isinstance(error, OSError):
         return error
+    for failure in getattr(error, "failures", {}).values():  # torch.distributed.checkpoint's: (error, trace) per rank
+        found = os_error_of(failure[0] if isinstance(failure, tuple) else failure)
+        if found is not None:
+            return found
     text = str(error)
     for needles, number in _FOREIGN:
         if any(n in text for n in needles):

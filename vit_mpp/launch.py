@@ -12,17 +12,20 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from vit_mpp.cli import UsageError, one_line_errors
 from vit_mpp.errors import EXIT_PREEMPTED
-from vit_mpp.launcher import START_UP_SIGNALS, UNDER_LAUNCH
+from vit_mpp.launcher import START_UP_LINES, START_UP_SIGNALS, UNDER_LAUNCH
 
 SIGNALS = tuple(getattr(signal, name) for name in START_UP_SIGNALS)  # what a scheduler sends, what the ranks catch
 POLL_S = 0.1
@@ -37,6 +40,7 @@ class Attempt:
     statuses: dict[int, int] = field(default_factory=dict)  # rank -> exit status (negative: killed by that signal)
     error: BaseException | None = None  # anything else the launcher raised
     done: threading.Event = field(default_factory=threading.Event)
+    start_up_lines: dict[int, str] = field(default_factory=dict)  # rank -> its line, stopped during start-up
 
 
 def children() -> Iterator[int]:
@@ -82,6 +86,8 @@ class Job:
         self.args: object = None
         self.received: int | None = None
         self.signalled: set[int] = set()  # ranks already sent the signal
+        self.lines = Path(tempfile.mkdtemp(prefix="vit-mpp-launch-"))  # the ranks' start-up lines (launcher.py)
+        os.environ[START_UP_LINES] = str(self.lines)
 
     def catch_signals(self) -> None:
         for sig in SIGNALS:
@@ -92,6 +98,8 @@ class Job:
         later too (for START_GRACE_S after it, at most, when none has started)."""
         attempt = Attempt()
         self.signalled.clear()
+        for old in self.lines.iterdir():
+            old.unlink()
         threading.Thread(target=_launch, args=(self.args, attempt), name="launcher", daemon=True).start()
         since = None
         while not attempt.done.wait(POLL_S):
@@ -103,8 +111,14 @@ class Job:
                 name = signal.Signals(self.received).name
                 print(f"preempted ({name}) before the ranks started: nothing was saved by this launch; run the same "
                       "command to resume", file=sys.stderr, flush=True)
+                self.clean_up()
                 os._exit(128 + self.received)
+        for line in self.lines.iterdir():
+            attempt.start_up_lines[int(line.name.removeprefix("rank_"))] = line.read_text()
         return attempt
+
+    def clean_up(self) -> None:
+        shutil.rmtree(self.lines, ignore_errors=True)
 
     def on_signal(self, signum: int, frame: object) -> None:
         if self.received is None:
@@ -123,7 +137,10 @@ class Job:
                 pass
 
 
-def outcome(attempt: Attempt, preempted: bool) -> tuple[int, str | None]:
+STOPPED = {128 + s for s in SIGNALS} | {-s for s in SIGNALS}  # ended by a stop signal: on its own, or by the launcher
+
+
+def outcome(attempt: Attempt) -> tuple[int, str | None]:
     """(exit status, a line of this process's own or None) of a finished attempt. The ranks' lines are theirs: this
     process adds one only where no rank could say it (a rank killed, the launcher's own failure)."""
     if attempt.error is not None:
@@ -133,31 +150,38 @@ def outcome(attempt: Attempt, preempted: bool) -> tuple[int, str | None]:
         if isinstance(attempt.error, ValueError):  # Accelerate's check of the flags
             return EXIT_FAILED, f"error: {' '.join(str(attempt.error).split())}"
         return 1, f"error: the launcher failed: {type(attempt.error).__name__}: {attempt.error}"
-    statuses = attempt.statuses
-    if not statuses:
+    failed = {rank: status for rank, status in attempt.statuses.items() if status}
+    values = set(failed.values())
+    if not values:
         return 0, None
-    values = set(statuses.values())
-    if EXIT_PREEMPTED in values and not values & {1, EXIT_FAILED}:
+    if EXIT_FAILED in values or 1 in values:  # a rank's own `error:` line (or a bug's traceback), its peers' lines
+        return (EXIT_FAILED if EXIT_FAILED in values else 1), None
+    killed = {rank: status for rank, status in failed.items() if status not in STOPPED | {EXIT_PREEMPTED}}
+    if killed:  # a rank ended without a word (SIGKILL, the OOM killer): the others were stopped for it
+        rank, status = min(killed.items())
+        how = f"was killed by {signal.Signals(-status).name}" if status < 0 else f"exited with status {status}"
+        return EXIT_FAILED, (f"error: rank {rank} {how}, without a line of its own (its output is above); the "
+                             "newest checkpoint of its run is kept: run the same command to resume")
+    if attempt.start_up_lines:  # stopped during start-up: the ranks left their line to this process, said once
+        stopped = EXIT_PREEMPTED if EXIT_PREEMPTED in values else max(v if v > 0 else 128 - v for v in values)
+        return stopped, attempt.start_up_lines[min(attempt.start_up_lines)]
+    if EXIT_PREEMPTED in values:
         # A rank exits 75 only once every rank's part of the checkpoint is written and marked: it exists, whatever
         # ended the others after that (torch elastic stops the rest with SIGTERM once one has exited). Rank 0 said
         # so: `preempted at step N: checkpoint saved; ...`.
         return EXIT_PREEMPTED, None
-    if preempted and all(v > 128 or v < 0 for v in values if v):  # stopped during start-up, before any checkpoint
-        return max(v if v > 0 else 128 - v for v in values if v), None
-    if 2 in values:
-        return EXIT_FAILED, None  # a rank's own `error:` line, and its peers' `stopped: rank Q failed`
-    rank, status = min(((r, s) for r, s in statuses.items() if s), key=lambda rs: rs[0])
-    how = f"was killed by {signal.Signals(-status).name}" if status < 0 else f"exited with status {status}"
-    return EXIT_FAILED, (f"error: rank {rank} {how}, without a line of its own (its output is above); the newest "
-                         "checkpoint of its run is kept: run the same command to resume")
+    return max(v if v > 0 else 128 - v for v in values), None  # stopped by signals before they could say a word
 
 
 def main(argv: list[str] | None = None) -> int:
     """The command: Accelerate's launcher, run again after a crash (`--max_restarts`); returns the exit status."""
     job = Job()
     job.catch_signals()  # first: a signal during the seconds of imports must not end this process unheard
-    with one_line_errors():
-        return _main(job, argv)
+    try:
+        with one_line_errors():
+            return _main(job, argv)
+    finally:
+        job.clean_up()
 
 
 def _main(job: Job, argv: list[str] | None) -> int:
@@ -178,7 +202,7 @@ def _main(job: Job, argv: list[str] | None) -> int:
     job.args = args
     for number in range(restarts + 1):
         attempt = job.run()
-        status, line = outcome(attempt, preempted=job.received is not None)
+        status, line = outcome(attempt)
         if job.received is not None or status in (0, EXIT_PREEMPTED) or number == restarts:
             break
         print(f"note: the ranks stopped with status {status}; restart {number + 1} of {restarts}, from the newest "

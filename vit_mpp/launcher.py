@@ -4,14 +4,17 @@ SIGTERM when it dies), and stop with one line naming the failed peer when a coll
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
+from typing import NoReturn
 
-from vit_mpp.errors import start_up_stop
+from vit_mpp.errors import UserError, start_up_stop
 
 LAUNCHER_POLL_S = 1.0
 FAILED_KEY = "vit_mpp/failed_rank"  # + the launcher's restart count: a restarted group starts with a clean slate
@@ -86,19 +89,40 @@ def _launcher_gone_unless_store_serves() -> None:
     except ConnectionRefusedError:  # nothing listens: the launcher is gone (a slow answer proves nothing)
         print(f"error: [rank {process_rank()}] the launcher is gone (nothing serves its store at "
               f"{address[0]}:{address[1]}); this rank stops", file=sys.stderr, flush=True)
-        os._exit(1)
+        exit_now(1)
     except OSError:
         pass
+
+
+_before_exit: list[Callable[[], None]] = []
+
+
+def before_exit_now(cleanup: Callable[[], None]) -> None:
+    """Run `cleanup` before `exit_now` ends this process (what must not outlive the rank: vit_mpp/data/stream.py
+    registers the killing of loader workers hung in their fork, which never asked to die with it)."""
+    _before_exit.append(cleanup)
+
+
+def exit_now(status: int) -> NoReturn:
+    """End this rank at once with `status`, without the interpreter's clean-up (it could wait on a broken group or
+    a hung worker), after the `before_exit_now` clean-ups."""
+    for cleanup in _before_exit:
+        try:
+            cleanup()
+        except Exception:  # noqa: BLE001 (ending regardless)
+            pass
+    os._exit(status)
 
 
 def _orphaned(parent: int) -> None:
     print(f"error: [rank {process_rank()}] the launcher (pid {parent}) is gone; this rank stops", file=sys.stderr,
           flush=True)
-    os._exit(1)
+    exit_now(1)
 
 
 START_UP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")  # train.preempt_signals' default: the config is not read yet
 UNDER_LAUNCH = "VIT_MPP_LAUNCH"  # set by vit-mpp-launch (vit_mpp/launch.py) for the ranks it starts
+START_UP_LINES = "VIT_MPP_START_UP_LINES"  # vit-mpp-launch's folder for its ranks' start-up lines (`stop_start_up`)
 _resumes_from: Callable[[], int | None] | None = None  # the run's newest checkpoint, once its run directory is known
 _early: int | None = None  # a signal that came before that
 
@@ -136,7 +160,7 @@ def quiet_after_the_outcome(status: int) -> None:
     process at once with that `status`, without a line of its own."""
     if under_a_launch():
         for name in START_UP_SIGNALS:
-            signal.signal(getattr(signal, name), lambda signum, frame: os._exit(status))
+            signal.signal(getattr(signal, name), lambda signum, frame: exit_now(status))
 
 
 def _stop_during_start_up(signum: int, frame: object) -> None:
@@ -149,14 +173,29 @@ def _stop_during_start_up(signum: int, frame: object) -> None:
     if _resumes_from is None:  # the config is not read yet: what a rerun resumes from is not known
         _early = _early or signum
         return
+    stop_start_up(signum, _resumes_from)
+
+
+def stop_start_up(signum: int, saved_step: Callable[[], int | None]) -> NoReturn:
+    """End this rank, stopped by `signum` during its start-up (nothing new to save), with the line naming what a
+    rerun resumes from (`saved_step()`, None: nothing). Under vit-mpp-launch the line is left to the launcher, in
+    its START_UP_LINES folder: only the launcher knows whether the signal was the scheduler's (it says the line,
+    once) or torch elastic stopping the ranks after a peer was killed (it names that peer instead). Elsewhere rank
+    0 prints it."""
     try:
-        step = _resumes_from()
+        step = saved_step()
     except Exception:  # the run directory cannot be read: say that nothing was saved now
         step = None
     line, status = start_up_stop(signum, step)
-    if process_rank() == 0:
+    folder = os.environ.get(START_UP_LINES)
+    try:
+        if folder:
+            Path(folder, f"rank_{process_rank()}").write_text(line)
+    except OSError:  # the launcher's folder is gone: say it here
+        folder = None
+    if not folder and process_rank() == 0:
         print(line, file=sys.stderr, flush=True)
-    os._exit(status)
+    exit_now(status)
 
 
 def die_with_parent(parent: int, sig: int = signal.SIGKILL) -> bool:
@@ -265,6 +304,39 @@ BROKEN_COLLECTIVE_TEXTS = ("Connection closed by peer", "Connection reset by pee
                            "timeout caused pair closure", "Timed out waiting")
 
 
+class WorkerDied(UserError):
+    """A data-loader worker of this rank ended without a word (killed: the kernel's OOM killer, a stray kill -9)."""
+
+    rank_local = True
+
+
+# torch's words for it, raised wherever this rank's main thread is (its SIGCHLD handler's) or from the loader
+_WORKER_DEATH = re.compile(r"DataLoader worker \(pid\(?s?\)? ([\d, ]+)\) "
+                           r"(exited unexpectedly(?: with exit code -?\d+)?|is killed by signal: [\w ]+)")
+
+
+_WORKER_SILENT = re.compile(r"DataLoader timed out after ([\d.]+) seconds")
+FORK_HANGS = "a forked worker can hang in Python before 3.10.15 and 3.11.10: CPython gh-112275"
+
+
+def worker_died(error: BaseException) -> WorkerDied | None:
+    """The one-line error for torch's report that a data-loader worker died, or sent no batch for the loader's
+    timeout (vit_mpp/data/stream.py `loader_timeout_s`): a traceback otherwise. None for any other error."""
+    if not isinstance(error, RuntimeError):
+        return None
+    if silent := _WORKER_SILENT.search(str(error)):
+        return WorkerDied(f"a data-loader worker of this rank sent no batch for {float(silent[1]):g} s: stuck ("
+                          f"{FORK_HANGS}, or a read that outlives its deadlines); the newest checkpoint is kept: run "
+                          "the same command to resume")
+    match = _WORKER_DEATH.search(str(error))
+    if match is None:
+        return None
+    how = match[2].rstrip(". ").replace("is killed by signal: ", "was killed by signal ")
+    return WorkerDied(f"a data-loader worker of this rank (pid {match[1].strip()}) {how}, from outside the run (the "
+                      "kernel's OOM killer? see `dmesg`; fewer data.num_workers or a smaller data.prefetch_factor "
+                      "need less memory); the newest checkpoint is kept: run the same command to resume")
+
+
 def names_broken_collective(text: str) -> bool:
     """Whether an error's text says that a collective broke because of a peer."""
     return any(s in text for s in BROKEN_COLLECTIVE_TEXTS)
@@ -290,7 +362,7 @@ def stop_if_peer_failed(wait_s: float = 0.0) -> None:
     _stopping.acquire()  # never released: the holder ends the process
     print(f"error: [rank {process_rank()}] stopped: rank {peer} failed (its error is above)", file=sys.stderr,
           flush=True)
-    os._exit(2)
+    exit_now(2)
 
 
 def peer_failure_line(error: BaseException, signalled: bool = False) -> str:

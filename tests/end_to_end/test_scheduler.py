@@ -8,6 +8,7 @@ requeue, and the requeued job resuming to the end."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import re
@@ -105,6 +106,29 @@ def test_a_signal_during_start_up_says_what_a_rerun_resumes_from(shards, tmp_pat
     assert (f"preempted (SIGTERM) during start-up: nothing new to save; the checkpoint of step {step} is kept; run "
             "the same command to resume") in again.output()
     clean(again.output())
+
+
+@pytest.mark.slow
+def test_a_rank_killed_during_start_up_is_named_by_the_launcher_and_no_rank_says_preempted(shards, tmp_path):
+    # The chaos soak: rank 1 killed while the ranks imported; torch elastic stopped rank 0 with SIGTERM, and rank 0
+    # said "preempted (SIGTERM) during start-up" while the launcher named rank 0, not the rank that was killed.
+    job = Background([*JOB_LAUNCH, *pretrain_args(shards, tmp_path / "run")], tmp_path / "log", "killed-start")
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        with contextlib.suppress(AssertionError, OSError):
+            victim = job.rank(1)
+            break
+        time.sleep(0.05)
+    time.sleep(0.5)  # importing
+    assert "step 1/" not in job.output()
+    os.kill(victim, signal.SIGKILL)
+    job.wait_gone(60)
+    out = job.output()
+    assert job.proc.returncode == 2, out[-3000:]
+    lines = [line for line in out.splitlines() if line.startswith(("error:", "preempted"))]
+    assert lines == ["error: rank 1 was killed by SIGKILL, without a line of its own (its output is above); the newest "
+                     "checkpoint of its run is kept: run the same command to resume"], out[-3000:]
+    assert "Traceback" not in out
 
 
 def free_port() -> int:

@@ -12,6 +12,7 @@ from PIL import Image
 from analysis.plot_runs import main as plot_main
 from pretrain.__main__ import main as pretrain_main
 from pretrain.knn import knn_top1
+from tests.helpers.disks import small_disk
 from tests.helpers.processes import in_process
 from tests.helpers.runs import read_metrics, run_tiny_pretrain
 from tests.helpers.shards import write_shard_set
@@ -86,15 +87,22 @@ def test_every_run_draws_its_curves_and_plot_overlays_runs(watched, demo_shards,
         assert e.value.code == 2 and message in capsys.readouterr().err
 
 
-@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (a file whose every write fails)")
-def test_a_figure_that_cannot_be_written_is_one_error_not_a_truncated_file(tmp_path):
-    full = tmp_path / "full.png"
-    full.symlink_to("/dev/full")  # a disk with no space left
-    fig = plt.figure()
-    plt.plot([1, 2])
-    with pytest.raises(WriteFailed, match=f"^{full} cannot be written: no space left on device; .*MB free there; "
-                                          "free some space, then run the same command to go on$"):
-        save_figure(fig, full)  # matplotlib's own writing let the failed write pass
+def test_a_figure_that_cannot_be_written_is_one_error_and_the_old_figure_is_kept_whole(tmp_path):
+    """A real full disk (a small tmpfs): the figure is drawn in memory and written under a temporary name, so the
+    failed write is one line and the figure from before is still there, whole."""
+    with small_disk(tmp_path / "disk", 64) as disk:
+        old = disk / "curves.png"
+        fig = plt.figure()
+        plt.plot([1, 2])
+        save_figure(fig, old)
+        before = old.read_bytes()
+        (disk / "filler").write_bytes(b"x" * (64 * 1024 - len(before) - 8192))
+        fig = plt.figure(figsize=(12, 12))
+        plt.imshow(torch.rand(400, 400, 3).numpy())  # noise: a PNG far larger than the room left
+        with pytest.raises(WriteFailed, match=f"^{old} cannot be written: no space left on device; .*MB free there; "
+                                              "free some space, then run the same command to go on$"):
+            save_figure(fig, old)
+        assert old.read_bytes() == before and sorted(p.name for p in disk.iterdir()) == ["curves.png", "filler"]
 
 
 def test_knn_top1_on_separable_and_on_random_features():

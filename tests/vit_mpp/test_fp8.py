@@ -65,8 +65,7 @@ def test_prepare_model_swaps_before_the_accelerator_and_a_step_runs(tmp_path, ca
     accelerator, _ = make_accelerator(cfg.train)
     encoder = create_vit(cfg.model)
     model = MaskedPatchPrediction(encoder, cfg.mpp, *norm_stats(encoder))
-    optimizer = build_optimizer(model, cfg.optim, 1e-3)
-    model, optimizer = prepare_model(accelerator, model, optimizer, cfg.train)
+    model, optimizer = prepare_model(accelerator, model, lambda m: build_optimizer(m, cfg.optim, 1e-3), cfg.train)
     assert any(isinstance(m, Float8Linear) for m in model.modules())
     assert "linear layers in FP8 (tensorwise scaling, torchao); without train.compile=true" in capsys.readouterr().out
     images = torch.randint(0, 256, (4, 3, cfg.model.img_size, cfg.model.img_size), dtype=torch.uint8)

@@ -1,9 +1,10 @@
 """A full disk under every real writer of a run: the run directory on a small tmpfs (tests/helpers/disks.py), filled
 to its last byte just as one writer starts (safetensors' writer of Accelerate's model file, torch.save, Accelerate's
-save_state, the checkpoint's marker, the export, metrics.jsonl, the sample audit, the model card, the curves figure,
-summary.json), so that the writer itself meets the kernel's ENOSPC: one `error:` line naming the path and the space,
-status 2, the previous checkpoint kept whole, and the same command goes on once space is freed. No OSError is
-injected: only the moment is chosen. The same through the real launcher, two processes: tests/end_to_end/."""
+save_state, torch.distributed.checkpoint's of a run launched with FSDP, the checkpoint's marker, the export,
+metrics.jsonl, the sample audit, the model card, the curves figure, summary.json), so that the writer itself meets
+the kernel's ENOSPC: one `error:` line naming the path and the space, status 2, the previous checkpoint kept whole,
+and the same command goes on once space is freed. No OSError is injected: only the moment is chosen. The same
+through the real launcher, two processes: tests/end_to_end/."""
 
 from __future__ import annotations
 
@@ -86,6 +87,7 @@ class Writer:
     fails: Callable[..., bool] = lambda *args: True
     setup: Callable[[pytest.MonkeyPatch], None] = lambda monkeypatch: None
     steps: int = 8  # long enough for the writes that append to cross a page after the first checkpoints
+    env: tuple[tuple[str, str], ...] = ()  # the run's environment (a launch with FSDP), in both of its attempts
 
 
 def _writers() -> dict[str, Writer]:
@@ -95,7 +97,7 @@ def _writers() -> dict[str, Writer]:
     import torch
 
     from vit_mpp.models import export, hub
-    from vit_mpp.run.durability import checkpoint
+    from vit_mpp.run.durability import checkpoint, sharded_state
     from vit_mpp.run.metering import metrics_log, sample_audit, step_meter
 
     def record_needs_a_page(log, record) -> bool:
@@ -121,6 +123,9 @@ def _writers() -> dict[str, Writer]:
                                                         "step_000004"),
         "torch.save (optimizer, RNG, rank state)": Writer(lambda: torch, "save", 4, "step_000004"),
         "Accelerate's save_state": Writer(lambda: checkpoint.Accelerator, "save_state", 2, "step_000004"),
+        "torch.distributed.checkpoint (a run launched with FSDP)": Writer(
+            lambda: sharded_state, "save_sharded", 2, "step_000004",
+            env=(("ACCELERATE_USE_FSDP", "true"), ("FSDP_VERSION", "2"))),
         "the checkpoint's marker": Writer(lambda: checkpoint, "write_atomic", 2, "step_000004"),
         "metrics.jsonl": Writer(lambda: metrics_log.MetricsLog, "write", 3, "metrics.jsonl", record_needs_a_page,
                                 steps=24),
@@ -142,6 +147,8 @@ def test_a_disk_full_as_a_writer_starts_is_one_line_and_the_run_goes_on_once_the
                                                                                            monkeypatch, capsys,
                                                                                            writer):
     when = _writers()[writer]
+    for name, value in when.env:
+        monkeypatch.setenv(name, value)
     with small_disk(tmp_path / "disk", DISK_KIB) as disk:
         run_dir = disk / "run"
         when.setup(monkeypatch)
@@ -158,6 +165,8 @@ def test_a_disk_full_as_a_writer_starts_is_one_line_and_the_run_goes_on_once_the
         saved = sorted((run_dir / "checkpoints").glob("step_*"))
         assert saved and all((p / "trainer_state.json").is_file() for p in saved), saved  # nothing half-written
         monkeypatch.undo()
+        for name, value in when.env:
+            monkeypatch.setenv(name, value)
         (disk / "filler").unlink()  # space freed
         code, out, err = in_process(pretrain_main, pretrain(demo_shards, run_dir, when.steps), capsys)
         assert code == 0, err[-3000:]

@@ -254,3 +254,27 @@ def test_loader_workers_signalled_as_they_start_live_on():
     for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP):
         subprocess.run(["kill", f"-{sig.name[3:]}", *map(str, workers)], check=True)  # not from their parent
     assert sorted(int(b) for b in it) == [0, 0, 1, 1, 2, 2]  # both workers read on
+
+
+@pytest.mark.parametrize("text, how", [
+    ("DataLoader worker (pid 14856) is killed by signal: Killed. ", "(pid 14856) was killed by signal Killed,"),
+    ("DataLoader worker (pid(s) 14539) exited unexpectedly", "(pid 14539) exited unexpectedly,"),
+    ("DataLoader worker (pid 7) exited unexpectedly with exit code 1. Details are lost due to multiprocessing.",
+     "(pid 7) exited unexpectedly with exit code 1,"),
+])
+def test_a_loader_worker_killed_from_outside_is_its_ranks_one_line(text, how):
+    # A worker killed by the OOM killer (or kill -9) was torch's traceback, raised wherever the rank's main thread
+    # was (its SIGCHLD handler: a collective, a step), and rank 0 said only that rank 1 failed.
+    died = launcher.worker_died(RuntimeError(text))
+    assert died is not None and died.rank_local and how in str(died) and "\n" not in str(died)
+    assert "run the same command to resume" in str(died)
+    assert launcher.worker_died(RuntimeError("CUDA out of memory")) is None
+    assert launcher.worker_died(ValueError(text)) is None
+
+
+def test_a_loader_worker_that_sends_nothing_for_the_loaders_wait_is_its_ranks_one_line():
+    # A worker forked while another thread held CPython's thread-state lock hung in the fork for good (found by the
+    # chaos soak on Python 3.11.7): the rank waited for its batch forever, and the worker outlived the run.
+    died = launcher.worker_died(RuntimeError("DataLoader timed out after 960.0 seconds"))
+    assert died is not None and died.rank_local and "sent no batch for 960 s: stuck" in str(died)
+    assert "gh-112275" in str(died) and "\n" not in str(died)

@@ -7,6 +7,7 @@ import contextlib
 import io
 import os
 import re
+import signal
 import subprocess
 import sys
 import tarfile
@@ -15,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from finetune.__main__ import main as finetune_main
 from pretrain.__main__ import main as pretrain_main
@@ -220,3 +222,86 @@ def test_evaluation_says_when_it_counted_fewer_images_than_the_split_holds(tmp_p
     assert "warning: evaluation counted 4 of the 6 images of the split: 2 could not be decoded" in out
     evals = read_metrics(tmp_path / "run")
     assert [e["val_unread"] for e in evals if "val_top1" in e] == [2]
+
+
+class _HungWorker(torch.utils.data.IterableDataset):
+    """A worker that hangs with its stop signals blocked, as one forked while another thread held CPython's
+    thread-state lock does (gh-112275; found by tests/end_to_end/test_chaos_soak.py)."""
+
+    def __iter__(self):
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        time.sleep(3600)
+        yield 0
+
+
+def test_a_hung_loader_worker_is_its_ranks_one_line_after_the_wait_and_does_not_outlive_its_loader():
+    from vit_mpp.data.stream import _Loader, end_workers
+    from vit_mpp.launcher import worker_died
+
+    batches = iter(_Loader(_HungWorker(), batch_size=None, num_workers=1, timeout=1))
+    worker = batches._workers[0]
+    with pytest.raises(RuntimeError) as waited:
+        next(batches)
+    assert "sent no batch for 1 s: stuck" in str(worker_died(waited.value))
+    end_workers(batches)  # torch's end (SIGTERM, which the hung worker never sees), then SIGKILL
+    worker.join(10)
+    assert not worker.is_alive()
+
+
+def test_a_rank_that_ends_at_once_takes_its_hung_loader_worker_with_it(tmp_path):
+    # The chaos soak found a worker hung in its fork alive minutes after its rank had been preempted: the rank ended
+    # at once (a signal after its outcome, a broken group), past the interpreter's exit where such workers are killed.
+    child = (
+        "import os, time\n"
+        "from tests.vit_mpp.test_stream_faults import _HungWorker\n"
+        "from vit_mpp import launcher\n"
+        "from vit_mpp.data.stream import _Loader\n"
+        "batches = iter(_Loader(_HungWorker(), batch_size=None, num_workers=1, timeout=60))\n"
+        "print(batches._workers[0].pid, flush=True)\n"
+        "time.sleep(0.5)\n"
+        "launcher.exit_now(75)\n")
+    out = tmp_path / "out"
+    with out.open("w") as f:  # a file, not a pipe: a worker left alive would hold a pipe open
+        done = subprocess.run([sys.executable, "-c", child], cwd=REPO, env=subprocess_env(), stdout=f,
+                              stderr=subprocess.STDOUT, timeout=120)
+    worker = int(out.read_text().split()[0])
+    try:
+        assert done.returncode == 75, out.read_text()
+        deadline = time.monotonic() + 10
+        while _alive(worker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(worker), f"the hung worker {worker} outlived its rank"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(worker, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_worker_whose_rank_stops_reading_mid_hand_over_adds_no_traceback(capsys):
+    # The chaos soak: a rank preempted while it took a batch's shared memory from a worker left the worker's fd
+    # server (multiprocessing's resource_sharer) a ConnectionResetError traceback above the rank's one line.
+    import multiprocessing.resource_sharer as resource_sharer
+
+    from vit_mpp.data.stream import _quiet_fd_server
+
+    seen: list[type] = []
+    hook = _quiet_fd_server(lambda kind, error, tb: seen.append(kind))
+    serve = compile("def serve(error):\n    raise error\n", resource_sharer.__file__, "exec")  # raised in its file
+    namespace: dict = {}
+    exec(serve, namespace)
+    for error in (ConnectionResetError(104, "Connection reset by peer"), EOFError(), ValueError("a bug")):
+        try:
+            namespace["serve"](error)
+        except BaseException as e:  # noqa: BLE001
+            hook(type(e), e, e.__traceback__)
+    try:
+        raise ConnectionResetError(104, "elsewhere")
+    except ConnectionResetError as e:
+        hook(type(e), e, e.__traceback__)
+    assert seen == [ValueError, ConnectionResetError]  # a bug there, and a reset anywhere else, keep their traceback

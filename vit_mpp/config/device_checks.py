@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from vit_mpp.config.engine import ConfigError
+from vit_mpp.config.fsdp_settings import check_fsdp
 
 FP8_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada Lovelace (8.9), Hopper (9.0) and later
 FP8_NEEDS = "a CUDA GPU of compute capability 8.9 or later (Ada Lovelace, Hopper) and torchao"
@@ -16,7 +17,9 @@ def check_device_settings(cfg: Any) -> None:
     """Raise a ConfigError when `cfg` (a stage config) sets `data.decode=gpu` or `train.fp8=true` and this machine
     cannot run it: no CUDA device, a GPU too old for FP8, torchao missing; decoding on the device with augmentations
     that must run on the decoded crop in the loader workers, or at all until a GPU run has verified it. torch is
-    imported only when one of them is set, so that the config check of every other run stays free of it."""
+    imported only when one of them is set, so that the config check of every other run stays free of it. Settings
+    that cannot go with the launch's FSDP are refused here too (vit_mpp/config/fsdp_settings.py)."""
+    check_fsdp(cfg)
     gpu_decode = getattr(cfg.data, "decode", "cpu") == "gpu"
     fp8 = bool(getattr(cfg.train, "fp8", False))
     if not (gpu_decode or fp8):

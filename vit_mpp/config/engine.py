@@ -21,6 +21,7 @@ from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 import yaml
 
 from vit_mpp.cli import ArgumentParser
+from vit_mpp.durable import write_atomic
 from vit_mpp.errors import UserError
 
 T = TypeVar("T")
@@ -378,8 +379,9 @@ def to_dict(cfg: Any) -> dict[str, Any]:
 
 
 def save_config(cfg: Any, path: str | Path) -> None:
-    """Write the resolved config as YAML (loadable again with `load_config`)."""
-    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    """Write the resolved config as YAML (loadable again with `load_config`), whole or not at all (a full disk is
+    one line)."""
+    write_atomic(path, yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
 
 def describe(cls: type, prefix: str = "") -> list[str]:

@@ -15,9 +15,11 @@ import os
 import signal
 import sys
 import threading
+import traceback
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from types import TracebackType
 from typing import Any
 
 import torch
@@ -43,7 +45,7 @@ from vit_mpp.data.stream_plan import (
     samples_per_epoch,
     share,
 )
-from vit_mpp.launcher import die_with_parent
+from vit_mpp.launcher import before_exit_now, die_with_parent
 
 
 @dataclass(frozen=True)
@@ -326,6 +328,20 @@ def _init_worker(worker_id: int, parent: int) -> None:
     # SIGTERM stays blocked for the thread below, which sees the sender (multiprocessing stops its children with it)
     signal.pthread_sigmask(signal.SIG_SETMASK, {signal.SIGTERM})
     threading.Thread(target=_sigterm_from_parent_only, args=(parent,), daemon=True).start()
+    sys.excepthook = _quiet_fd_server(sys.excepthook)
+
+
+def _quiet_fd_server(excepthook: Callable[..., Any]) -> Callable[..., Any]:
+    """`excepthook`, silent for the connection a worker's fd server (multiprocessing's resource_sharer, which hands
+    the rank the shared memory of a batch) loses when the rank stops reading mid hand-over: the rank is ending
+    (preempted, failed), and the traceback would bury its one line. Anything else goes to `excepthook`."""
+    def hook(kind: type[BaseException], error: BaseException, tb: TracebackType | None) -> None:
+        if issubclass(kind, (ConnectionError, EOFError)) and any(
+                frame.f_code.co_filename.endswith("resource_sharer.py") for frame, _ in traceback.walk_tb(tb)):
+            return
+        excepthook(kind, error, tb)
+
+    return hook
 
 
 def _sigterm_from_parent_only(parent: int) -> None:
@@ -360,34 +376,73 @@ class Batches:
         for worker in getattr(batches, "_workers", ()):
             if worker.is_alive():
                 worker.terminate()
-        shutdown = getattr(batches, "_shutdown_workers", None)  # torch's own end of a loader's worker processes
-        if shutdown is not None:
-            shutdown()
+        end_workers(batches)
         self.stream.close()
         _live.discard(self)
 
 
 _live: weakref.WeakSet = weakref.WeakSet()  # Batches not closed yet
 
+# A worker forked while another thread of its rank holds CPython's thread-state lock hangs in the fork itself, before
+# any line of Python (CPython gh-112275, fixed in 3.10.15, 3.11.10 and 3.12): its stop signals stay blocked and it
+# never asks to die with its rank. The rank bounds its wait for a batch (`loader_timeout_s`: one line, not a hang) and
+# kills what torch's end of a loader leaves alive: as the loader ends, as the process exits (before multiprocessing's
+# own exit, which would wait for it forever), and when it ends at once (`exit_now`).
+_running: weakref.WeakSet = weakref.WeakSet()  # this process's loader iterators with worker processes
+
+
+def end_workers(batches: Any) -> None:
+    """End a loader iterator's worker processes: torch's own end (which forgets their pids first: a worker killed
+    while torch watches it is an error raised in the rank), then SIGKILL to any still alive."""
+    shutdown = getattr(batches, "_shutdown_workers", None)
+    if shutdown is None:  # a loader without workers, or one closed already
+        return
+    shutdown()
+    for worker in batches._workers:
+        if worker.exitcode is None:
+            worker.kill()
+    _running.discard(batches)
+
 
 @atexit.register
-def _close_live() -> None:
+def _end_live() -> None:
     for batches in list(_live):
         batches.close()
+    for running in list(_running):
+        end_workers(running)
+
+
+def _kill_every_worker() -> None:
+    for running in list(_running):
+        for worker in getattr(running, "_workers", ()):
+            if worker.exitcode is None:
+                worker.kill()
+
+
+before_exit_now(_kill_every_worker)  # the process ends right after: torch cannot see them die
+
+
+def loader_timeout_s(data: DataConfig) -> float:
+    """How long a rank waits for one batch from a loader worker before it takes the worker for stuck: well beyond
+    what a worker's reads may take, each under its deadline, retried (data.read_timeout_s, data.read_retries)."""
+    return max(60.0, 4 * (data.read_retries + 1) * data.read_timeout_s)
 
 
 class _Loader(DataLoader):
     """A DataLoader whose worker processes are forked with WORKER_SIGNALS blocked (the mask is inherited; the rank's
-    own mask is restored at once: a signal that comes meanwhile waits, and is not lost)."""
+    own mask is restored at once: a signal that comes meanwhile waits, and is not lost), and remembered
+    (`end_workers`)."""
 
     def __iter__(self) -> Any:
         if self.num_workers == 0:
             return super().__iter__()
         previous = signal.pthread_sigmask(signal.SIG_BLOCK, WORKER_SIGNALS)
         try:
-            return super().__iter__()
+            batches = super().__iter__()
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        _running.add(batches)
+        return batches
 
 
 def make_loader(stream: TrainStream | EvalStream, data: DataConfig) -> DataLoader:
@@ -397,7 +452,8 @@ def make_loader(stream: TrainStream | EvalStream, data: DataConfig) -> DataLoade
     if data.num_workers > 0:
         kwargs.update(prefetch_factor=data.prefetch_factor,
                       persistent_workers=data.persistent_workers and isinstance(stream, TrainStream),
-                      worker_init_fn=functools.partial(_init_worker, parent=os.getpid()))
+                      worker_init_fn=functools.partial(_init_worker, parent=os.getpid()),
+                      timeout=loader_timeout_s(data))
     return _Loader(stream, batch_size=None, num_workers=data.num_workers,
                    pin_memory=data.pin_memory and torch.cuda.is_available(), **kwargs)
 

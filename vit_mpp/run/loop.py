@@ -207,17 +207,19 @@ def optimizer_step(accelerator: Accelerator, model: torch.nn.Module, optimizer: 
                    clip: float) -> list[dict[str, Any]]:
     """Each micro-batch to the device, `forward(batch)` (its outputs, with "loss"), backward; gradients are
     synchronised, clipped to norm `clip` (when > 0) and applied on the last micro-batch only (Accelerate's
-    `accumulate`). Returns the outputs of the micro-batches."""
+    `accumulate`; a sharded model reduces its gradients' shards after every micro-batch). Returns the outputs of the
+    micro-batches."""
     outputs = []
     for batch in micro_batches:
         batch = to_device(batch, accelerator.device)
         with accelerator.accumulate(model):
             out = forward(batch)
             accelerator.backward(out["loss"])
-            if accelerator.sync_gradients and clip > 0:
-                accelerator.clip_grad_norm_(model.parameters(), clip)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            if accelerator.sync_gradients:  # the optimizer of a sharded model is torch's own, not Accelerate's
+                if clip > 0:
+                    accelerator.clip_grad_norm_(model.parameters(), clip)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
         outputs.append(out)
     return outputs
 
@@ -346,9 +348,11 @@ class Loop:
         return took
 
     def end(self) -> None:
-        """The run's end: the stream closed (now, not at the interpreter's exit), the curves, the audit, the stage's
-        exports, the trackers' last numbers, the summary (with the exports' time)."""
+        """The run's end, once every rank agrees to go on (a stop now ends the run with its last step saved): the
+        stream closed (now, not at the interpreter's exit), the curves, the audit, the stage's exports, the trackers'
+        last numbers, the summary (with the exports' time)."""
         accelerator, tc = self.run.accelerator, self.run.cfg.train
+        self._agree(stuck=False)  # a finished run run again has no step to ask before
         self.batches.close()
         self.meter.draw()
         self.run.audit.flush()

@@ -1,8 +1,8 @@
-"""Test instrumentation for the preemption fuzzer (tests/end_to_end/test_preemption_fuzz.py), on the PYTHONPATH of the
-processes it starts: every data-loader worker waits `VIT_MPP_TEST_WORKER_START_S` seconds between torch's own start
-of the worker (its signal handlers set) and the worker's init function, as a worker on a loaded machine does. A
-signal that lands in that window once killed the worker, and the run with it; the fuzzer must find that on code that
-has the fault, and does in a few trials with the window widened."""
+"""Test instrumentation for the chaos soak (tests/end_to_end/test_chaos_soak.py), on the PYTHONPATH of the processes
+it starts: every data-loader worker waits `VIT_MPP_TEST_WORKER_START_S` seconds between torch's own start of the
+worker (its signal handlers set) and the worker's init function, as a worker on a loaded machine does. A signal that
+lands in that window once killed the worker, and the run with it; the soak must find that on code that has the
+fault, and the window widened makes it likely."""
 
 from __future__ import annotations
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
+from torch.distributed.checkpoint import CheckpointException
 
 from vit_mpp.durable import WriteFailed, fsync, os_error_of, write_atomic, write_failed
 from vit_mpp.models.pretrained import CheckpointError
@@ -76,7 +77,7 @@ def _attempt(write: Callable[[], None]) -> Exception | None:
         write()
     except WriteFailed as e:
         return e
-    except Exception as e:
+    except (Exception, CheckpointException) as e:  # the sharded writer's (a BaseException), on every rank alike
         os_error = os_error_of(e)
         if os_error is None:
             raise
@@ -129,7 +130,7 @@ def resume_latest(accelerator: Accelerator, run_dir: str | Path, changed: list[s
         try:
             state, own = load_checkpoint(accelerator, ckpt)
             problem = ""
-        except Exception as e:  # corruption shows up as many exception types (safetensors, pickle, torch, json)
+        except (Exception, CheckpointException) as e:  # corruption shows up as many types (safetensors, pickle, ...)
             state, own, problem = {}, None, " ".join(f"{type(e).__name__}: {e}".split())[:300]
         failed = torch.tensor(float(bool(problem)), device=accelerator.device)
         if accelerator.reduce(failed, reduction="sum").item() == 0:  # every rank read it: the same decision on all

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from vit_mpp.errors import UserError
+
 TRAINER_STATE = "trainer_state.json"  # written last: a checkpoint without it is incomplete and ignored
+MODEL_OPTIM = "model_optim"  # the model and optimizer of a run launched with FSDP, sharded (sharded_state.py)
 
 
 def checkpoints_dir(run_dir: str | Path) -> Path:
@@ -41,3 +44,18 @@ def saved_step(run_dir: str | Path) -> int | None:
     """The step of the newest complete checkpoint of a run directory, or None."""
     path = latest_checkpoint(run_dir)
     return int(path.name[5:]) if path is not None else None
+
+
+def check_sharding(run_dir: str | Path, sharded: bool) -> None:
+    """A run launched with FSDP (`sharded`) resumes only sharded checkpoints, and a run without it only whole ones:
+    a UserError, before the run directory is touched, when the newest is the other kind."""
+    path = latest_checkpoint(run_dir)
+    if path is None or (path / MODEL_OPTIM).is_dir() == sharded:
+        return
+    if sharded:
+        raise UserError(f"{path} holds the whole model (the run was launched without FSDP), and this run is launched "
+                        "with the FSDP accelerate config: resume it as it was launched, or start a new "
+                        "train.run_dir to shard")
+    raise UserError(f"{path} is sharded (the run was launched with FSDP): resume it with the FSDP accelerate config "
+                    "(accelerate launch --config_file configs/accelerate/fsdp_vit_large.yaml ..., on any number of "
+                    "processes)")

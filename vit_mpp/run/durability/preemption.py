@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import threading
 from collections.abc import Callable
 from functools import partial
@@ -17,8 +16,7 @@ from typing import Any
 
 from vit_mpp import launcher
 from vit_mpp.config.sections import TrainConfig
-from vit_mpp.errors import start_up_stop
-from vit_mpp.launcher import process_rank, stop_if_peer_failed
+from vit_mpp.launcher import stop_if_peer_failed
 from vit_mpp.run.durability.checkpoint_files import saved_step
 
 _open_pipes: set[int] = set()  # the watchers' pipes, closed in forked children (data-loader workers)
@@ -132,11 +130,4 @@ class StopSignals:
 
     def _stop_before_the_loop(self, signum: int) -> None:
         """During start-up there is nothing new to save: end now, naming what a rerun resumes from, if anything."""
-        try:
-            step = self.saved_step()
-        except Exception:  # the run directory cannot be read: say that nothing was saved now
-            step = None
-        line, status = start_up_stop(signum, step)
-        if process_rank() == 0:
-            print(line, file=sys.stderr, flush=True)
-        os._exit(status)
+        launcher.stop_start_up(signum, self.saved_step)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -12,6 +13,7 @@ from accelerate import Accelerator, PartialState
 from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration
 
 from vit_mpp.config.engine import ConfigError
+from vit_mpp.config.fsdp_settings import FsdpSettings, accelerate_fsdp_off
 from vit_mpp.config.sections import TrainConfig
 from vit_mpp.launcher import process_group_kwargs
 from vit_mpp.run.metering.tracking import check_trackers
@@ -53,40 +55,43 @@ def cpu_processes() -> bool:
 
 
 def make_accelerator(train: TrainConfig) -> tuple[Accelerator, GlobalBatch]:
-    """One Accelerator for a training run, with gradient accumulation derived from the global batch size."""
+    """One Accelerator for a training run, with gradient accumulation derived from the global batch size. A run
+    launched with FSDP shards itself (`accelerate_fsdp_off`; vit_mpp/run/start/sharding.py)."""
     check_trackers(train.trackers)  # a missing package is an error now, not a warning after which nothing is logged
     cpu = cpu_processes()
-    # The first PartialState makes the process group: its timeout bounds how long a rank waits for a dead peer.
-    state = PartialState(cpu=cpu, **process_group_kwargs(train.collective_timeout_s))
-    batch = split_global_batch(train.batch_size, train.micro_batch_size, state.num_processes)
-    project = ProjectConfiguration(project_dir=train.run_dir, logging_dir=str(Path(train.run_dir) / "logs"))
-    accelerator = Accelerator(
-        cpu=cpu,
-        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=train.collective_timeout_s))],
-        mixed_precision=train.mixed_precision,
-        gradient_accumulation_steps=batch.accum_steps,
-        log_with=train.trackers or None,
-        project_config=project,
-        step_scheduler_with_optimizer=False,  # the LR is set by hand from the step (see vit_mpp/run/loop.py)
-    )
-    if cpu and os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and accelerator.is_main_process:
-        # accelerate silently drops FSDP for CPU processes; say so rather than let a user believe it sharded
-        print("warning: FSDP needs CUDA devices; these CPU processes run as plain data parallel (gloo), each "
-              "holding the whole model")
+    with accelerate_fsdp_off():
+        # The first PartialState makes the process group: its timeout bounds how long a rank waits for a dead peer.
+        state = PartialState(cpu=cpu, **process_group_kwargs(train.collective_timeout_s))
+        batch = split_global_batch(train.batch_size, train.micro_batch_size, state.num_processes)
+        project = ProjectConfiguration(project_dir=train.run_dir, logging_dir=str(Path(train.run_dir) / "logs"))
+        accelerator = Accelerator(
+            cpu=cpu,
+            kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=train.collective_timeout_s))],
+            mixed_precision=train.mixed_precision,
+            gradient_accumulation_steps=batch.accum_steps,
+            log_with=train.trackers or None,
+            project_config=project,
+            step_scheduler_with_optimizer=False,  # the LR is set by hand from the step (see vit_mpp/run/loop.py)
+        )
     return accelerator, batch
 
 
 def make_eval_accelerator(mixed_precision: str, collective_timeout_s: float = 600.0) -> Accelerator:
-    """An Accelerator for evaluation without training, for any process count."""
-    PartialState(cpu=cpu_processes(), **process_group_kwargs(collective_timeout_s))
-    return Accelerator(cpu=cpu_processes(), mixed_precision=mixed_precision)
+    """An Accelerator for evaluation without training, for any process count (each holds the whole model, also
+    under an FSDP launch config)."""
+    with accelerate_fsdp_off():
+        PartialState(cpu=cpu_processes(), **process_group_kwargs(collective_timeout_s))
+        return Accelerator(cpu=cpu_processes(), mixed_precision=mixed_precision)
 
 
-def prepare_model(accelerator: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                  train: TrainConfig) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """With `train.fp8`, swap the linear layers for FP8 ones (vit_mpp/models/fp8.py: the parameters, which the
-    optimizer holds, stay the same objects); `accelerator.prepare` the model and optimizer, then (with
-    `train.compile`) torch.compile the model in place.
+def prepare_model(accelerator: Accelerator, model: torch.nn.Module,
+                  make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer], train: TrainConfig,
+                  sharding: FsdpSettings | None = None) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The model (on its device) made ready to train, and its optimizer (`make_optimizer(model)`, built over the
+    parameters as they will be trained): with `train.fp8`, the linear layers swapped for FP8 ones
+    (vit_mpp/models/fp8.py); with `sharding` (the launch asks for FSDP), sharded over the processes
+    (vit_mpp/run/start/sharding.py) and its state kept in checkpoints in the sharded format, else
+    `accelerator.prepare`d (data parallel); with `train.compile`, torch.compiled in place.
 
     In place (nn.Module.compile): `torch.compile(model)` would return a wrapper whose state dict keys start with
     `_orig_mod.`, and the exports would then find no encoder keys.
@@ -97,7 +102,15 @@ def prepare_model(accelerator: Accelerator, model: torch.nn.Module, optimizer: t
         swapped = to_fp8(model, train.fp8_recipe)
         accelerator.print(f"fp8: {len(swapped)} linear layers in FP8 ({train.fp8_recipe} scaling, torchao)"
                           + ("" if train.compile else "; without train.compile=true its casts are slower than bf16"))
-    model, optimizer = accelerator.prepare(model, optimizer)
+    if sharding is not None:
+        from vit_mpp.run.durability.sharded_state import keep_in_checkpoints
+        from vit_mpp.run.start.sharding import shard
+
+        model = shard(accelerator, model, sharding)
+        optimizer = make_optimizer(model)  # over the shards: its state is sharded as they are
+        keep_in_checkpoints(accelerator, model, optimizer)
+    else:
+        model, optimizer = accelerator.prepare(model, make_optimizer(model))
     if train.compile:
         model.compile()
     return model, optimizer

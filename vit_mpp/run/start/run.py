@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader
 
 from vit_mpp.config.device_checks import check_device_settings
 from vit_mpp.config.engine import is_dry_run
+from vit_mpp.config.fsdp_settings import FsdpSettings
 from vit_mpp.data.image_decoder import ImageDecoder
 from vit_mpp.data.manifest import Split
 from vit_mpp.data.stream import Batches, EvalStream, TrainStream, loader_layout, make_loader, read_settings
@@ -24,10 +25,11 @@ from vit_mpp.data.training_data import TrainingData, load_training_data
 from vit_mpp.models.hub import check_hub
 from vit_mpp.models.vit import architecture
 from vit_mpp.run.durability.checkpoint import resume_latest
+from vit_mpp.run.durability.checkpoint_files import check_sharding
 from vit_mpp.run.durability.preemption import StopSignals
 from vit_mpp.run.metering.metrics_log import MetricsLog
 from vit_mpp.run.metering.sample_audit import SampleAudit
-from vit_mpp.run.start.accelerator import GlobalBatch, make_accelerator
+from vit_mpp.run.start.accelerator import GlobalBatch, make_accelerator, prepare_model
 from vit_mpp.run.start.run_dir import prepare_run_dir
 
 
@@ -59,6 +61,7 @@ class Run:
     dry_run: bool
     signals: StopSignals
     data_check: Any = None  # what the stage's `check_data` returned (fine-tuning: its `Classes`)
+    sharding: FsdpSettings | None = None  # the launch asks for FSDP (vit_mpp/run/start/sharding.py)
 
     @property
     def run_dir(self) -> Path:
@@ -80,6 +83,12 @@ class Run:
     def print(self, text: str) -> None:
         """Print on the main process."""
         self.accelerator.print(text)
+
+    def prepare(self, model: torch.nn.Module, make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer],
+                ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        """The model made ready to train (sharded, or prepared for data parallel) and its optimizer:
+        vit_mpp/run/start/accelerator.py `prepare_model`."""
+        return prepare_model(self.accelerator, model, make_optimizer, self.cfg.train, self.sharding)
 
     def resume(self, total_steps: int, lr: Callable[[int], float]) -> Resumed:
         """Restore the newest checkpoint (vit_mpp/run/durability/checkpoint.py `resume_latest`), cut the metrics log and
@@ -135,6 +144,7 @@ def start_run(cfg: Any, signals: StopSignals, check_data: Callable[[TrainingData
     from before this call to the run's end."""
     tc, dry_run = cfg.train, is_dry_run(cfg)
     check_device_settings(cfg)  # the stages' __main__ ask first; this covers a run started from code (`train(cfg)`)
+    sharding = FsdpSettings.read()  # the launch asks for FSDP: this run shards itself (sharding.py)
     accelerator, gbatch = make_accelerator(tc)
     if accelerator.is_main_process:
         check_hub(cfg.export)  # a push at the end of a long run must not fail for want of a token
@@ -144,10 +154,11 @@ def start_run(cfg: Any, signals: StopSignals, check_data: Callable[[TrainingData
     # The model is built in shapes only (no memory): what only timm can tell (the patch size a model name implies,
     # against model.img_size) is then found before the run directory is touched, not when the model is built.
     architecture(cfg.model)
+    check_sharding(tc.run_dir, sharded=sharding is not None)  # its checkpoints are resumed as they were written
     with accelerator.main_process_first():
         changed = prepare_run_dir(tc.run_dir, cfg, accelerator.is_main_process, dry_run)
     layout = Layout(accelerator.num_processes, max(1, cfg.data.num_workers), gbatch.micro_batch, gbatch.accum_steps)
     is_main = accelerator.is_main_process and not dry_run
     audit = SampleAudit(tc.run_dir, accelerator.process_index, is_main, data.names, tc.record_samples and not dry_run)
     return Run(cfg, accelerator, gbatch, layout, data, changed, MetricsLog(tc.run_dir, is_main), audit, dry_run,
-               signals, data_check)
+               signals, data_check, sharding)

@@ -21,6 +21,7 @@ import yaml
 
 from vit_mpp.config.engine import ConfigError, flatten, save_config, to_dict
 from vit_mpp.data.manifest import MANIFEST_NAME
+from vit_mpp.durable import writing
 from vit_mpp.errors import UserError
 from vit_mpp.run.durability.checkpoint_files import TRAINER_STATE, latest_checkpoint
 from vit_mpp.tools.args import make_out_folder
@@ -58,7 +59,8 @@ def lock_run_dir(run_dir: Path) -> None:
     if key in _held:
         return
     path = run_dir / LOCK_NAME
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    with writing(path):
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -73,8 +75,9 @@ def lock_run_dir(run_dir: Path) -> None:
               "from using it at the same time", file=sys.stderr, flush=True)
     since = datetime.datetime.now().isoformat(" ", "seconds")
     holder = {"host": socket.gethostname(), "pid": os.getpid(), "since": since, "command": " ".join(sys.argv)[:300]}
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, json.dumps(holder).encode(), 0)
+    with writing(path):  # a full disk: one line, before the run writes anything else
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(holder).encode(), 0)
     _held[key] = fd
 
 

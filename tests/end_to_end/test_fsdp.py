@@ -1,0 +1,101 @@
+"""FSDP through the real launcher: `accelerate launch --config_file configs/accelerate/fsdp_vit_large.yaml` on CPU
+processes with gloo (FSDP2 shards there as on GPUs; vit_mpp/run/start/sharding.py). Each Block's weights are split
+over the processes, in memory and in the checkpoint; the losses are data parallel's; the export, gathered, is the
+checkpoint's model and loads in timm; the sharded checkpoint resumes on one process and on three, each sample read
+once per epoch; fine-tuning with layer decay trains as data parallel does. The settings FSDP is refused with:
+tests/vit_mpp/test_fsdp_settings.py."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.helpers.processes import LAUNCH, REPO, subprocess_env
+from tests.helpers.runs import assert_each_sample_once_per_epoch, read_metrics
+from tests.helpers.shards import write_shard_set
+
+TRAIN = {"train": [30, 18, 24, 24], "val": [8]}  # 96 training samples in uneven shards; an epoch is 8 steps of 12
+FSDP = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/accelerate/fsdp_vit_large.yaml",
+        "--mixed_precision", "no", "--main_process_port", "0"]
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> Path:
+    return write_shard_set(tmp_path_factory.mktemp("shards"), TRAIN, size=16)
+
+
+def pretrain(launch: list[str], shards: Path, run_dir: Path, *overrides: str) -> str:
+    """A tiny pretraining run (global batch 12: 1, 2 or 3 processes) under `launch`; its output."""
+    done = subprocess.run([*launch, "-m", "pretrain", "--config", "configs/pretrain/tiny.yaml", f"data.shards={shards}",
+                           f"train.run_dir={run_dir}", "train.batch_size=12", "train.steps=4", "train.ckpt_every=4",
+                           "train.log_every=1", "train.eval_every=0", "data.val_split=", "train.record_samples=true",
+                           *overrides], capture_output=True, text=True, timeout=600, env=subprocess_env(), cwd=REPO)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    return done.stdout
+
+
+def losses(run_dir: Path) -> list[float]:
+    return [m["loss"] for m in read_metrics(run_dir) if "loss" in m]
+
+
+def fsdp(processes: int) -> list[str]:
+    return [*FSDP, "--num_processes", str(processes)]
+
+
+@pytest.fixture(scope="module")
+def sharded_run(shards, tmp_path_factory) -> tuple[Path, str]:
+    run_dir = tmp_path_factory.mktemp("fsdp") / "run"
+    return run_dir, pretrain(fsdp(2), shards, run_dir)
+
+
+def test_each_block_is_split_over_the_processes_and_the_run_trains_as_data_parallel(shards, sharded_run, tmp_path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    run_dir, out = sharded_run
+    assert "FSDP over 2 processes (each Block a unit, freed after its forward): rank 0 holds" in out
+    pretrain(LAUNCH, shards, tmp_path / "dp")
+    assert losses(run_dir) == pytest.approx(losses(tmp_path / "dp"), rel=1e-6)  # the same initial weights and steps
+
+    saved = run_dir / "checkpoints" / "step_000004" / "model_optim"
+    metadata = FileSystemReader(saved).read_metadata()
+    files = {index.fqn: set() for index in metadata.storage_data}
+    for index, info in metadata.storage_data.items():
+        files[index.fqn].add(info.relative_path)
+    blocks = [name for name in metadata.state_dict_metadata if name.startswith("model.") and ".blocks." in name
+              and name.endswith(".weight") and "norm" not in name]
+    assert len(blocks) == 8  # 2 blocks x (qkv, proj, fc1, fc2)
+    for name in blocks:  # half of each weight from each process, in its own file
+        assert len(metadata.state_dict_metadata[name].chunks) == 2, name
+        assert files[name] == {"__0_0.distcp", "__1_0.distcp"}, name
+
+    # The export is the checkpoint's encoder, gathered whole; timm loads it as any other
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(saved, tmp_path / "whole.pt")
+    model = torch.load(tmp_path / "whole.pt", weights_only=False)["model"]
+    export = load_file(run_dir / "export" / "model.safetensors")
+    assert export and all(torch.equal(tensor, model[f"encoder.{name}"]) for name, tensor in export.items())
+    import timm
+
+    vit = timm.create_model(f"local-dir:{run_dir / 'export'}", pretrained=True)
+    assert vit.blocks[0].attn.qkv.weight.shape == (96, 32)
+
+
+@pytest.mark.slow
+def test_a_sharded_checkpoint_resumes_on_one_process_and_on_three_each_sample_once_per_epoch(shards, sharded_run,
+                                                                                             tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(sharded_run[0], run_dir)
+    one = pretrain(fsdp(1), shards, run_dir, "train.steps=12", "train.extend=true")
+    assert "FSDP on one process" in one and "resuming from" in one
+    three = pretrain(fsdp(3), shards, run_dir, "train.steps=20", "train.extend=true")
+    assert "FSDP over 3 processes" in three and "resuming from" in three
+    assert [m["step"] for m in read_metrics(run_dir) if "loss" in m] == list(range(1, 21))
+    assert assert_each_sample_once_per_epoch(run_dir, 20) == 2  # epochs 0 and 1 whole, over 2, 1 and 3 processes
