@@ -17,7 +17,7 @@ import sys
 import threading
 import traceback
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -386,9 +386,18 @@ _live: weakref.WeakSet = weakref.WeakSet()  # Batches not closed yet
 # A worker forked while another thread of its rank holds CPython's thread-state lock hangs in the fork itself, before
 # any line of Python (CPython gh-112275, fixed in 3.10.15, 3.11.10 and 3.12): its stop signals stay blocked and it
 # never asks to die with its rank. The rank bounds its wait for a batch (`loader_timeout_s`: one line, not a hang) and
-# kills what torch's end of a loader leaves alive: as the loader ends, as the process exits (before multiprocessing's
-# own exit, which would wait for it forever), and when it ends at once (`exit_now`).
+# kills what torch's end of a loader leaves alive: when a loader ends or is dropped half-read (the k-NN monitor's),
+# as the process exits (before multiprocessing's own exit, which would wait for it forever), and when it ends at
+# once (`exit_now`). The soak found each: a worker alive minutes after its rank was preempted, a rank that never
+# exited.
 _running: weakref.WeakSet = weakref.WeakSet()  # this process's loader iterators with worker processes
+_forked: set = set()  # every worker process those loaders forked, until it is seen ended
+
+
+def _kill(workers: Iterable[Any]) -> None:
+    for worker in list(workers):
+        if worker.exitcode is None:
+            worker.kill()
 
 
 def end_workers(batches: Any) -> None:
@@ -398,9 +407,7 @@ def end_workers(batches: Any) -> None:
     if shutdown is None:  # a loader without workers, or one closed already
         return
     shutdown()
-    for worker in batches._workers:
-        if worker.exitcode is None:
-            worker.kill()
+    _kill(batches._workers)
     _running.discard(batches)
 
 
@@ -410,16 +417,10 @@ def _end_live() -> None:
         batches.close()
     for running in list(_running):
         end_workers(running)
+    _kill(_forked)  # those of the iterators already gone: torch forgot them as it ended them
 
 
-def _kill_every_worker() -> None:
-    for running in list(_running):
-        for worker in getattr(running, "_workers", ()):
-            if worker.exitcode is None:
-                worker.kill()
-
-
-before_exit_now(_kill_every_worker)  # the process ends right after: torch cannot see them die
+before_exit_now(lambda: _kill(_forked))  # the process ends right after: torch cannot see them die
 
 
 def loader_timeout_s(data: DataConfig) -> float:
@@ -441,7 +442,12 @@ class _Loader(DataLoader):
             batches = super().__iter__()
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        workers = list(batches._workers)
+        _forked.difference_update([w for w in _forked if w.exitcode is not None])
+        _forked.update(workers)
         _running.add(batches)
+        # Dropped half-read, the iterator is ended by torch (its __del__, which forgets the pids), then this runs
+        weakref.finalize(batches, _kill, workers).atexit = False
         return batches
 
 
