@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
-from vit_mpp.config.engine import Check, above, at_least, between, items, opt, section
+from vit_mpp.config.engine import Check, above, at_least, between, given_keys, items, opt, section
 from vit_mpp.config.sections import ARCH_KEYS, DataConfig, ExportConfig, ModelConfig, OptimConfig, TrainConfig
 from vit_mpp.data.labels import MAX_CLASSES
 
@@ -78,8 +79,10 @@ class AugmentConfig:
 @dataclass
 class FinetuneTrainConfig(TrainConfig):
     run_dir: str = opt("runs/finetune", "run directory (config, metrics, checkpoints, export); re-running resumes")
-    mode: Literal["finetune", "linear_probe"] = opt(
-        "finetune", "finetune: train everything; linear_probe: frozen encoder (eval mode), only the head trains")
+    mode: Literal["finetune", "linear_probe", "attentive_probe"] = opt(
+        "finetune", "finetune: train everything; linear_probe: frozen encoder (eval mode), only the head trains; "
+                    "attentive_probe: the same, the head reading every token through an attention pool (its own "
+                    "learned query and cross-attention block: model.global_pool=map)")
     batch_size: int = opt(512, "global batch size (all processes, after accumulation)")
     epochs: int = opt(10, "passes over the training split", at_least(1))
     label_smoothing: float = opt(0.0, "label smoothing of the cross-entropy", between(0, 1, hi_open=True))
@@ -102,6 +105,15 @@ class FinetuneConfig:
     def total_steps(self, steps_per_epoch: int | None = None) -> int | None:
         """The run's length in optimizer steps, given the steps of an epoch (None when unknown)."""
         return None if steps_per_epoch is None else self.train.epochs * steps_per_epoch
+
+    def problems(self) -> Iterator[tuple[str, str]]:
+        pool = self.model.global_pool
+        if self.train.mode == "attentive_probe" and "global_pool" in given_keys(self.model) and pool != "map":
+            yield "train.mode", (f"attentive_probe reads the tokens through an attention pool, and model.global_pool "
+                                 f"is {pool}: leave model.global_pool out (the mode sets map)")
+        if self.train.mode == "linear_probe" and pool == "map":
+            yield "model.global_pool", ("map is an attention pool that trains, and a linear probe trains the head "
+                                        "alone: use train.mode=attentive_probe")
 
     init: InitConfig = section(InitConfig)
     model: ModelConfig = section(ModelConfig)

@@ -55,7 +55,8 @@ class MPPConfig:
 @dataclass
 class KnnConfig:
     """The k-NN monitor (pretrain/knn.py): at each evaluation, when the shards carry labels, k-NN top-1 of validation
-    images against labelled training images, from the [class] token and from the patch mean."""
+    images against labelled training images, from the [class] token and from the patch mean; and, with
+    `probe_epochs`, a linear and an attentive probe of the same features (pretrain/probes.py)."""
 
     train_images: int = opt(5000, "labelled reference images read at each evaluation (0: no k-NN monitor)",
                             at_least(0))
@@ -63,6 +64,9 @@ class KnnConfig:
     k: int = opt(20, "neighbours that vote", at_least(1))
     temperature: float = opt(0.07, "each vote weighs exp(cosine similarity / temperature) (DINO's rule)", above(0))
     train_split: str = opt("", "the labelled split references come from ('' = data.train_split)")
+    probe_epochs: int = opt(0, "also train a linear and an attentive probe on the same frozen features, this many "
+                               "epochs, at each evaluation (knn_probe_linear, knn_probe_attentive; 0: off)",
+                            at_least(0))
 
 
 @dataclass

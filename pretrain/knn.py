@@ -1,6 +1,7 @@
 """A representation-quality signal during pretraining (`knn_monitor`): k-NN classification of validation images by
 their nearest labelled training images in the encoder's feature space, with DINO's weighted vote, reported as
-`knn_top1_cls` (the [class] token) and `knn_top1_avg` (the mean of the patch tokens).
+`knn_top1_cls` (the [class] token) and `knn_top1_avg` (the mean of the patch tokens); with `knn.probe_epochs`, a
+linear and an attentive probe of the same features (pretrain/probes.py).
 See docs/pretrain.md#the-k-nn-monitor-pretrainknnpy.
 """
 
@@ -10,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from timm.models.vision_transformer import VisionTransformer
 
+from pretrain.probes import probe_top1
 from vit_mpp.data.manifest import Split
 from vit_mpp.data.stream import normalize, to_device
 from vit_mpp.run.loop import Gate
@@ -21,12 +23,14 @@ Norm = tuple[tuple[float, ...], tuple[float, ...]]  # the encoder's mean and std
 
 @torch.no_grad()
 def features(run: Run, encoder: VisionTransformer, split: Split, limit: int, norm: Norm, gated: Gate,
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             ) -> tuple[torch.Tensor, ...]:
     """([class] features (N, D), patch-mean features (N, D), labels (N,)) of the first `limit` images of `split`,
-    gathered from every process (each image once); batches taken through `gated`."""
+    and for the probes (`knn.probe_epochs`) every token (N, T, D) as well, gathered from every process (each image
+    once); batches taken through `gated`."""
     accelerator, loader = run.accelerator, gated(run.eval_loader(split, limit=limit))
+    every_token = run.cfg.knn.probe_epochs > 0
     mean, std = norm
-    cls, avg, labels, valid = [], [], [], []
+    cls, avg, labels, valid, every = [], [], [], [], []
     shown = with_progress(accelerator, loader, f"k-NN features ({split.name})", min(limit, split.num_samples))
     with shown as batches:
         for batch in batches:
@@ -37,9 +41,13 @@ def features(run: Run, encoder: VisionTransformer, split: Split, limit: int, nor
             avg.append(tokens[:, encoder.num_prefix_tokens:].mean(dim=1))
             labels.append(batch["label"])
             valid.append(batch["valid"])
-    gathered = accelerator.gather((torch.cat(cls), torch.cat(avg), torch.cat(labels), torch.cat(valid)))
-    keep = gathered[3]
-    return gathered[0][keep], gathered[1][keep], gathered[2][keep]
+            if every_token:
+                every.append(tokens)
+    parts = [torch.cat(valid), torch.cat(cls), torch.cat(avg), torch.cat(labels)]
+    if every_token:
+        parts.append(torch.cat(every))
+    keep, *gathered = accelerator.gather(tuple(parts))
+    return tuple(part[keep] for part in gathered)
 
 
 CHUNK = 1024  # queries at a time: bounds the (chunk, N) similarity matrix
@@ -64,11 +72,16 @@ def knn_monitor(run: Run, encoder: VisionTransformer, ref_split: Split, norm: No
                 ) -> dict[str, float] | None:
     """`knn_top1_cls` and `knn_top1_avg` of the run's validation split against `ref_split`, or None when either is
     unlabelled; batches taken through `gated`. Leaves the encoder in eval mode."""
-    knn = run.cfg.knn
+    knn, probed = run.cfg.knn, run.cfg.knn.probe_epochs > 0
     encoder.eval()
-    ref_cls, ref_avg, ref_y = features(run, encoder, ref_split, knn.train_images, norm, gated)
-    val_cls, val_avg, val_y = features(run, encoder, run.data.val_split, knn.val_images, norm, gated)
+    ref_cls, ref_avg, ref_y, *ref_all = features(run, encoder, ref_split, knn.train_images, norm, gated)
+    val_cls, val_avg, val_y, *val_all = features(run, encoder, run.data.val_split, knn.val_images, norm, gated)
     if not len(ref_y) or not len(val_y) or ref_y.min() < 0 or val_y.min() < 0:
         return None  # unlabelled (label -1): no classes to vote for
-    return {"knn_top1_cls": knn_top1(ref_cls, ref_y, val_cls, val_y, knn.k, knn.temperature),
-            "knn_top1_avg": knn_top1(ref_avg, ref_y, val_avg, val_y, knn.k, knn.temperature)}
+    result = {"knn_top1_cls": knn_top1(ref_cls, ref_y, val_cls, val_y, knn.k, knn.temperature),
+              "knn_top1_avg": knn_top1(ref_avg, ref_y, val_avg, val_y, knn.k, knn.temperature)}
+    if probed:
+        heads = encoder.blocks[0].attn.num_heads
+        result["knn_probe_linear"] = probe_top1(*ref_all, ref_y, *val_all, val_y, knn.probe_epochs)
+        result["knn_probe_attentive"] = probe_top1(*ref_all, ref_y, *val_all, val_y, knn.probe_epochs, heads)
+    return result

@@ -191,9 +191,9 @@ def test_supervised_is_skipped_with_a_note_when_the_pool_has_no_labels(tmp_path,
 
 def test_overrides_reach_their_stage_in_order(tmp_path, monkeypatch, shards):
     FakeStages(monkeypatch)
-    compare.main(argv(shards, tmp_path / "out", "--seeds", "0", "--arms", "scratch,mpp,mpp-l2,probe", "--set",
-                      "pretrain:train.steps=10", "mpp-l2.pretrain:mpp.target=l2", "finetune:optim.lr=0.1",
-                      "probe.finetune:model.global_pool=avg"))
+    compare.main(argv(shards, tmp_path / "out", "--seeds", "0", "--arms", "scratch,mpp,mpp-l2,probe,probe-attentive",
+                      "--set", "pretrain:train.steps=10", "mpp-l2.pretrain:mpp.target=l2", "finetune:optim.lr=0.1",
+                      "probe.finetune:model.global_pool=avg", "probe-attentive.finetune:train.mode=attentive_probe"))
 
     def command(name: str) -> list[str]:
         return json.loads((tmp_path / "out/seed0" / name / compare.SIDECAR).read_text())["command"]
@@ -204,6 +204,9 @@ def test_overrides_reach_their_stage_in_order(tmp_path, monkeypatch, shards):
     assert probe.index("optim.lr=0.1") < probe.index("train.mode=linear_probe") < probe.index(
         "model.global_pool=avg")  # config-wide, the arm's own, then the arm's user overrides
     assert f"init.checkpoint={tmp_path / 'out/seed0/mpp/pretrain/export'}" in probe  # the first mpp arm's
+    attentive = command("probe-attentive/finetune")  # the attentive probe: a probe arm whose mode is the user's
+    assert attentive.index("train.mode=linear_probe") < attentive.index("train.mode=attentive_probe")
+    assert "model.global_pool=avg" not in attentive
 
 
 # ------------------------------------------------------------------------------------------- one-line mistakes

@@ -12,6 +12,7 @@ from PIL import Image
 from analysis.plot_runs import main as plot_main
 from pretrain.__main__ import main as pretrain_main
 from pretrain.knn import knn_top1
+from pretrain.probes import probe_top1
 from tests.helpers.disks import small_disk
 from tests.helpers.processes import in_process
 from tests.helpers.runs import read_metrics, run_tiny_pretrain
@@ -28,10 +29,10 @@ def tiny_pretrain(shards: Path, run_dir: Path, *overrides: str) -> None:
 @pytest.fixture(scope="module")
 def watched(demo_shards, tmp_path_factory) -> Path:
     """One run on labelled shards watched every way (the tests below read it): TensorBoard (project demo), curves.png,
-    and the k-NN monitor on 40 labelled training and 16 validation images."""
+    and the k-NN monitor on 40 labelled training and 16 validation images, with its probes."""
     run_dir = tmp_path_factory.mktemp("watched")
     tiny_pretrain(demo_shards, run_dir, "train.trackers=[tensorboard]", "train.project=demo", "knn.train_images=40",
-                  "knn.val_images=16")
+                  "knn.val_images=16", "knn.probe_epochs=3")
     return run_dir
 
 
@@ -116,9 +117,24 @@ def test_knn_top1_on_separable_and_on_random_features():
     assert noise < 0.5  # chance is 0.25
 
 
+def test_the_probes_learn_what_the_tokens_carry_and_give_the_same_number_twice():
+    g = torch.Generator().manual_seed(0)
+    ref_y, query_y = torch.arange(120) % 3, torch.arange(60) % 3
+    where = torch.randint(0, 5, (180,), generator=g)  # the class is in one patch token, a different one per image
+    tokens = torch.randn(180, 6, 16, generator=g)
+    tokens[torch.arange(180), 1 + where] += 8 * torch.eye(16)[torch.cat([ref_y, query_y])]
+    ref, query = tokens[:120], tokens[120:]
+    attentive = probe_top1(ref, ref_y, query, query_y, epochs=40, heads=2)
+    assert attentive >= 0.9 and attentive == probe_top1(ref, ref_y, query, query_y, epochs=40, heads=2)
+    assert probe_top1(ref, ref_y, query, query_y, epochs=40) < 0.6  # the [class] token (token 0) carries nothing
+    tokens[:, 0] = 6 * torch.eye(16)[torch.cat([ref_y, query_y])] + torch.randn(180, 16, generator=g)
+    assert probe_top1(tokens[:120], ref_y, tokens[120:], query_y, epochs=40) >= 0.9
+
+
 def test_the_knn_monitor_reports_on_labelled_shards_and_stays_off_without_labels(watched, tmp_path, capsys):
     evals = [r for r in read_metrics(watched) if "val_loss" in r]
     assert len(evals) == 2 and all(0 <= r["knn_top1_cls"] <= 1 and 0 <= r["knn_top1_avg"] <= 1 for r in evals)
+    assert all(0 <= r["knn_probe_linear"] <= 1 and 0 <= r["knn_probe_attentive"] <= 1 for r in evals)
     unlabelled = write_shard_set(tmp_path / "unlabelled", {"train": [24], "val": [24]},
                                  labels={"train": [None] * 24, "val": [None] * 24})
     capsys.readouterr()

@@ -33,8 +33,9 @@ class ModelConfig:
     depth: int | None = opt(None, "number of blocks L (default: the named model's)", at_least(1))
     num_heads: int | None = opt(None, "attention heads (default: the named model's)", at_least(1))
     mlp_ratio: float | None = opt(None, "MLP hidden size / D (default: the named model's, 4 for ViT)", above(0))
-    global_pool: Literal["token", "avg"] = opt("token", "what the classifier head reads (fine-tuning): token (the "
-                                               "[class] token, as in the paper) or avg (mean of the patch tokens)")
+    global_pool: Literal["token", "avg", "map"] = opt(
+        "token", "what the classifier head reads (fine-tuning): token (the [class] token, as in the paper), avg (mean "
+                 "of the patch tokens) or map (every token through timm's attention pool: one learned query)")
     drop_path_rate: float = opt(0.0, "stochastic depth rate", between(0, 1, hi_open=True))
     grad_checkpointing: bool = opt(False, "recompute block activations in the backward pass (saves memory)")
 

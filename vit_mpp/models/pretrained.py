@@ -38,7 +38,8 @@ from vit_mpp.models.vit import create_vit, norm_stats, patch_size
 TORCH_SUFFIXES = (".pth", ".pt", ".bin")
 NPZ_PREFIXES = ("", "opt/target/", "params/")  # where the original checkpoints keep their parameters
 NPZ_POSEMB = "Transformer/posembed_input/pos_embedding"
-HEAD_PREFIXES = ("head.", "fc_norm.", "mask_token")  # a classifier's or pretraining's own: not encoder weights
+# a classifier's (its attention pool too) or pretraining's own: not encoder weights
+HEAD_PREFIXES = ("head.", "fc_norm.", "attn_pool.", "mask_token")
 HUB, LOCAL_DIR = "hf-hub:", "local-dir:"
 
 
