@@ -100,15 +100,13 @@ def table(ranks: list[int], gpu_gib: float) -> None:
 
 def check() -> None:
     """Shard ViT-B/16 over the launched processes, one AdamW step, and compare rank 0's shards with the formula."""
-    from vit_mpp.config.fsdp_settings import FsdpSettings, accelerate_fsdp_off
+    from vit_mpp.config.fsdp_settings import FsdpSettings
+    from vit_mpp.run.start.accelerator import make_eval_accelerator
     from vit_mpp.run.start.sharding import shard
 
     settings = FsdpSettings.read()
     assert settings is not None, "launch with the FSDP config: see the module's docstring"
-    with accelerate_fsdp_off():
-        from accelerate import Accelerator
-
-        accelerator = Accelerator()
+    accelerator = make_eval_accelerator("no")  # the run's own process group, with FSDP left to `shard`
     model = shard(accelerator, mpp_model("vit_base_patch16_224"), settings)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     images = torch.randint(0, 256, (2, 3, 224, 224), dtype=torch.uint8)

@@ -24,6 +24,7 @@ from vit_mpp.config.sections import DataConfig  # noqa: E402
 from vit_mpp.data.image_decoder import ImageDecoder  # noqa: E402
 from vit_mpp.data.manifest import check_every_sample_labelled, load_split, manifest_classes  # noqa: E402
 from vit_mpp.data.stream import eval_split_loader, loader_layout  # noqa: E402
+from vit_mpp.durable import write_atomic  # noqa: E402
 from vit_mpp.models.pretrained import Pretrained, load_classifier, results_folder  # noqa: E402
 from vit_mpp.run.metering.eval_progress import with_progress  # noqa: E402
 from vit_mpp.run.metering.step_meter import with_unread  # noqa: E402
@@ -125,7 +126,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               "confusion": confusion.tolist()}
     if accelerator.is_main_process:
         make_out_folder(out)
-        (out / "evaluation.json").write_text(json.dumps(report, indent=1) + "\n")
+        write_atomic(out / "evaluation.json", json.dumps(report, indent=1) + "\n")
         write_confusion(confusion, names, out, title=f"{args.split}: top-1 {metrics['val_top1']:.4f} on "
                                                      f"{metrics['val_samples']} images")
         print_report(report, out)

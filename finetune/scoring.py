@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from accelerate import Accelerator
 
 from vit_mpp.data.stream import normalize, to_device
+from vit_mpp.durable import write_atomic
 from vit_mpp.tools.figures import plt, save_figure
 
 MAX_TICK_LABELS = 40  # beyond this, class names on the axes are unreadable
@@ -70,7 +71,7 @@ def write_confusion(confusion: torch.Tensor, class_names: list[str] | None, out_
     names = list(class_names) if class_names and len(class_names) == num_classes else [str(i) for i in
                                                                                        range(num_classes)]
     per_class = per_class_accuracy(confusion)
-    (out_dir / "confusion_matrix.json").write_text(json.dumps({
+    write_atomic(out_dir / "confusion_matrix.json", json.dumps({
         "class_names": names, "confusion": confusion.tolist(), "per_class_count": confusion.sum(1).tolist(),
         "per_class_acc": [round(float(a), 6) for a in per_class]}, indent=None) + "\n")
     # Rows normalised, so classes of different sizes read alike; the counts are in the JSON.

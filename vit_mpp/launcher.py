@@ -34,17 +34,16 @@ def process_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-_watched = False
+_launcher: int | None = None  # the launcher's pid, read first thing (`die_with_launcher`)
 
 
 def die_with_launcher() -> None:
     """Under a launcher: die the moment the launcher dies, however it dies. Call it first thing in an entry point
     (calling it again is harmless)."""
-    global _watched
-    if not launched() or _watched:
+    global _launcher
+    if not launched() or _launcher is not None:
         return
-    _watched = True
-    parent = os.getppid()
+    parent = _launcher = os.getppid()
     if not die_with_parent(parent, signal.SIGTERM):
         _watch_parent(parent)
     if _hosts_launchers_store():
@@ -249,7 +248,11 @@ def process_group_kwargs(timeout_s: float) -> dict:
 
 
 def _store():
-    """The process group's key-value store, or None before the group exists (or without torch loaded)."""
+    """The process group's key-value store, or None before the group exists (or without torch loaded), or once this
+    rank's launcher is gone: a call to a store no one serves prints a C++ stack dump before it fails (the soak: the
+    launcher killed, its ranks stopping on the SIGTERM the kernel sends them)."""
+    if _launcher is not None and os.getppid() != _launcher:
+        return None
     dist = sys.modules.get("torch.distributed")
     if dist is None or not dist.is_available() or not dist.is_initialized():
         return None

@@ -218,6 +218,22 @@ def test_no_rank_outlives_a_launcher_killed_during_start_up(shards, tmp_path, la
 
 
 @pytest.mark.slow
+def test_a_launcher_killed_mid_run_leaves_a_saved_step_and_no_stack_dump(shards, tmp_path):
+    # The chaos soak: vit-mpp-launch killed with -9; its ranks, stopping on the SIGTERM the kernel sends them, asked
+    # the store their launcher had served whether a peer had failed, and each printed a C++ stack dump.
+    run_dir = tmp_path / "run"
+    run = Background([*JOB_LAUNCH, *pretrain_args(shards, run_dir, "data.num_workers=1")], tmp_path / "log", "killed")
+    run.wait_for("step 10/")
+    run.proc.kill()
+    run.proc.wait()
+    run.wait_gone(30)
+    out = run.output()
+    no_traceback(out)
+    step = int(re.search(r"preempted at step (\d+): checkpoint saved; run the same command to resume", out)[1])
+    assert (run_dir / "checkpoints" / f"step_{step:06d}" / "trainer_state.json").is_file()
+
+
+@pytest.mark.slow
 def test_two_machines_on_one_host_preempted_then_resumed_as_one(shards, tmp_path):
     run_dir, port = tmp_path / "run", str(29300 + (int(time.time()) % 500))
     machines = [Background([*JOB_LAUNCH[:4], "--num_processes", "2", "--num_machines", "2", "--machine_rank", str(m),

@@ -195,3 +195,14 @@ def test_two_machines_sharded_on_one_host_preempted_then_resumed_as_one(shards, 
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "FSDP on one process" in resumed.stdout and "resuming from" in resumed.stdout
     assert_each_sample_once_per_epoch(run_dir, step + 10)
+
+
+@pytest.mark.slow
+def test_what_each_rank_holds_is_the_memory_tables_formula():
+    """docs/cluster.md's memory table is computed (16 bytes a parameter, over the ranks): ViT-B/16 sharded over two
+    processes holds half of each kind of state on rank 0, measured on the tensors themselves."""
+    done = subprocess.run([*fsdp(2), "benchmarks/fsdp_memory.py", "--check"], capture_output=True, text=True,
+                          timeout=600, env=subprocess_env(), cwd=REPO)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    ratios = [float(r) for r in re.findall(r"\(ratio ([\d.]+)\)", done.stdout)]
+    assert len(ratios) == 3 and all(abs(r - 1) <= 0.01 for r in ratios), done.stdout

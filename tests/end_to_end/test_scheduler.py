@@ -7,7 +7,6 @@ requeue, and the requeued job resuming to the end."""
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import json
 import os
@@ -21,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.processes import JOB_LAUNCH, REPO, Background, subprocess_env
+from tests.helpers.runs import assert_each_sample_once_per_epoch
 from tests.helpers.schedulers import Slurm, job_spec, pod_command, pod_failure_action, recipe, with_site_values
 from tests.helpers.shards import write_shard_set
 
@@ -147,16 +147,6 @@ def recipe_config(tmp_path: Path, steps: int) -> Path:
     return path
 
 
-def audit_epochs(run_dir: Path) -> dict[int, collections.Counter]:
-    seen: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
-    for f in sorted((run_dir / "samples").glob("rank_*.jsonl")):
-        for line in f.read_text().splitlines():
-            r = json.loads(line)
-            for key, epoch in zip(r["keys"], r["epochs"]):
-                seen[epoch][key] += 1
-    return seen
-
-
 def assert_resumed_whole(run_dir: Path, out: str, steps: int) -> None:
     """The requeued job resumed (not started over) and ran to `steps`, every step logged once, every whole epoch's
     samples read once."""
@@ -164,9 +154,7 @@ def assert_resumed_whole(run_dir: Path, out: str, steps: int) -> None:
     logged = [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()
               if "loss" in json.loads(x)]
     assert logged == list(range(1, steps + 1)), logged
-    seen = audit_epochs(run_dir)
-    for epoch in range(max(seen)):
-        assert seen[epoch] == collections.Counter(f"train_{i:06d}" for i in range(96)), epoch
+    assert_each_sample_once_per_epoch(run_dir, steps)
 
 
 @pytest.mark.slow

@@ -172,3 +172,27 @@ def test_a_disk_full_as_a_writer_starts_is_one_line_and_the_run_goes_on_once_the
         assert code == 0, err[-3000:]
         assert f"exported encoder to {run_dir / 'export'}" in out
         assert [r["step"] for r in read_metrics(run_dir) if "loss" in r] == list(range(1, when.steps + 1))
+
+
+def test_a_disk_full_as_fine_tuning_writes_its_confusion_matrix_is_one_line_and_it_goes_on(demo_shards,
+                                                                                           encoder_export, tmp_path,
+                                                                                           monkeypatch, capsys):
+    # The chaos soak: fine-tuning's confusion_matrix.json, written with a plain write, was a traceback.
+    from finetune import scoring
+    from finetune.__main__ import main as finetune_main
+
+    argv = ["--config", "configs/finetune/tiny.yaml", f"data.shards={demo_shards}",
+            f"init.checkpoint={encoder_export}", "data.num_workers=0"]
+    with small_disk(tmp_path / "disk", DISK_KIB) as disk:
+        run_dir = disk / "run"
+        calls = filled_before(monkeypatch, scoring, "write_atomic", disk,
+                              Writer(lambda: scoring, "write_atomic", 1, "confusion_matrix.json"))
+        code, out, err = in_process(finetune_main, [*argv, f"train.run_dir={run_dir}"], capsys)
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert calls[0] == 1 and code == 2 and len(lines) == 1, err
+        assert lines[0].startswith(f"error: {run_dir / 'confusion_matrix.json'} cannot be written: no space left "
+                                   "on device"), lines
+        monkeypatch.undo()
+        (disk / "filler").unlink()
+        code, out, err = in_process(finetune_main, [*argv, f"train.run_dir={run_dir}"], capsys)
+        assert code == 0 and (run_dir / "confusion_matrix.json").is_file(), err[-3000:]
