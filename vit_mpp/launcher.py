@@ -3,13 +3,14 @@ SIGTERM when it dies), and stop with one line naming the failed peer when a coll
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import NoReturn
@@ -80,17 +81,32 @@ def _watch_launchers_store() -> None:
 
 
 def _launcher_gone_unless_store_serves() -> None:
+    if _store_refused():  # nothing listens: the launcher is gone
+        host, port = _store_address()
+        print(f"error: [rank {process_rank()}] the launcher is gone (nothing serves its store at {host}:{port}); this "
+              "rank stops", file=sys.stderr, flush=True)
+        exit_now(1)
+
+
+def _store_address() -> tuple[str, int] | None:
+    port = os.environ.get("MASTER_PORT", "")
+    return (os.environ["MASTER_ADDR"], int(port)) if "MASTER_ADDR" in os.environ and port.isdigit() else None
+
+
+def _store_refused() -> bool:
+    """Whether nothing accepts a connection at the group's store address (on node 0 its launcher serves it); a
+    slow answer proves nothing."""
     import socket
 
-    address = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+    address = _store_address()
     try:
-        socket.create_connection(address, timeout=2).close()
-    except ConnectionRefusedError:  # nothing listens: the launcher is gone (a slow answer proves nothing)
-        print(f"error: [rank {process_rank()}] the launcher is gone (nothing serves its store at "
-              f"{address[0]}:{address[1]}); this rank stops", file=sys.stderr, flush=True)
-        exit_now(1)
+        if address is not None:
+            socket.create_connection(address, timeout=1).close()
+    except ConnectionRefusedError:
+        return True
     except OSError:
         pass
+    return False
 
 
 _before_exit: list[Callable[[], None]] = []
@@ -250,8 +266,9 @@ def process_group_kwargs(timeout_s: float) -> dict:
 def _store():
     """The process group's key-value store, or None before the group exists (or without torch loaded), or once this
     rank's launcher is gone: a call to a store no one serves prints a C++ stack dump before it fails (the soak: the
-    launcher killed, its ranks stopping on the SIGTERM the kernel sends them)."""
-    if _launcher is not None and os.getppid() != _launcher:
+    launcher killed, its ranks stopping on the SIGTERM the kernel sends them as its first thread exits, while its
+    pid is still their parent's: its store, no longer served, tells)."""
+    if (_launcher is not None and os.getppid() != _launcher) or _store_refused():
         return None
     dist = sys.modules.get("torch.distributed")
     if dist is None or not dist.is_available() or not dist.is_initialized():
@@ -274,7 +291,8 @@ def note_failure() -> None:
     if store is None:
         return
     try:
-        store.set(_failed_key(), str(process_rank()))
+        with _store_client_quiet():
+            store.set(_failed_key(), str(process_rank()))
     except Exception:  # the store is gone too: the peers will say that a peer stopped
         pass
 
@@ -286,9 +304,27 @@ def failed_peer() -> int | None:
         return None
     try:
         key = _failed_key()
-        return int(store.get(key)) if store.check([key]) else None
+        with _store_client_quiet():
+            return int(store.get(key)) if store.check([key]) else None
     except Exception:
         return None
+
+
+@contextlib.contextmanager
+def _store_client_quiet() -> Iterator[None]:
+    """The process's C-level stderr muted for the block: the store's C++ client writes a stack dump there when its
+    server goes away mid-call (a launcher killed while it dies: its pid is still the rank's parent and its store
+    still takes connections), then raises, which the callers of these courtesy notes handle. The block is one
+    round trip of the store, bounded by STORE_TIMEOUT."""
+    sys.stderr.flush()
+    saved, muted = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(muted, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(muted)
 
 
 def is_peer_error(error: BaseException) -> bool:

@@ -218,6 +218,29 @@ def test_no_rank_outlives_a_launcher_killed_during_start_up(shards, tmp_path, la
 
 
 @pytest.mark.slow
+def test_the_issues_repro_preempted_at_step_33_on_2x2_resumed_on_1x2_reads_both_epochs_whole(tmp_path):
+    # 1,000 images in shards of 130, 2 processes x 2 workers x micro-batch 10 (50 steps an epoch), SIGTERM to the
+    # launcher (Kubernetes' way) at step 33, resumed as 1 process x 2 workers x micro-batch 20: once epoch 0 had 990
+    # distinct samples and epoch 1, wholly after the resume, 980.
+    shards = write_shard_set(tmp_path / "shards", {"train": [130] * 7 + [90], "val": [8]}, size=16)
+    run_dir = tmp_path / "run"
+    args = pretrain_args(shards, run_dir, "data.num_workers=2", "train.batch_size=20", "train.log_every=1",
+                         "train.steps=120")
+    first = Background([*JOB_LAUNCH, *args], tmp_path / "first", "repro33")
+    first.wait_for("step 33/")
+    os.kill(first.proc.pid, signal.SIGTERM)
+    first.wait_gone(60)
+    assert first.proc.returncode == 75, first.output()[-3000:]
+    step = int(re.search(r"preempted at step (\d+)", first.output())[1])
+    assert 33 <= step < 50  # inside epoch 0
+    resumed = run_module(*args[1:])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming 2 processes x 2 workers x micro-batch 10 as 1 process x 2 workers x micro-batch 20" in \
+        resumed.stdout
+    assert assert_each_sample_once_per_epoch(run_dir, 120, size=1000) == 2  # epochs 0 and 1 whole
+
+
+@pytest.mark.slow
 def test_a_launcher_killed_mid_run_leaves_a_saved_step_and_no_stack_dump(shards, tmp_path):
     # The chaos soak: vit-mpp-launch killed with -9; its ranks, stopping on the SIGTERM the kernel sends them, asked
     # the store their launcher had served whether a peer had failed, and each printed a C++ stack dump.
