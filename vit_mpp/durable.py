@@ -85,6 +85,26 @@ def writing(path: str | Path, needed: int | None = None) -> Iterator[None]:
         raise write_failed(path, os_error, needed) from None
 
 
+def append_whole(path: str | Path, text: str) -> None:
+    """Append `text` to `path` whole or not at all: what a full disk let through of it is cut back off, so that a
+    log of lines never ends in a torn one (a reader of metrics.jsonl between the failure and the resume); the
+    failure is the one-line WriteFailed."""
+    data = text.encode("utf-8")
+    with writing(path, len(data)):
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            size = os.fstat(fd).st_size
+            try:
+                left = memoryview(data)
+                while left:
+                    left = left[os.write(fd, left):]
+            except OSError:
+                os.ftruncate(fd, size)
+                raise
+        finally:
+            os.close(fd)
+
+
 def fsync(path: str | Path) -> None:
     """Flush a written file, or a folder's entries (so a rename in it survives a crash), to disk."""
     fd = os.open(path, os.O_RDONLY)

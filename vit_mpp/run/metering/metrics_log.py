@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from vit_mpp.durable import write_atomic, writing
+from vit_mpp.durable import append_whole, write_atomic
 
 METRICS_NAME = "metrics.jsonl"
 
@@ -62,8 +62,7 @@ class MetricsLog:
 
     def write(self, record: dict[str, Any]) -> None:
         if self.is_main:
-            with writing(self.path), self.path.open("a") as f:
-                f.write(json.dumps(record) + "\n")
+            append_whole(self.path, json.dumps(record) + "\n")
 
     def records(self) -> list[dict[str, Any]]:
         """What the log holds, in order ([] off the main process, which alone writes it)."""
