@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
-from vit_mpp.config.engine import Check, above, at_least, between, given_keys, items, opt, section
+from vit_mpp.config.engine import Check, above, at_least, between, given_keys, items, opt, replaced, section
 from vit_mpp.config.sections import ARCH_KEYS, DataConfig, ExportConfig, ModelConfig, OptimConfig, TrainConfig
 from vit_mpp.data.labels import MAX_CLASSES
 
@@ -105,6 +105,13 @@ class FinetuneConfig:
     def total_steps(self, steps_per_epoch: int | None = None) -> int | None:
         """The run's length in optimizer steps, given the steps of an epoch (None when unknown)."""
         return None if steps_per_epoch is None else self.train.epochs * steps_per_epoch
+
+    def __post_init__(self) -> None:
+        # The attentive probe reads the tokens through timm's attention pool: the mode sets model.global_pool=map
+        # (a pool the user gave is kept, and refused by `problems` unless it is map), so that config.yaml records
+        # the model the run trains.
+        if self.train.mode == "attentive_probe" and "global_pool" not in given_keys(self.model):
+            self.model = replaced(self.model, global_pool="map")
 
     def problems(self) -> Iterator[tuple[str, str]]:
         pool = self.model.global_pool

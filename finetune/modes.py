@@ -6,25 +6,17 @@ The linear probe is kept deliberately plain: the [class] token after the encoder
 encoder runs in eval mode, so dropout and stochastic depth are off and its features do not change during training.
 
 The attentive probe reads every token instead, through timm's attention pool (`model.global_pool=map`, which the mode
-sets): one learned query, one cross-attention block with its MLP, then the linear head: V-JEPA's attentive probe
-(arXiv 2404.08471), which tracks fine-tuning on masked-image-modelling features where a linear probe and k-NN do not
-(docs/finetune.md).
+sets: finetune/config.py): one learned query, one cross-attention block with its MLP, then the linear head:
+V-JEPA's attentive probe (arXiv 2404.08471), which tracks fine-tuning on masked-image-modelling features where a
+linear probe and k-NN do not (docs/finetune.md).
 """
 
 from __future__ import annotations
 
 from timm.models.vision_transformer import VisionTransformer
 
-from vit_mpp.config.engine import replaced
-from vit_mpp.config.sections import ModelConfig
-
 PROBES = ("linear_probe", "attentive_probe")
 TRAINED_IN_A_PROBE = ("head.", "attn_pool.")  # the classifier's own modules; the encoder is frozen
-
-
-def probe_pool(mode: str, model_cfg: ModelConfig) -> ModelConfig:
-    """The model config a mode trains: the attentive probe pools with timm's attention pool (`map`)."""
-    return replaced(model_cfg, global_pool="map") if mode == "attentive_probe" else model_cfg
 
 
 def freeze_encoder(model: VisionTransformer) -> None:

@@ -23,7 +23,7 @@ from finetune.ema import build_ema
 from finetune.init_model import build_classifier, resolve_architecture
 from finetune.keep_best import KeepBest
 from finetune.loss import ClassificationLoss
-from finetune.modes import PROBES, probe_pool, set_train_mode
+from finetune.modes import PROBES, set_train_mode
 from vit_mpp.config.engine import replaced
 from vit_mpp.config.sections import ModelConfig
 from vit_mpp.models.vit import count_params
@@ -42,7 +42,7 @@ def train(cfg: FinetuneConfig) -> None:
     signals are caught for the whole run."""
     # The checkpoint's architecture (a model.* key set otherwise is refused before any write), so that config.yaml
     # names the model this run trains, not model.name's default.
-    cfg = replaced(cfg, model=probe_pool(cfg.train.mode, resolve_architecture(cfg.init, cfg.model)))
+    cfg = replaced(cfg, model=resolve_architecture(cfg.init, cfg.model))
     with StopSignals.for_run(cfg.train) as signals:
         run = start_run(cfg, signals, partial(classes_of, cfg))  # accelerator, checks, data, run directory, logs
         classes: Classes = run.data_check
