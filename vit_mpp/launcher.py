@@ -3,6 +3,7 @@ SIGTERM when it dies), and stop with one line naming the failed peer when a coll
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import re
@@ -173,9 +174,24 @@ def quiet_after_the_outcome(status: int) -> None:
     """The run's outcome is decided (done, preempted with its line, failed with its line): under a launcher, a later
     stop signal (the launcher stops the other ranks when one has ended, a scheduler's second signal) ends this
     process at once with that `status`, without a line of its own."""
+    global _outcome
     if under_a_launch():
+        _outcome = status
         for name in START_UP_SIGNALS:
             signal.signal(getattr(signal, name), lambda signum, frame: exit_now(status))
+
+
+_outcome: int | None = None  # the decided outcome's status (`quiet_after_the_outcome`)
+
+
+@atexit.register  # registered as this module is imported, first thing in a rank: it runs after every other one
+def _keep_the_outcome() -> None:
+    """Python gives the signals back their default action as it finishes, after the exit handlers: a stop signal
+    then (torch elastic stopping the other ranks once one has ended) ended a rank whose outcome was decided with
+    128 + its number, and the launcher saw no rank's 75. Blocked from here, it waits unheard while the process
+    ends with its own status."""
+    if _outcome is not None:
+        signal.pthread_sigmask(signal.SIG_BLOCK, [getattr(signal, name) for name in START_UP_SIGNALS])
 
 
 def _stop_during_start_up(signum: int, frame: object) -> None:

@@ -371,11 +371,6 @@ class Batches:
 
     def close(self) -> None:
         batches, self._batches = self._batches, iter(())
-        # The workers hold nothing to save: ended at once (they leave when their rank sends SIGTERM), not asked
-        # and then waited for, 5 s each, as torch's own end does with a worker stuck on a stalled read.
-        for worker in getattr(batches, "_workers", ()):
-            if worker.is_alive():
-                worker.terminate()
         end_workers(batches)
         self.stream.close()
         _live.discard(self)
@@ -401,11 +396,16 @@ def _kill(workers: Iterable[Any]) -> None:
 
 
 def end_workers(batches: Any) -> None:
-    """End a loader iterator's worker processes: torch's own end (which forgets their pids first: a worker killed
+    """End a loader iterator's worker processes: SIGTERM, torch's own end (which forgets their pids: a worker killed
     while torch watches it is an error raised in the rank), then SIGKILL to any still alive."""
     shutdown = getattr(batches, "_shutdown_workers", None)
     if shutdown is None:  # a loader without workers, or one closed already
         return
+    # They hold nothing to save: ended at once (a worker leaves when its rank sends SIGTERM, with status 0), not
+    # asked and then waited for, 5 s each, as torch's own end does with a worker busy on a read.
+    for worker in batches._workers:
+        if worker.is_alive():
+            worker.terminate()
     shutdown()
     _kill(batches._workers)
     _running.discard(batches)
