@@ -20,6 +20,7 @@ from tests.helpers.processes import JOB_LAUNCH, LAUNCH, Background, run_module
 from tests.helpers.runs import assert_each_sample_once_per_epoch
 from tests.helpers.servers import FaultyHandler, serve_faulty
 from tests.helpers.shards import write_shard_set
+from vit_mpp.launcher import STORE_WATCH_S
 
 TRAIN = {"train": [30, 18, 24, 24], "val": [8]}  # 96 training samples in uneven shards; an epoch is 12 steps of 8
 
@@ -247,13 +248,15 @@ def test_a_launcher_killed_mid_run_leaves_a_saved_step_and_no_stack_dump(shards,
     run_dir = tmp_path / "run"
     run = Background([*JOB_LAUNCH, *pretrain_args(shards, run_dir, "data.num_workers=1")], tmp_path / "log", "killed")
     run.wait_for("step 10/")
+    time.sleep(STORE_WATCH_S)  # past the ranks' first seconds, when a launcher gone is one line and nothing saved
     run.proc.kill()
     run.proc.wait()
     run.wait_gone(30)
     out = run.output()
     no_traceback(out)
-    step = int(re.search(r"preempted at step (\d+): checkpoint saved; run the same command to resume", out)[1])
-    assert (run_dir / "checkpoints" / f"step_{step:06d}" / "trainer_state.json").is_file()
+    saved = re.search(r"preempted at step (\d+): checkpoint saved; run the same command to resume", out)
+    assert saved, out[-3000:]
+    assert (run_dir / "checkpoints" / f"step_{int(saved[1]):06d}" / "trainer_state.json").is_file()
 
 
 @pytest.mark.slow
