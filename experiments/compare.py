@@ -34,15 +34,19 @@ from vit_mpp.run.metering.metrics_log import read_metrics
 from vit_mpp.run.metering.summary import wall_time_s
 from vit_mpp.tools.args import check_out_folder, make_out_folder, open_out_file
 
-KINDS = ("scratch", "mpp", "scratch_equal", "supervised", "probe")
+KINDS = ("scratch", "mpp", "scratch_equal", "supervised", "probe", "semi", "semi_scratch")
 STAGES = {"scratch": ("finetune",), "mpp": ("pretrain", "finetune"), "scratch_equal": ("finetune",),
-          "supervised": ("pretrain", "finetune"), "probe": ("finetune",)}
+          "supervised": ("pretrain", "finetune"), "probe": ("finetune",), "semi": ("finetune",),
+          "semi_scratch": ("finetune",)}
+DEFAULT_ARMS = KINDS[:5]
+READS_REFERENCE = ("probe", "semi")  # fine-tune the reference MPP arm's export
+EQUAL_COMPUTE = (("scratch_equal", "finetune"), ("supervised", "pretrain"), ("semi_scratch", "finetune"))
 ARM_NAME = re.compile(r"^(" + "|".join(KINDS) + r")(-[A-Za-z0-9_]+)?$")
 KEY_VALUE = re.compile(r"^[A-Za-z_]\w*(\.\w+)*=")
 # Keys compare sets itself: a run's place, seed and data, and (fine-tuning) where it starts and what it is scored on.
 OWN_KEYS = {"pretrain": {"train.run_dir", "train.seed", "data.shards"},
             "finetune": {"train.run_dir", "train.seed", "data.shards", "init.checkpoint", "data.val_shards",
-                         "data.val_split"}}
+                         "data.val_split", "semi.pool"}}
 SIDECAR = "compare_run.json"  # in each run directory: the command compare ran there
 DRY_RUNS = "dry_runs.json"  # in --out: what each stage command's dry run resolved (batch, steps, epochs)
 DRY_RUN_HEAD = "dry run: nothing is written; the resolved config:"
@@ -154,7 +158,7 @@ def parse_overrides(items: list[str], arms: list[str]) -> dict[str, list[str]]:
                               f"{', '.join(STAGES[kind(arm)])})")
         key = setting.split("=", 1)[0]
         config = "finetune" if stage == "finetune" or kind(arm) == "supervised" else "pretrain"
-        computed = dot and (kind(arm), stage) in (("scratch_equal", "finetune"), ("supervised", "pretrain"))
+        computed = dot and (kind(arm), stage) in EQUAL_COMPUTE
         if key in OWN_KEYS[config] or (key == "train.epochs" and computed):
             raise ConfigError(f"--set {item!r}: compare sets {key} itself (see python -m experiments.compare --help)")
         found.setdefault(target, []).append(setting)
@@ -188,10 +192,12 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--pretrain-config", required=True, metavar="YAML", help="the MPP pretraining config")
     p.add_argument("--finetune-config", required=True, metavar="YAML",
                    help="the fine-tuning config (every arm's last stage, and the supervised arm's pretraining)")
-    p.add_argument("--arms", nargs="+", default=[",".join(KINDS)], metavar="ARM[,ARM...]",
-                   help="arms to run: scratch, mpp, scratch_equal, supervised, probe (all by default); a -suffix "
-                   "makes a variant (mpp-l2) to give its own --set; the first mpp arm is the reference the "
-                   "equal-compute, supervised and probe arms are measured against")
+    p.add_argument("--arms", nargs="+", default=[",".join(DEFAULT_ARMS)], metavar="ARM[,ARM...]",
+                   help=f"arms to run: {', '.join(KINDS)} (default: {','.join(DEFAULT_ARMS)}); semi and "
+                   "semi_scratch fine-tune with the unlabelled set as their pool (semi-supervised; they need "
+                   "finetune:train.ema_decay=...), semi from the reference MPP arm, semi_scratch from scratch at "
+                   "equal compute; a -suffix makes a variant (mpp-l2) to give its own --set; the first mpp arm is "
+                   "the reference the equal-compute, supervised, probe and semi arms are measured against")
     p.add_argument("--set", nargs="+", action="extend", default=[], metavar="TARGET:KEY=VALUE", dest="overrides",
                    help="config overrides: pretrain:KEY=VALUE (every MPP pretraining), finetune:KEY=VALUE (every "
                    "run of the fine-tuning config), ARM.pretrain:KEY=VALUE or ARM.finetune:KEY=VALUE (one arm's "
@@ -292,7 +298,10 @@ def arm_stages(setup: Setup, arm: str, seed: int, pretrained: dict[str, Stage]) 
         return [pre, finetune(pre)]
     if k == "probe":
         return [finetune(pretrained[setup.reference], ("train.mode=linear_probe",))]
-    return [finetune(None)]
+    pool = (f"semi.pool={setup.unlabelled}",)  # semi-supervised: the unlabelled set is the pool
+    if k == "semi":
+        return [finetune(pretrained[setup.reference], pool)]
+    return [finetune(None, pool if k == "semi_scratch" else ())]
 
 
 def plan_runs(setup: Setup) -> tuple[list[Stage], dict[tuple[int, str], list[Stage]]]:
@@ -303,7 +312,7 @@ def plan_runs(setup: Setup) -> tuple[list[Stage], dict[tuple[int, str], list[Sta
         for arm in sorted(setup.arms, key=lambda a: kind(a) != "mpp"):  # mpp arms first: probe starts from one
             own = arm_stages(setup, arm, seed, pretrained)
             stages += own
-            of_arm[seed, arm] = ([pretrained[setup.reference]] if kind(arm) == "probe" else []) + own
+            of_arm[seed, arm] = ([pretrained[setup.reference]] if kind(arm) in READS_REFERENCE else []) + own
     return stages, of_arm
 
 
@@ -364,19 +373,24 @@ def measure(stages: list[Stage], jobs: int, fingerprint: str, cache: Path | None
 def set_lengths(setup: Setup, stages: list[Stage], lengths: dict[str, Lengths]) -> dict[str, int]:
     """Give each stage its steps and batch, and the equal-compute arms their epochs: scratch_equal sees as many
     images as the reference MPP arm's pretraining and fine-tuning together, the supervised pretraining as many as
-    the MPP pretraining. Returns arm -> epochs set."""
+    the MPP pretraining, semi_scratch as many as the MPP pretraining and the first semi arm's fine-tuning (its own
+    fine-tuning as configured without one). Returns arm -> epochs set."""
     ref = setup.reference
     pre, ft = lengths[f"{ref}/pretrain"], lengths[f"{ref}/finetune"]
     targets = {"scratch_equal": pre.batch * pre.steps + ft.batch * ft.steps, "supervised": pre.batch * pre.steps}
+    semi = [a for a in setup.arms if kind(a) == "semi"]
+    if semi:
+        semi_ft = lengths[f"{semi[0]}/finetune"]
+        targets["semi_scratch"] = pre.batch * pre.steps + semi_ft.batch * semi_ft.steps
     epochs = {}
     for s in stages:
         arm_stage = s.name.split("/", 1)[1]
         got = lengths[arm_stage]
         arm, stage = arm_stage.split("/")
-        computed = (kind(arm) == "scratch_equal" or (kind(arm) == "supervised" and stage == "pretrain"))
-        if computed:
+        if (kind(arm), stage) in EQUAL_COMPUTE:
             per_epoch = got.steps // got.epochs
-            epochs[arm] = equal_epochs(targets[kind(arm)], per_epoch, got.batch)
+            target = targets.get(kind(arm), pre.batch * pre.steps + got.batch * got.steps)
+            epochs[arm] = equal_epochs(target, per_epoch, got.batch)
             s.overrides.append(f"train.epochs={epochs[arm]}")
             s.steps, s.batch = epochs[arm] * per_epoch, got.batch
         else:
@@ -527,10 +541,12 @@ def differences(arms: list[str]) -> list[tuple[str, str]]:
     the reference's pretraining)."""
     mpp = [a for a in arms if kind(a) == "mpp"]
     ref = mpp[0]
-    baselines = [b for b in arms if kind(b) not in ("mpp", "probe")]
+    baselines = [b for b in arms if kind(b) not in ("mpp", "probe", "semi")]
     pairs = [(ref, b) for b in arms if kind(b) != "mpp"]
     for variant in mpp[1:]:
         pairs += [(variant, ref)] + [(variant, b) for b in baselines]
+    for semi in [a for a in arms if kind(a) == "semi"]:  # MPP with the pool against the baselines given it or more
+        pairs += [(semi, b) for b in arms if kind(b) in ("semi_scratch", "supervised", "scratch_equal")]
     return pairs
 
 
@@ -574,9 +590,9 @@ def markdown(report: dict[str, Any]) -> str:
     for name, row in report["table"]["differences"].items():
         per = " | ".join(f"{row['per_seed'][s]:+.3f}" if s in row["per_seed"] else "–" for s in seeds)
         lines.append(f"| {name} | {shown(row['mean'], row['std'], signed=True)} | {per} |")
-    lines += ["", "Training images and minutes: per seed (mean), of every run an arm's result depends on (probe: the "
-              "reference MPP pretraining and the probe); minutes of training as the runs logged them (elapsed_s), "
-              "start-up not included."]
+    lines += ["", "Training images and minutes: per seed (mean), of every run an arm's result depends on (probe, "
+              "semi: the reference MPP pretraining and their fine-tuning); minutes of training as the runs logged "
+              "them (elapsed_s), start-up not included."]
     if report["epochs"]:
         lines.append("Equal-compute epochs: " + ", ".join(f"{a} {e}" for a, e in report["epochs"].items()) + ".")
     lines += [f"Note: {n}" for n in report["notes"]]

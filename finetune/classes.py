@@ -22,18 +22,19 @@ class Classes:
 def classes_of(cfg: FinetuneConfig, data: TrainingData) -> Classes:
     """The classes: `num_classes`, or the most the training sets' manifests count; every set of
     a mixture must name the same classes (labels are class indices), and no set read (training, evaluation) may have
-    more classes, be unlabelled or count samples without a usable label. Run by `start_run` before the run
-    directory is touched."""
-    names = [m.get("class_names") or None for m in data.manifests]
+    more classes, be unlabelled or count samples without a usable label; a semi-supervised run's pool is not checked
+    (its labels are never trained on). Run by `start_run` before the run directory is touched."""
+    labelled = data.labelled()
+    names = [m.get("class_names") or None for _, m in labelled]
     if any(n != names[0] for n in names[1:]):
         raise ConfigError("the sets of data.shards name different classes: a classifier's labels must mean the same "
                           "class in every set")
     # the training sets' classes: with indexed sets (no class names) a mixture's sets may count different numbers
-    num_classes = cfg.num_classes or max(manifest_classes(m) for m in data.manifests)
+    num_classes = cfg.num_classes or max(manifest_classes(m) for _, m in labelled)
     if not num_classes:
         raise ConfigError("num_classes is not set and the manifest names no classes: the shards carry no labels, "
                           "which pretraining accepts but a classifier cannot learn from")
-    checked = [(location, manifest, cfg.data.train_split) for location, manifest in zip(data.locations, data.manifests)]
+    checked = [(location, manifest, cfg.data.train_split) for location, manifest in labelled]
     if data.val_manifest is not None:
         checked.append((data.val_location, data.val_manifest, cfg.data.val_split))
     for location, manifest, split in checked:

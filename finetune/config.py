@@ -93,12 +93,35 @@ class FinetuneTrainConfig(TrainConfig):
 
 
 @dataclass
+class SemiConfig:
+    """Semi-supervised fine-tuning from an unlabelled pool (Semi-ViT's EMA teacher, arXiv 2208.05688): the pool is read
+    beside data.shards in the same stream; the model's EMA labels the weak view of each pool image (crop and flip),
+    and the student learns the confident labels on the strong view (the training augmentations). Defaults are
+    Semi-ViT's (main_semi.py). docs/finetune.md#semi-supervised-fine-tuning-semi."""
+
+    pool: str | list[str] = opt("", "unlabelled shard sets read beside data.shards (a folder or URL with its "
+                                    "_info.json, the manifest, or a list of them: a mixture by size); their labels, "
+                                    "if any, are never trained on; '' = off (supervised fine-tuning)")
+    pool_split: str = opt("train", "the split of the pool's sets that is read")
+    ratio: float = opt(5.0, "pool images per labelled image, on average in every batch (Semi-ViT's mu: 5); "
+                            "train.batch_size counts both", above(0))
+    threshold: float = opt(0.7, "a pool image trains the student only when the teacher's top probability on its weak "
+                                "view reaches this (Semi-ViT: 0.7; 0.5-0.7 in its recipes)", between(0, 1))
+    weight: float = opt(5.0, "weight of the pool's loss beside the labelled loss (Semi-ViT's lambda_u: 5)",
+                        at_least(0))
+
+    def pool_sets(self) -> list[str]:
+        """The pool's shard-set locations ([] when off)."""
+        return [str(x) for x in self.pool] if isinstance(self.pool, list) else [self.pool] if self.pool else []
+
+
+@dataclass
 class FinetuneConfig:
     # What a resumed run cannot change: the checkpoint's tensors (model, head, optimizer state, EMA weights when
     # train.ema_decay > 0) have these shapes, and a checkpoint holds EMA weights only if the run had them.
     FIXED_ON_RESUME: ClassVar[tuple[str, ...]] = (*(f"model.{k}" for k in ARCH_KEYS), "model.img_size",
                                                   "model.global_pool", "num_classes", "optim.name", "train.mode",
-                                                  "init.checkpoint", "train.ema_decay")
+                                                  "init.checkpoint", "train.ema_decay", "semi.pool")
 
     LENGTH_KEY: ClassVar[str] = "train.epochs"
 
@@ -121,6 +144,25 @@ class FinetuneConfig:
         if self.train.mode == "linear_probe" and pool == "map":
             yield "model.global_pool", ("map is an attention pool that trains, and a linear probe trains the head "
                                         "alone: use train.mode=attentive_probe")
+        yield from self._semi_problems()
+
+    def _semi_problems(self) -> Iterator[tuple[str, str]]:
+        if not self.semi.pool_sets():
+            return
+        if self.train.ema_decay <= 0:
+            yield "semi.pool", ("the pool's labels come from the model's EMA (the teacher): set train.ema_decay (e.g. "
+                                "0.999 for a short run, Semi-ViT: 0.9999)")
+        if self.augment.mixup > 0 or self.augment.cutmix > 0:
+            yield "semi.pool", ("mixup and cutmix would mix labelled and pool images in a batch: set augment.mixup=0 "
+                                "and augment.cutmix=0")
+        if self.data.decode == "gpu":
+            yield "semi.pool", ("the teacher's weak view of a pool image is made in the loader workers: set "
+                                "data.decode=cpu")
+        pools = self.semi.pool_sets()
+        if not all(x.strip() for x in pools):
+            yield "semi.pool", f"holds an empty location: {self.semi.pool!r}"
+        elif len(set(pools)) != len(pools):
+            yield "semi.pool", f"names a set twice: {self.semi.pool!r}"
 
     init: InitConfig = section(InitConfig)
     model: ModelConfig = section(ModelConfig)
@@ -130,4 +172,5 @@ class FinetuneConfig:
     optim: FinetuneOptimConfig = section(FinetuneOptimConfig)
     augment: AugmentConfig = section(AugmentConfig)
     train: FinetuneTrainConfig = section(FinetuneTrainConfig)
+    semi: SemiConfig = section(SemiConfig)
     export: ExportConfig = section(ExportConfig)

@@ -25,13 +25,17 @@ class ClassificationLoss:
         self.erasing = build_random_erasing(aug, device)  # None when off
         self.soft_ce = SoftTargetCrossEntropy()
 
-    def __call__(self, model: torch.nn.Module, batch: dict[str, Any]) -> dict[str, Any]:
-        images, labels = batch["image"], batch["label"]
+    def inputs(self, images: torch.Tensor) -> torch.Tensor:
+        """A uint8 training batch (B, 3, H, W) -> the model's input: colour jitter, normalisation, random erasing."""
         if self.aug.color_jitter > 0:
             images = color_jitter(images, self.aug.color_jitter)  # (B, 3, H, W) float in [0, 255]
         x = normalize(images, self.mean, self.std)
         if self.erasing is not None:  # in place, on the normalised batch (finetune/augment.py says why)
             x = self.erasing(x)
+        return x
+
+    def __call__(self, model: torch.nn.Module, batch: dict[str, Any]) -> dict[str, Any]:
+        x, labels = self.inputs(batch["image"]), batch["label"]
         if self.mixup is not None:  # mixes the normalised batch; targets become (B, K) soft labels, smoothed
             x, soft = self.mixup(x, labels)
             logits = model(x)

@@ -10,6 +10,7 @@ Reads top to bottom: run -> model -> optimizer -> resume -> the loop (vit_mpp/ru
 
 from __future__ import annotations
 
+import sys
 from functools import partial
 from typing import Any
 
@@ -24,8 +25,11 @@ from finetune.init_model import build_classifier, resolve_architecture
 from finetune.keep_best import KeepBest
 from finetune.loss import ClassificationLoss
 from finetune.modes import PROBES, set_train_mode
+from finetune.semi import PseudoLabelLoss
 from vit_mpp.config.engine import replaced
 from vit_mpp.config.sections import ModelConfig
+from vit_mpp.data.manifest import ManifestError, check_every_sample_labelled
+from vit_mpp.data.training_data import Pool, TrainingData
 from vit_mpp.models.vit import count_params
 from vit_mpp.run.durability.preemption import StopSignals
 from vit_mpp.run.loop import At, Finished, Objective, Schedule, describe_lr, fit
@@ -44,7 +48,8 @@ def train(cfg: FinetuneConfig) -> None:
     # names the model this run trains, not model.name's default.
     cfg = replaced(cfg, model=resolve_architecture(cfg.init, cfg.model))
     with StopSignals.for_run(cfg.train) as signals:
-        run = start_run(cfg, signals, partial(classes_of, cfg))  # accelerator, checks, data, run directory, logs
+        pool = Pool(cfg.semi.pool_sets(), cfg.semi.pool_split, cfg.semi.ratio)  # semi-supervised: the unlabelled sets
+        run = start_run(cfg, signals, partial(classes_of, cfg), pool)  # accelerator, checks, data, run directory, logs
         classes: Classes = run.data_check
         # the encoder (pretrained or not) with position embeddings resized to model.img_size and a zero head
         model, mean, std, model_cfg = build_classifier(cfg.init, cfg.model, classes.count,
@@ -54,7 +59,12 @@ def train(cfg: FinetuneConfig) -> None:
         schedule = Schedule.of(cfg.optim, cfg.train.batch_size, cfg.total_steps(run.steps_per_epoch))
         model, optimizer = run.prepare(  # data parallel, or sharded (FSDP)
             model, lambda m: build_optimizer(m, cfg.optim, schedule.peak, layer_decay=cfg.optim.layer_decay))
-        loss = ClassificationLoss(cfg, classes.count, run.gbatch.micro_batch, run.device, mean, std)
+        supervised = ClassificationLoss(cfg, classes.count, run.gbatch.micro_batch, run.device, mean, std)
+        loss: ClassificationLoss | PseudoLabelLoss = supervised
+        if pool.locations and ema is not None:  # the pool's images learn the labels the EMA gives their weak view
+            loss = PseudoLabelLoss(cfg.semi, supervised, ema, run.accelerator, pool_labelled=pool_labelled(run.data))
+            if (warning := loss.warning(classes.count)) and run.accelerator.is_main_process:
+                print(warning, file=sys.stderr, flush=True)
         about = summary(run, model, model_cfg, schedule.warmup, loss)
         if run.dry_run:
             return dry_run.report(run, about, schedule)
@@ -70,7 +80,7 @@ class Finetuning(Objective):
     the loader's RandAugment, the linear probe's training mode, the EMA, the evaluations that keep the best model,
     and the exports at the end."""
 
-    def __init__(self, run: Run, loss: ClassificationLoss, ema: Any, exporter: ClassifierExporter,
+    def __init__(self, run: Run, loss: ClassificationLoss | PseudoLabelLoss, ema: Any, exporter: ClassifierExporter,
                  resumed: Resumed) -> None:
         cfg = run.cfg
         self.run, self.loss, self.ema, self.exporter = run, loss, ema, exporter
@@ -120,6 +130,19 @@ class Finetuning(Objective):
         return Finished(exports, {**result, **{f"ema_{k}": v for k, v in ema_result.items()}})
 
 
+def pool_labelled(data: TrainingData) -> bool:
+    """Whether every set of the pool says it is labelled (a proxy experiment's pool): its pseudo-labels' accuracy can
+    then be measured (never trained on)."""
+    for location, manifest, s in zip(data.locations, data.manifests, data.sets):
+        if s.labelled:
+            continue
+        try:
+            check_every_sample_labelled(location, manifest, s.split.name)
+        except ManifestError:
+            return False
+    return True
+
+
 def last_evaluation(log: MetricsLog) -> tuple[dict[str, float], dict[str, float]]:
     """The last evaluation a run's metrics.jsonl holds: (the model's metrics, its EMA's), each {} without one."""
     records = [r for r in log.records() if "val_top1" in r]
@@ -131,7 +154,8 @@ def last_evaluation(log: MetricsLog) -> tuple[dict[str, float], dict[str, float]
     return result, ema
 
 
-def summary(run: Run, model: torch.nn.Module, model_cfg: ModelConfig, warmup: int, loss: ClassificationLoss) -> str:
+def summary(run: Run, model: torch.nn.Module, model_cfg: ModelConfig, warmup: int,
+            loss: ClassificationLoss | PseudoLabelLoss) -> str:
     """The start-up summary: model, data and batch, optimizer and schedule, every regulariser and augmentation."""
     cfg, data, num_classes, steps_per_epoch = run.cfg, run.data, run.data_check.count, run.steps_per_epoch
     tc, aug = cfg.train, cfg.augment

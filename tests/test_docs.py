@@ -97,8 +97,9 @@ def config_keys() -> set[str]:
 
 
 KEYS = config_keys()
+# Not a key: `semi.finetune:KEY=VALUE`, a compare target (an arm named like a section, then its stage)
 KEY = re.compile(r"(?<![\w./-])(" + "|".join(sorted({k.split(".")[0] for k in KEYS if "." in k}))
-                 + r")\.(\w+)(?![\w/(-])")
+                 + r")\.(\w+)(?![\w/(-]|:\w)")
 
 
 def missing_paths(texts: dict[str, str]) -> list[tuple[str, str]]:

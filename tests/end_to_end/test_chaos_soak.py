@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.disks import small_disk
-from tests.helpers.processes import REPO, Background
+from tests.helpers.processes import REPO, Background, describe
 from tests.helpers.runs import epochs_in_audit
 from tests.helpers.shards import write_shard_set
 from tests.vit_mpp.test_full_disk_writers import fill
@@ -203,25 +203,6 @@ def soak(stage: str, shards: Path, tmp_path: Path, number: int, cycles: int) -> 
             raise AssertionError(f"soak {number}: the run did not finish")
         check_run(run_dir, losses, STAGES[stage][0])
     return done
-
-
-def describe(pid: int) -> str:
-    """What a process left running is doing: its command, state, parent and blocked signals (and its Python stacks,
-    where py-spy is installed)."""
-    import shutil
-    import subprocess
-
-    try:
-        status = dict(line.split(":\t", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
-                      if ":\t" in line)
-        text = (f"{pid}: {Path(f'/proc/{pid}/cmdline').read_bytes()[:100]!r} state {status['State']}, parent "
-                f"{status['PPid']}, blocked {status['SigBlk']}")
-    except (OSError, KeyError):
-        return f"{pid}: gone"
-    if shutil.which("py-spy"):
-        text += "\n" + subprocess.run(["py-spy", "dump", "--pid", str(pid)], capture_output=True, text=True,
-                                      timeout=60).stdout
-    return text
 
 
 def check_run(run_dir: Path, losses: list[tuple[Layout, dict[int, float]]], steps: int) -> None:

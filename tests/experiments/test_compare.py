@@ -139,6 +139,28 @@ def test_the_equal_compute_arms_get_the_mpp_arms_images(tmp_path, monkeypatch, s
     assert "data.val_split=test" in probe  # the test set's own split, found in its manifest
 
 
+def test_the_semi_arms_fine_tune_with_the_unlabelled_set_as_their_pool(tmp_path, monkeypatch, shards, capsys):
+    fake = FakeStages(monkeypatch)
+    report = compare.main(argv(shards, tmp_path / "out", "--seeds", "0", "--arms", "mpp,semi,semi_scratch",
+                               "--set", "finetune:train.ema_decay=0.99", "semi.finetune:train.epochs=5"))
+    # semi_scratch: the MPP pretraining's 160 images and the semi arm's fine-tuning's 60 = 220 -> 18 epochs of 3
+    # steps x 4 (not its own fine-tuning's 36 as configured)
+    assert report["epochs"] == {"semi_scratch": 18} and len(fake.launched) == 4
+    assert report["cost"]["semi"]["images"] == PRE_STEPS * PRE_BATCH + 60  # the pretraining it reads, and its own
+    semi = json.loads((tmp_path / "out/seed0/semi/finetune" / compare.SIDECAR).read_text())["command"]
+    assert f"init.checkpoint={tmp_path / 'out/seed0/mpp/pretrain/export'}" in semi
+    assert f"semi.pool={shards['pool']}" in semi and "train.ema_decay=0.99" in semi
+    scratch = json.loads((tmp_path / "out/seed0/semi_scratch/finetune" / compare.SIDECAR).read_text())["command"]
+    assert "init.checkpoint=" in scratch and f"semi.pool={shards['pool']}" in scratch
+    assert scratch[-1] == "train.epochs=18"
+    assert compare.differences(["mpp", "semi", "semi_scratch", "supervised"]) == [
+        ("mpp", "semi"), ("mpp", "semi_scratch"), ("mpp", "supervised"), ("semi", "semi_scratch"),
+        ("semi", "supervised")]
+    code, _, err = in_process(compare.main, argv(shards, tmp_path / "o2", "--arms", "mpp,semi", "--set",
+                                                 "semi.finetune:semi.pool=elsewhere"), capsys)
+    assert code == 2 and "compare sets semi.pool itself" in err
+
+
 # --------------------------------------------------------------------------------------------------- resuming
 
 

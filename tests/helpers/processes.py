@@ -114,7 +114,9 @@ class Background:
 
         start = time.monotonic()
         while self.pids():
-            assert time.monotonic() - start < timeout, f"still running after {timeout} s: {self.pids()}"
+            if time.monotonic() - start > timeout:
+                left = "\n".join(describe(pid) for pid in self.pids())
+                raise AssertionError(f"still running after {timeout} s:\n{left}\n{self.output()[-3000:]}")
             time.sleep(0.05)
         self.proc.wait(timeout=30)
         self.file.close()
@@ -126,6 +128,29 @@ class Background:
         self.signal_all(signal.SIGKILL)
         self.proc.wait(timeout=30)
         self.file.close()
+
+
+def describe(pid: int) -> str:
+    """What a process left running is doing: its command, state, parent, blocked signals and kernel wait channel,
+    and its Python stacks (py-spy, a dev dependency, where ptrace is allowed): a hang in CI says where it is."""
+    import shutil
+
+    try:
+        status = dict(line.split(":\t", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                      if ":\t" in line)
+        text = (f"{pid}: {Path(f'/proc/{pid}/cmdline').read_bytes()[:100]!r} state {status['State']}, parent "
+                f"{status['PPid']}, threads {status['Threads']}, blocked {status['SigBlk']}, waiting in "
+                f"{Path(f'/proc/{pid}/wchan').read_text() or '-'}")
+    except (OSError, KeyError):
+        return f"{pid}: gone"
+    spy = shutil.which("py-spy", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    if spy:
+        try:
+            text += "\n" + subprocess.run([spy, "dump", "--native", "--pid", str(pid)], capture_output=True,
+                                          text=True, timeout=60).stdout
+        except subprocess.TimeoutExpired:
+            text += "\n(py-spy: no answer in 60 s)"
+    return text
 
 
 def alive(pid: int) -> bool:

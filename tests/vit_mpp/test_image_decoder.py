@@ -40,3 +40,39 @@ def test_a_jpeg_decodes_to_the_same_tensor_without_torchvisions_decoder(train, m
         got = decoder(data, seed=7)
         assert got.dtype == torch.uint8 and got.shape == (3, 32, 32)
         assert torch.equal(got, expected)
+
+
+def test_a_seeded_randaugment_draws_the_same_whatever_numpys_state():
+    """timm's RandAugment picks its ops with numpy's global generator: a worker forked after a resume has another
+    state than the uninterrupted run's, so the seed must fix it too (the resumed fine-tuning once diverged)."""
+    from finetune.augment import RandAugmentU8
+
+    decoder = ImageDecoder(16, train=True, augment=RandAugmentU8("rand-m9-n3-mstd0.5-inc1", 16, (0.5, 0.5, 0.5)))
+    data = jpeg(40, 32, "RGB", 3)
+    got = []
+    for state in (1, 2, 3):
+        np.random.seed(state)
+        got.append(decoder(data, seed=11))
+        assert np.random.randint(1 << 30) == np.random.RandomState(state).randint(1 << 30)  # its state kept
+    assert all(torch.equal(got[0], g) for g in got[1:])
+    assert any(not torch.equal(got[0], decoder(data, seed=s)) for s in range(12, 20))  # the seed still matters
+
+
+def test_a_loader_leaves_the_global_generator_alone(tmp_path):
+    """Starting a loader's iterator draws its workers' base seed from the loader's own generator, not torch's global
+    one, which the device's augmentations (colour jitter, erasing) draw from: a resumed run starts its iterator after
+    the checkpoint restored that generator (the resumed fine-tuning with colour jitter once diverged)."""
+    from tests.helpers.loaders import split_loader
+    from tests.helpers.shards import write_shard_set
+    from vit_mpp.config.sections import DataConfig
+    from vit_mpp.data.manifest import load_split
+
+    split = load_split(write_shard_set(tmp_path / "s", {"train": [8]}), "train")[0]
+    for workers in (0, 1):
+        torch.manual_seed(5)
+        before = torch.get_rng_state()
+        stream, loader = split_loader(split, DataConfig(num_workers=workers, shuffle_buffer=0), 16, 4)
+        batches = iter(loader)
+        next(batches)
+        del batches
+        assert torch.equal(torch.get_rng_state(), before)

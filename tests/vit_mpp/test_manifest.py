@@ -141,8 +141,8 @@ def test_a_mixture_of_indexed_sets_takes_the_most_classes_and_the_evaluation_set
     def indexed(num_classes: int) -> dict:
         return {"indexed": True, "num_classes": num_classes, "splits": {"train": {}, "val": {}}}
 
-    data = SimpleNamespace(locations=["a", "b"], manifests=[indexed(3), indexed(7)], val_location="c",
-                           val_manifest=indexed(5))
+    sets = [("a", indexed(3)), ("b", indexed(7))]
+    data = SimpleNamespace(labelled=lambda: sets, val_location="c", val_manifest=indexed(5))
     cfg = load_config(FinetuneConfig, None, [])
     assert classes_of(cfg, data) == Classes(7, None)
     data.val_manifest = indexed(9)

@@ -9,6 +9,7 @@ import random
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 from PIL import Image
 from torchvision import transforms as TV1
@@ -108,33 +109,40 @@ class ImageDecoder:
         flip = self.hflip and bool(torch.rand(1) < 0.5)
         return EncodedCrop(torch.frombuffer(bytearray(data), dtype=torch.uint8), (top, left, h, w), flip)
 
-    def __call__(self, data: bytes, seed: int | None = None) -> torch.Tensor | EncodedCrop:
+    def __call__(self, data: bytes, seed: int | None = None, weak: bool = False) -> Any:
         """The model's input for an image's bytes. With `seed` the random crop, flip and `augment` are drawn from it
         alone (torch's and Python's generators, restored after): a sample then gets the same augmentation whenever and
-        by whichever worker it is read, so a resumed run sees what the uninterrupted run saw."""
+        by whichever worker it is read, so a resumed run sees what the uninterrupted run saw. With `weak` (a pool
+        image of semi-supervised fine-tuning): the pair (input, weak view), the weak view being the crop and flip
+        before `augment`."""
         if seed is None:
-            return self._prepare(data)
-        # The CPU generator alone (torch.manual_seed would also seed CUDA, 100x slower); Python's `random` only for
-        # `augment` (timm's RandAugment draws from it), since seeding it costs more than the rest.
+            return self._prepare(data, weak)
+        # The CPU generator alone (torch.manual_seed would also seed CUDA, 100x slower); Python's `random` and numpy's
+        # only for `augment` (timm's RandAugment draws its magnitudes from the one, its ops from the other), since
+        # seeding them costs more than the rest. Unseeded, numpy's state is the one a worker was forked with, which
+        # differs in a resumed run.
         generator, torch_state = torch.default_generator, torch.default_generator.get_state()
-        python_state = random.getstate() if self.augment is not None else None
+        states = (random.getstate(), np.random.get_state()) if self.augment is not None else None
         generator.manual_seed(seed)
-        if python_state is not None:
+        if states is not None:
             random.seed(seed)
+            np.random.seed(seed % 2**32)
         try:
-            return self._prepare(data)
+            return self._prepare(data, weak)
         finally:
             generator.set_state(torch_state)
-            if python_state is not None:
-                random.setstate(python_state)
+            if states is not None:
+                random.setstate(states[0])
+                np.random.set_state(states[1])
 
-    def _prepare(self, data: bytes) -> torch.Tensor | EncodedCrop:
+    def _prepare(self, data: bytes, weak: bool = False) -> Any:
         if self.on_device:
             img = Image.open(io.BytesIO(data))  # the header only: size and colour mode
             if img.format == "JPEG" and img.mode in ("RGB", "L"):  # what nvJPEG decodes to RGB (not CMYK)
                 return self._encoded_crop(data, img.size)
         x = self.decode(data).unsqueeze(0).contiguous(memory_format=torch.channels_last)  # (1, 3, h, w)
         x = self.transform(x)[0]  # (3, H, W) uint8, channels-last in memory
+        crop = x.contiguous() if weak else None
         if self.augment is not None:
             x = self.augment(x)
-        return x.contiguous()
+        return x.contiguous() if crop is None else (x.contiguous(), crop)

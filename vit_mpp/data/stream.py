@@ -50,11 +50,14 @@ from vit_mpp.launcher import before_exit_now, die_with_parent
 
 @dataclass(frozen=True)
 class TrainSet:
-    """One shard set of the training mixture (a mixture of one for plain training)."""
+    """One shard set of the training mixture (a mixture of one for plain training). A set not `labelled` (the pool of
+    semi-supervised fine-tuning) has its labels ignored (-1 unless one of the classes: kept for a diagnostic only)
+    and each of its samples leaves with a second, weak view (crop and flip, before `augment`)."""
 
     name: str
     split: Split
     weight: float
+    labelled: bool = True
 
 
 @dataclass(frozen=True)
@@ -116,8 +119,9 @@ class SetReader:
                 self.seen += 1
                 try:
                     image = self.decoder(image_bytes(sample), seed=sample_seed(self.read.seed, self.index,
-                                                                               sample["__epoch__"], key))
-                    good = (image, sample_label(sample), key, sample["__epoch__"])
+                                                                               sample["__epoch__"], key),
+                                         weak=not self.set.labelled)
+                    good = (image, self._label(sample), key, sample["__epoch__"])
                 except Exception:  # a bad sample must neither stop nor desynchronise the run: count and replace it
                     self.bad += 1
                     self._check_rate(force=i == last)
@@ -129,13 +133,21 @@ class SetReader:
                 # The rate is checked at a block's last sample whatever its size, before that sample leaves: small
                 # data must not train on mostly broken images in silence.
                 self._check_rate(force=i == last)
-                check_label(good[1], key, self.read.num_classes)
+                if self.set.labelled:
+                    check_label(good[1], key, self.read.num_classes)
                 for j in range(len(waiting) + 1):
                     yield (*good, waiting[j:j + 1])
                 waiting, self.last_good = [], good
             if waiting:
                 raise ShardError(f"every sample worker {self.part} read from set '{self.set.name}' (split "
                                  f"'{self.set.split.name}') is undecodable")
+
+    def _label(self, sample: dict[str, Any]) -> int:
+        label = sample_label(sample)
+        if self.set.labelled:
+            return label
+        classes = self.read.num_classes
+        return label if classes is not None and 0 <= label < classes else -1
 
     def _check_rate(self, force: bool) -> None:
         if self.bad > self.read.max_bad_fraction * self.seen and (force or self.seen >= 100):
@@ -152,7 +164,9 @@ class TrainStream(IterableDataset):
 
     Each item is a dict: `image` uint8 (B, 3, H, W), `label` int64 (B,), `valid` bool (B,), `key` list[str], `set`
     list[int] (index of each sample's set), `epoch` list[int] (each sample's epoch of its set), `bad` int and
-    `bad_keys` list[str] (undecodable samples replaced in this batch).
+    `bad_keys` list[str] (undecodable samples replaced in this batch); with a set not labelled (a pool) also `pool`
+    bool (B,) (the sample is the pool's) and `weak` uint8 (B, 3, H, W) (a pool sample's weak view; a labelled
+    sample's image).
     """
 
     def __init__(self, sets: list[TrainSet], decoder: ImageDecoder, generation: Generation, *, rank: int,
@@ -207,12 +221,14 @@ class TrainStream(IterableDataset):
         rounds = batches_of_role(self.batches_done, layout.workers, role)
         composition = Composition([s.weight for s in self.sets], self.gen.seed, self.gen.index)
         skips = composition.counts(rounds * layout.micro)
+        pools = any(not s.labelled for s in self.sets)
         readers = [SetReader(s, i, part_pieces(self.gen.sets[i], layout.parts, part, s.split.num_samples, skips[i]),
                              self.decoder, self.read, part) for i, s in enumerate(self.sets)]
         try:
             for rnd in itertools.count(rounds):
                 slots = composition.slots(rnd * layout.micro, layout.micro).tolist()
-                yield _batch([(*next(readers[i]), i) for i in slots], self.decoder.size)
+                pool = [not self.sets[i].labelled for i in slots] if pools else None
+                yield _batch([(*next(readers[i]), i) for i in slots], self.decoder.size, pool)
         finally:
             for reader in readers:
                 reader.items.close()
@@ -228,14 +244,20 @@ def check_label(label: int, key: str, num_classes: int | None) -> None:
                      f"(0..{num_classes - 1}): num_classes is smaller than the shards' labels")
 
 
-def _batch(items: list[tuple], size: tuple[int, int]) -> dict[str, Any]:
+def _batch(items: list[tuple], size: tuple[int, int], pool: list[bool] | None = None) -> dict[str, Any]:
     """One training micro-batch from (image, label, key, epoch, bad keys, set) items; images of `size`, or JPEGs
-    still encoded with data.decode=gpu (vit_mpp/data/device_decode.py)."""
+    still encoded with data.decode=gpu (vit_mpp/data/device_decode.py). With `pool` (which items are a pool's, whose
+    image is an (image, weak view) pair) also the `weak` views and the `pool` mask."""
     images, labels, keys, epochs, bad_keys, sets = zip(*items)
     replaced = [k for ks in bad_keys for k in ks]
+    views: dict[str, Any] = {}
+    if pool is not None:
+        views = {"weak": torch.stack([x[1] if p else x for x, p in zip(images, pool)]),
+                 "pool": torch.tensor(pool, dtype=torch.bool)}
+        images = tuple(x[0] if p else x for x, p in zip(images, pool))
     return {**collate_images(list(images), size), "label": torch.tensor(labels, dtype=torch.int64),
             "valid": torch.ones(len(items), dtype=torch.bool), "key": list(keys), "set": list(sets),
-            "epoch": list(epochs), "bad": len(replaced), "bad_keys": replaced}
+            "epoch": list(epochs), "bad": len(replaced), "bad_keys": replaced, **views}
 
 
 def warn_few_shards(what: str, split: Split, world: int, workers: int) -> None:
@@ -460,7 +482,10 @@ def make_loader(stream: TrainStream | EvalStream, data: DataConfig) -> DataLoade
                       persistent_workers=data.persistent_workers and isinstance(stream, TrainStream),
                       worker_init_fn=functools.partial(_init_worker, parent=os.getpid()),
                       timeout=loader_timeout_s(data))
-    return _Loader(stream, batch_size=None, num_workers=data.num_workers,
+    # A generator of its own: torch draws a seed for the workers from the loader's generator each time an iterator
+    # starts, and from the global one that would shift every later draw of the device's augmentations (a resumed run
+    # starts its iterator after the checkpoint's generators are restored; the stream seeds each sample itself)
+    return _Loader(stream, batch_size=None, num_workers=data.num_workers, generator=torch.Generator(),
                    pin_memory=data.pin_memory and torch.cuda.is_available(), **kwargs)
 
 

@@ -52,6 +52,10 @@ class TrainingData:
     def names(self) -> list[str]:
         return [s.name for s in self.sets]
 
+    def labelled(self) -> list[tuple[str, dict[str, Any]]]:
+        """(location, manifest) of each labelled training set (all but a semi-supervised run's pool)."""
+        return [(loc, man) for loc, man, s in zip(self.locations, self.manifests, self.sets) if s.labelled]
+
     @property
     def val_name(self) -> str:
         """The name of the set evaluation reads: a training set's, or its own."""
@@ -69,7 +73,7 @@ class TrainingData:
         if self.mixture:
             total = sum(self.weights)
             first["mixture"] = [{**data_record(loc, man), "name": s.name, "weight": s.weight / total,
-                                 "images": s.split.num_samples,
+                                 "images": s.split.num_samples, **({} if s.labelled else {"pool": True}),
                                  **({"share": shares[s.name]} if s.name in shares else {})}
                                 for loc, man, s in zip(self.locations, self.manifests, self.sets)]
         if self.val_split is not None:
@@ -92,7 +96,8 @@ class TrainingData:
             s = self.sets[0].split
             return f"data {s.num_samples} train images in {len(s.urls)} shards{evaluation}"
         total = sum(self.weights)
-        parts = ", ".join(f"{s.name} {s.split.num_samples} images ({s.weight / total:.0%})" for s in self.sets)
+        parts = ", ".join(f"{s.name} {s.split.num_samples} images ({s.weight / total:.0%}"
+                          f"{'' if s.labelled else ', labels unused'})" for s in self.sets)
         return (f"data mixture of {len(self.sets)} sets{evaluation}: {parts}; an epoch is {self.samples_per_epoch()} "
                 "images")
 
@@ -105,35 +110,61 @@ def set_name(location: str, manifest: dict[str, Any]) -> str:
     return os.path.basename(location.rstrip("/").removesuffix("/_info.json")) or location
 
 
-def _check_disjoint(locations: list[str], splits: list[Split]) -> None:
+def _check_disjoint(locations: list[str], splits: list[Split], labelled: int) -> None:
     """No shard in two sets of a mixture: the same set named two ways (`sh`, `./sh/`, `sh/_info.json`) would be read
-    twice as often as its weight says, and its samples counted twice."""
-    seen: dict[str, str] = {}
-    for location, split in zip(locations, splits):
+    twice as often as its weight says, and its samples counted twice. The sets from `labelled` on are a pool's: none
+    of their shards may be a labelled set's, however named."""
+    seen: dict[str, tuple[int, str]] = {}
+    for i, (location, split) in enumerate(zip(locations, splits)):
         for url in split.urls:
             key = os.path.abspath(local_path(url)) if is_local(url) else url
-            if seen.setdefault(key, location) != location:
-                raise ConfigError(f"config key 'data.shards': {seen[key]} and {location} hold the same shard {url}: "
+            first, where = seen.setdefault(key, (i, location))
+            if first < labelled <= i:
+                raise ConfigError(f"config key 'semi.pool': {location} holds the shard {url} of data.shards' {where}: "
+                                  "the pool is read beside the labelled sets, so give it shards of its own (a copy "
+                                  "of labelled images among them is fine)")
+            if where != location:
+                raise ConfigError(f"config key 'data.shards': {where} and {location} hold the same shard {url}: "
                                   "name each set once")
 
 
-def load_training_data(data: DataConfig, evaluate: bool = True) -> TrainingData:
-    """Read the manifests of the training sets and of the evaluation set (ManifestError with one line when one is
-    missing or unusable)."""
+@dataclass(frozen=True)
+class Pool:
+    """The unlabelled pool of semi-supervised fine-tuning (finetune `semi.*`): its shard sets, their split, and how
+    many of its images a batch holds per labelled image, on average."""
+
+    locations: list[str]
+    split: str
+    ratio: float
+
+
+def load_training_data(data: DataConfig, evaluate: bool = True, pool: Pool | None = None) -> TrainingData:
+    """Read the manifests of the training sets, of the pool's sets when there is a pool, and of the evaluation set
+    (ManifestError with one line when one is missing or unusable). The pool joins the mixture as sets not labelled,
+    named `pool:NAME`: the labelled sets share weight 1 (by data.weights or size), the pool's `pool.ratio` (by
+    size)."""
     locations = data.shard_sets()
     loaded = [load_split(location, data.train_split) for location in locations]
-    _check_disjoint(locations, [split for split, _ in loaded])
     sizes = [split.num_samples for split, _ in loaded]
     weights = [float(w) for w in data.weights] if data.weights is not None else [float(n) for n in sizes]
+    labelled = len(locations)
+    if pool is not None and pool.locations:
+        pool_loaded = [load_split(location, pool.split) for location in pool.locations]
+        pool_sizes = [split.num_samples for split, _ in pool_loaded]
+        weights = [w / sum(weights) for w in weights] + [pool.ratio * n / sum(pool_sizes) for n in pool_sizes]
+        locations, loaded = [*locations, *pool.locations], [*loaded, *pool_loaded]
+    _check_disjoint(locations, [split for split, _ in loaded], labelled)
     names: list[str] = []
-    for location, (_, manifest) in zip(locations, loaded):
-        name = set_name(location, manifest)
+    for i, (location, (_, manifest)) in enumerate(zip(locations, loaded)):
+        name = set_name(location, manifest) if i < labelled else f"pool:{set_name(location, manifest)}"
         names.append(name if name not in names else f"{name}#{len(names)}")  # unique, for logs and the audit
-    sets = [TrainSet(name, split, weight) for name, (split, _), weight in zip(names, loaded, weights)]
+    sets = [TrainSet(name, split, weight, labelled=i < labelled)
+            for i, (name, (split, _), weight) in enumerate(zip(names, loaded, weights))]
     manifests = [manifest for _, manifest in loaded]
     if not (evaluate and data.val_split):
         return TrainingData(sets, locations, manifests, data.val_shards or locations[0], None)
-    return TrainingData(sets, locations, manifests, *evaluation_set(data, locations, manifests))
+    return TrainingData(sets, locations, manifests,
+                        *evaluation_set(data, locations[:labelled], manifests[:labelled]))
 
 
 FIX_VAL = ("evaluate on another set with data.val_shards=LOCATION or on another split with data.val_split=NAME, or "

@@ -21,7 +21,7 @@ from vit_mpp.data.image_decoder import ImageDecoder
 from vit_mpp.data.manifest import Split
 from vit_mpp.data.stream import Batches, EvalStream, TrainStream, loader_layout, make_loader, read_settings
 from vit_mpp.data.stream_plan import Generation, Layout, resume_generation
-from vit_mpp.data.training_data import TrainingData, load_training_data
+from vit_mpp.data.training_data import Pool, TrainingData, load_training_data
 from vit_mpp.models.hub import check_hub
 from vit_mpp.models.vit import architecture
 from vit_mpp.run.durability.checkpoint import resume_latest
@@ -134,14 +134,16 @@ class Run:
         return make_loader(stream, cfg.data)
 
 
-def start_run(cfg: Any, signals: StopSignals, check_data: Callable[[TrainingData], object] | None = None) -> Run:
+def start_run(cfg: Any, signals: StopSignals, check_data: Callable[[TrainingData], object] | None = None,
+              pool: Pool | None = None) -> Run:
     """Start a run: device settings this machine cannot run refused (vit_mpp/config/device_checks.py), the accelerator
     (trackers checked), the Hub checked, the seed, the data's manifests, the model's architecture (built in shapes
     only), the run directory (taken, its config written; in a dry run only checked), the metrics log and the sample
     audit. The model and the data are checked before the run directory is touched, so a wrong setting or path
     changes nothing. `check_data`: the stage's own checks of the data (fine-tuning: classes and labels), run before
     the run directory is touched; what it returns is kept as `data_check`. `signals`: the run's stop signals, caught
-    from before this call to the run's end."""
+    from before this call to the run's end. `pool`: semi-supervised fine-tuning's unlabelled sets, read in the same
+    stream."""
     tc, dry_run = cfg.train, is_dry_run(cfg)
     check_device_settings(cfg)  # the stages' __main__ ask first; this covers a run started from code (`train(cfg)`)
     sharding = FsdpSettings.read()  # the launch asks for FSDP: this run shards itself (sharding.py)
@@ -149,7 +151,7 @@ def start_run(cfg: Any, signals: StopSignals, check_data: Callable[[TrainingData
     if accelerator.is_main_process:
         check_hub(cfg.export)  # a push at the end of a long run must not fail for want of a token
     set_seed(tc.seed, device_specific=True)  # a different corruption draw and dropout on every process
-    data = load_training_data(cfg.data)
+    data = load_training_data(cfg.data, pool=pool)
     data_check = check_data(data) if check_data is not None else None
     # The model is built in shapes only (no memory): what only timm can tell (the patch size a model name implies,
     # against model.img_size) is then found before the run directory is touched, not when the model is built.

@@ -1,0 +1,263 @@
+"""Semi-supervised fine-tuning (`semi.pool`, finetune/semi.py): the pool read beside the labelled shards in one stream
+(each set once per its epoch, resumed bit-identical after kill -9), its weak views and ignored labels, the
+pseudo-label loss, and one line for every setting that cannot work."""
+
+from __future__ import annotations
+
+import collections
+import json
+import re
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator
+
+from finetune.__main__ import main as finetune_main
+from finetune.config import SemiConfig
+from finetune.loss import ClassificationLoss
+from finetune.semi import PseudoLabelLoss
+from tests.helpers.processes import JOB_LAUNCH, Background, in_process, run_module
+from tests.helpers.runs import audit, read_metrics
+from tests.helpers.shards import write_shard_set
+from vit_mpp.config.engine import load_config
+from vit_mpp.config.sections import DataConfig
+from vit_mpp.data.image_decoder import ImageDecoder
+from vit_mpp.data.manifest import load_split
+from vit_mpp.data.stream import ReadSettings, TrainSet, TrainStream
+from vit_mpp.data.stream_plan import Layout, first_generation
+
+LABELLED, POOL = 24, 96  # the labelled set (tests/finetune/conftest.py `shards`) and the pool's training images
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory) -> Path:
+    """96 images without labels in three shards, whose manifest says so: a pool as a user's unlabelled images would
+    be."""
+    out = write_shard_set(tmp_path_factory.mktemp("pool"), {"train": [30, 30, 36]}, seed=1,
+                          labels={"train": [None] * POOL})
+    manifest = json.loads((out / "_info.json").read_text())
+    manifest.update(num_classes=0, class_names=[])  # what build-shards writes for images without labels
+    (out / "_info.json").write_text(json.dumps(manifest))
+    return out
+
+
+@pytest.fixture(scope="module")
+def labelled(tmp_path_factory) -> Path:
+    """24 labelled training images (3 classes), 13 validation images."""
+    return write_shard_set(tmp_path_factory.mktemp("labelled"), {"train": [12, 12], "val": [7, 6]})
+
+
+def command(labelled: Path, pool: Path, init: Path, run_dir: Path, *extra: str) -> list[str]:
+    """The semi-supervised fine-tuning of configs/finetune/tiny.yaml with two loader workers, RandAugment and colour
+    jitter; a threshold just above chance (1/3), so that the random encoder's teacher passes it in a few steps."""
+    return [sys.executable, "-m", "finetune", "--config", "configs/finetune/tiny.yaml", f"data.shards={labelled}",
+            f"semi.pool={pool}", f"init.checkpoint={init}", f"train.run_dir={run_dir}", "train.ema_decay=0.9",
+            "semi.threshold=0.34", "semi.ratio=3", "train.record_samples=true", "data.num_workers=2",
+            "train.epochs=3", "train.log_every=1", "augment.auto_augment=rand-m9-mstd0.5-inc1",
+            "augment.color_jitter=0.4", *extra]
+
+
+def test_both_sets_are_read_once_per_epoch_and_a_kill_9_resumes_bit_identical(labelled, pool, pretrained, tmp_path):
+    whole = Background(command(labelled, pool, pretrained, tmp_path / "whole"), tmp_path / "whole.log", "whole")
+    whole.wait_gone(240)
+    assert whole.proc.returncode == 0, whole.output()[-3000:]
+    out = whole.output()
+    assert "pool:test 96 images (75%, labels unused)" in out and "pseudo-labels from the EMA above 0.34" in out
+    losses = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "whole") if "loss" in r}
+    steps = max(losses)
+    assert steps == 3 * (LABELLED * 4 // 8)  # an epoch is one pass over the labelled set (24 + 3 x 24 images)
+
+    killed = Background(command(labelled, pool, pretrained, tmp_path / "killed"), tmp_path / "k1.log", "killed")
+    killed.wait_for("step 11/")
+    killed.kill()  # kill -9 of every process of the run: the last checkpoint (step 8) is what is left
+    again = Background(command(labelled, pool, pretrained, tmp_path / "killed"), tmp_path / "k2.log", "again")
+    again.wait_gone(240)
+    assert again.proc.returncode == 0 and "resuming from" in again.output(), again.output()[-3000:]
+    resumed = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "killed") if "loss" in r}
+    assert resumed == losses  # every step's loss, bit for bit, as the run that was not killed
+
+    records = audit(tmp_path / "killed")
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    assert records == audit(tmp_path / "whole")
+    assert epochs_of_each_set(tmp_path / "killed") == {"test": 3, "pool:test": 2}  # 3 x 72 pool images: 2.25 passes
+    logged = [r for r in read_metrics(tmp_path / "killed") if "loss" in r]
+    assert all(0 <= r["pseudo_kept"] <= 1 and "pseudo_acc" not in r for r in logged)  # the pool has no labels
+    assert sum(r["pseudo_kept"] for r in logged) > 0  # the teacher grew confident: the pool trained the student
+
+
+def epochs_of_each_set(run_dir: Path) -> dict[str, int]:
+    """From the sample audit: no sample twice in an epoch of its set, and every epoch of a set but its last whole;
+    returns how many whole epochs each set had."""
+    seen: dict[tuple[str, int], collections.Counter] = collections.defaultdict(collections.Counter)
+    for record in audit(run_dir):
+        for key, epoch, name in zip(record["keys"], record["epochs"], record["sets"]):
+            seen[name, epoch][key] += 1
+    assert all(max(c.values()) == 1 for c in seen.values())
+    whole = {}
+    for name, size in (("test", LABELLED), ("pool:test", POOL)):
+        epochs = sorted(e for n, e in seen if n == name)
+        assert epochs == list(range(len(epochs)))
+        assert [len(seen[name, e]) for e in epochs[:-1]] == [size] * (len(epochs) - 1), name
+        whole[name] = len(epochs) - (len(seen[name, epochs[-1]]) < size)
+    return whole
+
+
+@pytest.mark.slow
+def test_two_processes_preempted_then_resumed_on_one_read_both_sets_once_per_epoch(labelled, pool, pretrained,
+                                                                                   tmp_path):
+    run_dir = tmp_path / "run"
+    args = command(labelled, pool, pretrained, run_dir)[1:]  # -m finetune ...
+    run = Background([*JOB_LAUNCH, *args, "train.epochs=1000", "train.eval_every_epochs=1000"], tmp_path / "log",
+                     "semi2")
+    run.wait_for("step 9/")
+    run.signal_all(signal.SIGTERM)  # every process, as SLURM signals them
+    run.wait_gone(60)
+    out = run.output()
+    step = int(re.search(r"preempted at step (\d+): checkpoint saved; run the same command to resume", out)[1])
+    assert run.proc.returncode == 75 and out.count("preempted at step") == 1, out[-3000:]
+    assert "Traceback" not in out and "frame #" not in out
+    epochs = step // 12 + 2
+    resumed = run_module(*args[1:], f"train.epochs={epochs}", "train.eval_every_epochs=1000")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "as 1 process x 2 workers x micro-batch 8" in resumed.stdout
+    # no sample twice in an epoch of its set, every epoch but the last whole, across the layouts (a mixture's draws
+    # are random: the run's last epoch may end a few labelled images short)
+    assert epochs_of_each_set(run_dir)["test"] >= epochs - 1
+
+
+def test_the_pool_leaves_the_workers_with_its_weak_view_and_without_labels(labelled, pool):
+    """A pool image's `image` is its weak view through the augmentation; a labelled image's weak view is its image;
+    the pool's labels are -1 and never checked against the classes."""
+    data = DataConfig(shuffle_buffer=0, crop_scale=[0.5, 1.0])
+    decoder = ImageDecoder.for_training(data, 16, augment=lambda x: 255 - x)
+    sets = [TrainSet("test", load_split(labelled, "train")[0], 1.0),
+            TrainSet("pool:test", load_split(pool, "train")[0], 5.0, labelled=False)]
+    layout = Layout(1, 1, 12, 1)
+    stream = TrainStream(sets, decoder, first_generation(layout, [LABELLED, POOL], 0), rank=0, resume_step=0,
+                         read=ReadSettings(0, 0, 0.0, num_classes=3))
+    batches = iter(stream)
+    for _ in range(4):
+        batch = next(batches)
+        in_pool = torch.tensor([i == 1 for i in batch["set"]])
+        assert torch.equal(batch["pool"], in_pool) and in_pool.any() and (~in_pool).any()
+        assert torch.equal(batch["image"][in_pool], 255 - batch["weak"][in_pool])
+        assert torch.equal(batch["image"][~in_pool], batch["weak"][~in_pool])
+        assert (batch["label"][in_pool] == -1).all() and (batch["label"][~in_pool] >= 0).all()
+
+
+def test_a_pool_with_labels_outside_the_classes_is_read_and_its_labels_dropped(labelled, tmp_path):
+    """A labelled pool (a proxy experiment's) keeps the labels of the classes for the pseudo-label diagnostic; one
+    outside them is no error there (it would be in data.shards)."""
+    odd = write_shard_set(tmp_path / "odd", {"train": [12]}, labels={"train": [7, 1] * 6})
+    decoder = ImageDecoder.for_training(DataConfig(shuffle_buffer=0), 16)
+    sets = [TrainSet("test", load_split(labelled, "train")[0], 1.0),
+            TrainSet("pool:odd", load_split(odd, "train")[0], 1.0, labelled=False)]
+    stream = TrainStream(sets, decoder, first_generation(Layout(1, 1, 12, 1), [LABELLED, 12], 0), rank=0,
+                         resume_step=0, read=ReadSettings(0, 0, 0.0, num_classes=3))
+    batch = next(iter(stream))
+    assert sorted(set(batch["label"][batch["pool"]].tolist())) == [-1, 1]
+
+
+def loss_of(threshold: float, teacher_logits: torch.Tensor, weight: float = 2.0) -> tuple[PseudoLabelLoss, dict]:
+    cfg = load_config_for_loss()
+    labelled = ClassificationLoss(cfg, 3, 4, torch.device("cpu"), (0.5,) * 3, (0.5,) * 3)
+
+    class Teacher(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return teacher_logits
+
+    ema = type("Ema", (), {"module": Teacher()})()
+    semi = SemiConfig(pool="x", threshold=threshold, weight=weight)
+    loss = PseudoLabelLoss(semi, labelled, ema, Accelerator(cpu=True), pool_labelled=True)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 4 * 4, 3))
+    batch = {"image": torch.randint(0, 256, (4, 3, 4, 4), dtype=torch.uint8),
+             "weak": torch.zeros(4, 3, 4, 4, dtype=torch.uint8), "pool": torch.tensor([False, True, True, True]),
+             "label": torch.tensor([2, 0, -1, 1])}
+    return loss, {"out": loss(model, batch), "model": model, "batch": batch}
+
+
+def load_config_for_loss():
+    from finetune.config import FinetuneConfig
+
+    return load_config(FinetuneConfig, "configs/finetune/tiny.yaml", [])
+
+
+def test_the_pool_learns_the_teachers_confident_labels_and_nothing_below_the_threshold():
+    teacher = torch.tensor([[0.0, 0.0, 0.0], [5.0, 0.0, 0.0], [0.0, 5.0, 0.0], [0.0, 0.0, 0.1]])
+    _, got = loss_of(0.9, teacher)
+    model, batch = got["model"], got["batch"]
+    logits = model((batch["image"].float() / 255 - 0.5) / 0.5).float()
+    supervised = F.cross_entropy(logits[:1], torch.tensor([2]))
+    pseudo = F.cross_entropy(logits[1:3], torch.tensor([0, 1]), reduction="sum") / 3  # rows 1, 2 kept; 3 of the pool
+    assert got["out"]["loss"].item() == pytest.approx((supervised + 2.0 * pseudo).item(), rel=1e-5)
+    metrics = got["out"]["metrics"]
+    assert metrics["pseudo_kept"].item() == pytest.approx(2 / 3)
+    assert metrics["pseudo_acc"].item() == 1.0  # row 1's pseudo-label 0 is its label; row 2's label is unknown
+    _, none_kept = loss_of(0.999, teacher)
+    assert none_kept["out"]["loss"].item() == pytest.approx(supervised.item(), rel=1e-5)
+    assert none_kept["out"]["metrics"]["pseudo_kept"].item() == 0
+
+
+def test_a_threshold_above_what_a_smoothed_teacher_predicts_is_warned_of():
+    loss, _ = loss_of(0.95, torch.zeros(4, 3))
+    loss.labelled.label_smoothing = 0.1  # on 10 classes the teacher's top probability settles near 0.91
+    assert loss.warning(10) == ("warning: semi.threshold 0.95 is above 0.91, the top probability of a teacher trained "
+                                "with train.label_smoothing=0.1 on 10 classes: few pool images, if any, will train "
+                                "the student")
+    loss.semi.threshold = 0.9
+    assert loss.warning(10) is None
+    loss.labelled.label_smoothing = 0.0
+    loss.semi.threshold = 1.0
+    assert loss.warning(10) is None  # without smoothing the teacher can come as close to 1 as it likes
+
+
+@pytest.mark.parametrize("settings, says", [
+    ([], "error: config key 'semi.pool' the pool's labels come from the model's EMA (the teacher): set "
+         "train.ema_decay (e.g. 0.999 for a short run, Semi-ViT: 0.9999)"),
+    (["train.ema_decay=0.9", "augment.mixup=0.8"],
+     "error: config key 'semi.pool' mixup and cutmix would mix labelled and pool images in a batch: set "
+     "augment.mixup=0 and augment.cutmix=0"),
+    (["train.ema_decay=0.9", "semi.ratio=0"], "error: config key 'semi.ratio' must be > 0, got 0.0"),
+])
+def test_a_setting_that_cannot_work_is_one_line_before_anything_is_written(labelled, pool, pretrained, tmp_path,
+                                                                          capsys, settings, says):
+    code, _, err = in_process(finetune_main, ["--config", "configs/finetune/tiny.yaml", f"data.shards={labelled}",
+                                              f"semi.pool={pool}", f"init.checkpoint={pretrained}",
+                                              f"train.run_dir={tmp_path / 'run'}", *settings], capsys)
+    assert code == 2 and err.strip() == says
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("where, says", [
+    ("nowhere", "error: "),  # the manifest's own error, naming the path
+    ("labelled/", "error: config key 'semi.pool': "),  # the labelled set again, named another way
+])
+def test_a_pool_that_cannot_be_read_or_is_the_labelled_set_is_one_line(labelled, pretrained, tmp_path, capsys,
+                                                                       where, says):
+    location = f"{labelled}/" if where == "labelled/" else str(tmp_path / where)
+    code, _, err = in_process(finetune_main, ["--config", "configs/finetune/tiny.yaml", f"data.shards={labelled}",
+                                              f"semi.pool={location}", "train.ema_decay=0.9",
+                                              f"init.checkpoint={pretrained}", f"train.run_dir={tmp_path / 'run'}"],
+                              capsys)
+    assert code == 2 and err.startswith(says) and location.rstrip("/") in err, err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
+    if where == "labelled/":
+        assert "give it shards of its own" in err
+
+
+def test_a_run_records_the_pool_in_its_export(labelled, pool, pretrained, tmp_path):
+    run_dir = tmp_path / "run"
+    from tests.helpers.runs import run_tiny_finetune
+
+    run_tiny_finetune(labelled, run_dir, pretrained, f"semi.pool={pool}", "train.ema_decay=0.9", "train.epochs=1")
+    record = json.loads((run_dir / "export" / "config.json").read_text())["vit_mpp"]["data"]
+    mixture = {m["name"]: m for m in record["mixture"]}
+    assert mixture["pool:test"]["pool"] is True and "pool" not in mixture["test"]
+    assert mixture["pool:test"]["weight"] == pytest.approx(5 / 6)
+    assert record["val"]["set"] == "test"
+
