@@ -230,6 +230,11 @@ def test_the_stand_ins_play_the_schedulers_rules(tmp_path):
     out = batch.output()
     assert "srun said 4" in out and "node 0 got USR1" in out and "node 1 got USR1" in out, out
     assert "batch got USR1" not in out and "step said 0" in out, out
+    # `scontrol show hostnames | head -n 1`, as the recipe reads it: a reader that stops early ends it quietly (the
+    # stand-in once printed a BrokenPipeError traceback into the job's log)
+    read = subprocess.run(f"{slurm.bin / 'scontrol'} show hostnames x | head -n 1", shell=True, capture_output=True,
+                          text=True, env={**subprocess_env(), "SLURM_NNODES": "100000"})
+    assert read.stdout == "127.0.0.1\n" and read.stderr == "", read.stderr[-500:]
     job = job_spec()
     assert [pod_failure_action(job, s) for s in (0, 75, 2, 137)] == ["Succeeded", "Ignore", "Count", "Count"]
     cmd, env = pod_command(job, 1, {"NUM_MACHINES": "2"})
