@@ -8,7 +8,15 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 from vit_mpp.config.engine import Check, above, at_least, between, given_keys, items, opt, replaced, section
-from vit_mpp.config.sections import ARCH_KEYS, DataConfig, ExportConfig, ModelConfig, OptimConfig, TrainConfig
+from vit_mpp.config.sections import (
+    ARCH_KEYS,
+    DataConfig,
+    ExportConfig,
+    ModelConfig,
+    OptimConfig,
+    TrainConfig,
+    shard_list_problem,
+)
 from vit_mpp.data.labels import MAX_CLASSES
 
 DESCRIPTION = "Fine-tuning a ViT encoder into a classifier (the paper's rule: zero head, resized position embeddings)."
@@ -149,6 +157,8 @@ class FinetuneConfig:
     def _semi_problems(self) -> Iterator[tuple[str, str]]:
         if not self.semi.pool_sets():
             return
+        if problem := shard_list_problem(self.semi.pool):
+            yield "semi.pool", problem
         if self.train.ema_decay <= 0:
             yield "semi.pool", ("the pool's labels come from the model's EMA (the teacher): set train.ema_decay (e.g. "
                                 "0.999 for a short run, Semi-ViT: 0.9999)")
@@ -158,11 +168,6 @@ class FinetuneConfig:
         if self.data.decode == "gpu":
             yield "semi.pool", ("the teacher's weak view of a pool image is made in the loader workers: set "
                                 "data.decode=cpu")
-        pools = self.semi.pool_sets()
-        if not all(x.strip() for x in pools):
-            yield "semi.pool", f"holds an empty location: {self.semi.pool!r}"
-        elif len(set(pools)) != len(pools):
-            yield "semi.pool", f"names a set twice: {self.semi.pool!r}"
 
     init: InitConfig = section(InitConfig)
     model: ModelConfig = section(ModelConfig)

@@ -233,6 +233,15 @@ def test_a_setting_that_cannot_work_is_one_line_before_anything_is_written(label
     assert not (tmp_path / "run").exists()
 
 
+def test_a_pool_list_naming_a_set_twice_is_one_line(labelled, pool, pretrained, tmp_path, capsys):
+    code, _, err = in_process(finetune_main, ["--config", "configs/finetune/tiny.yaml", f"data.shards={labelled}",
+                                              f"semi.pool=[{pool},{pool}]", "train.ema_decay=0.9",
+                                              f"init.checkpoint={pretrained}", f"train.run_dir={tmp_path / 'run'}"],
+                              capsys)
+    assert code == 2 and err.startswith("error: config key 'semi.pool' names a set twice: "), err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("where, says", [
     ("nowhere", "error: "),  # the manifest's own error, naming the path
     ("labelled/", "error: config key 'semi.pool': "),  # the labelled set again, named another way

@@ -48,6 +48,19 @@ class ModelConfig:
             yield "embed_dim", f"{self.embed_dim} must be divisible by model.num_heads={self.num_heads}"
 
 
+def shard_list_problem(value: str | list[str]) -> str | None:
+    """What is wrong with a list of shard-set locations (data.shards, finetune's semi.pool): an empty location, or a
+    set named twice; None for a plain location."""
+    if not isinstance(value, list):
+        return None
+    locations = [str(x) for x in value]
+    if not all(x.strip() for x in locations):
+        return f"holds an empty location: {value!r}"
+    if len(set(locations)) != len(locations):
+        return f"names a set twice: {value!r}"
+    return None
+
+
 def img_hw(img_size: int | list[int] | tuple[int, ...]) -> tuple[int, int]:
     """(height, width) from an int or a [height, width] pair."""
     if isinstance(img_size, int):
@@ -98,10 +111,8 @@ class DataConfig:
         locations = self.shard_sets()
         if isinstance(self.shards, list) and not self.shards:
             yield "shards", "is an empty list: name at least one shard set"
-        elif isinstance(self.shards, list) and not all(x.strip() for x in locations):
-            yield "shards", f"holds an empty location: {self.shards!r}"
-        elif len(set(locations)) != len(locations):
-            yield "shards", f"names a set twice: {self.shards!r}"
+        elif problem := shard_list_problem(self.shards):
+            yield "shards", problem
         if self.weights is not None and len(self.weights) != len(locations):
             yield "weights", (f"gives {len(self.weights)} weight(s) for the {len(locations)} set(s) of data.shards: "
                               "one per set")
