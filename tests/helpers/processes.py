@@ -154,11 +154,20 @@ def describe(pid: int) -> str:
 
 
 def alive(pid: int) -> bool:
-    """A process that exists and is no zombie."""
+    """A process that exists and is no zombie. A process killed with many threads shows its main thread a zombie
+    while the others are still being torn down, holding its files (a run dir's lock) a moment longer: it is alive
+    until every thread is gone."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1].split()[0] != "Z"
-    except (OSError, IndexError):
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
         return False
+    for task in tasks:
+        try:
+            if (task / "stat").read_text().rsplit(") ", 1)[1].split()[0] not in ("Z", "X"):
+                return True
+        except (OSError, IndexError):
+            continue
+    return False
 
 
 def _parent_is_launcher(pid: int) -> bool:

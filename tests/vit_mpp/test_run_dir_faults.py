@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from pretrain.__main__ import main as pretrain_main
-from tests.helpers.processes import LAUNCH, REPO, children, in_process, subprocess_env
+from tests.helpers.processes import LAUNCH, REPO, alive, children, in_process, subprocess_env
 from tests.helpers.runs import read_metrics
 
 
@@ -44,15 +44,6 @@ def holder(run_dir: Path) -> dict:
         return json.loads((run_dir / ".lock").read_text())
     except (OSError, ValueError):
         return {}
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    stat = Path(f"/proc/{pid}/stat")
-    return not stat.exists() or stat.read_text().split(") ")[1][0] != "Z"  # a zombie is gone for our purposes
 
 
 def test_a_second_run_on_a_locked_run_dir_gets_one_line_naming_the_holder(demo_shards, tmp_path, capsys):

@@ -20,7 +20,7 @@ import torch
 
 from finetune.__main__ import main as finetune_main
 from pretrain.__main__ import main as pretrain_main
-from tests.helpers.processes import REPO, in_process, launch, subprocess_env
+from tests.helpers.processes import REPO, alive, in_process, launch, subprocess_env
 from tests.helpers.runs import read_metrics
 from tests.helpers.servers import FaultyHandler, serve_faulty
 from tests.helpers.shards import shard_set, write_shard_set
@@ -278,21 +278,14 @@ def test_a_rank_takes_its_hung_loader_worker_with_it_however_it_ends(tmp_path, h
     try:
         assert status == 75, f"{how}: the rank did not end ({status}): {out.read_text()[-2000:]}"
         deadline = time.monotonic() + 10
-        while _alive(worker) and time.monotonic() < deadline:
+        while alive(worker) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not _alive(worker), f"the hung worker {worker} outlived its rank"
+        assert not alive(worker), f"the hung worker {worker} outlived its rank"
         assert "Traceback" not in out.read_text(), out.read_text()
     finally:
         proc.kill()
         with contextlib.suppress(ProcessLookupError):
             os.kill(worker, signal.SIGKILL)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][0] != "Z"
-    except OSError:
-        return False
 
 
 def test_a_worker_whose_rank_stops_reading_mid_hand_over_adds_no_traceback(capsys):
