@@ -1,5 +1,6 @@
 """The `build-shards` command line (parsing, signals, exit statuses): build webdataset shards and their manifest from
-images, on one machine or many, resume, and the sub-commands `merge OUT`, `inspect OUT` and `index LOCATION ...`.
+images, on one machine or many, resume, and the sub-commands `merge OUT`, `inspect OUT`, `index LOCATION ...` and
+`subset SOURCE OUT`.
 The build itself is data_tools/builder/build_shards.py `build`; no module of data_tools imports this one.
 See docs/build_shards.md.
 """
@@ -18,6 +19,7 @@ from typing import Any
 from PIL import Image
 
 from data_tools import inspect_shards
+from data_tools import subset as subset_shards
 from data_tools.builder import merge
 from data_tools.builder.build_shards import BuildOptions, build
 from data_tools.builder.shard_layout import Parts, ShardLayout
@@ -52,8 +54,9 @@ def default_workers() -> int:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = ArgumentParser(prog="build-shards", description=__doc__.split("\n\n")[0],
-                       epilog="`build-shards merge --help`, `build-shards inspect --help` and `build-shards index "
-                              "--help` describe the other commands; docs/build_shards.md has the details.",
+                       epilog="`build-shards merge --help`, `build-shards inspect --help`, `build-shards index --help` "
+                              "and `build-shards subset --help` describe the other commands; docs/build_shards.md has "
+                              "the details.",
                        formatter_class=HelpFormatter)
     p.add_argument("source", help="class-folder tree, image tree, .csv/.jsonl/.parquet list of paths (a path or a "
                                   "URL), or Hugging Face dataset (save_to_disk folder, parquet, image folder, hub "
@@ -229,6 +232,39 @@ def index_main(argv: list[str]) -> dict:
     return index_shards.index(args.locations, args.split, args.out, options)
 
 
+def parse_subset_args(argv: list[str]) -> argparse.Namespace:
+    """`build-shards subset SOURCE OUT --per-class K [--seed S] [--split NAME] [--overwrite]`."""
+    p = ArgumentParser(prog="build-shards subset", description=subset_shards.__doc__.split("\n\n")[0],
+                       epilog="docs/build_shards.md (Subsets: a few labels of each class) has the details.",
+                       formatter_class=HelpFormatter)
+    p.add_argument("source", metavar="SOURCE", help="a labelled shard set (a build-shards output or an indexed one)")
+    p.add_argument("out", type=Path, metavar="OUT", help="a new or empty folder for the subset's shards and manifest")
+    p.add_argument("--per-class", type=int, required=True, metavar="K", help="samples drawn of each class")
+    p.add_argument("--seed", type=int, default=0, help="the draw's seed: the same seed, the same samples")
+    p.add_argument("--split", default="train", metavar="NAME", help="the split drawn from (the others are named in "
+                   "the new manifest where they are, not copied)")
+    p.add_argument("--shard-size", type=int, default=subset_shards.SHARD_SIZE, help="samples per written shard")
+    p.add_argument("--overwrite", action="store_true", help="draw again into an OUT that holds a subset")
+    p.add_argument("--read-timeout", type=float, default=urls.READ_TIMEOUT_S, metavar="S",
+                   help="a remote read that brings no byte for this long is abandoned and retried")
+    p.add_argument("--read-retries", type=int, default=urls.READ_RETRIES, metavar="N",
+                   help="attempts after a remote read failed or stalled, with backoff from 1 s")
+    args = p.parse_args(argv)
+    if args.per_class < 1 or args.shard_size < 1:
+        p.error("--per-class and --shard-size must be >= 1")
+    if not 0 < args.read_timeout < math.inf or args.read_retries < 0:
+        p.error("--read-timeout must be > 0 and finite, --read-retries >= 0")
+    return args
+
+
+def subset_main(argv: list[str]) -> dict:
+    """`build-shards subset`: K labelled samples of each class as a shard set of their own; returns its manifest."""
+    args = parse_subset_args(argv)
+    read = ReadPolicy(timeout=args.read_timeout, retries=args.read_retries)
+    return subset_shards.subset(args.source, args.out, args.per_class, args.seed,
+                                subset_shards.SubsetOptions(args.split, args.overwrite, args.shard_size, read))
+
+
 def merge_main(argv: list[str]) -> dict:
     """`build-shards merge OUT`: finish a build made of parts; returns the manifest."""
     args = parse_merge_args(argv)
@@ -256,6 +292,9 @@ def _main(argv: list[str] | None) -> None:
         return
     if argv and argv[0] == "index":
         index_main(argv[1:])
+        return
+    if argv and argv[0] == "subset":
+        subset_main(argv[1:])
         return
     args = parse_args(argv)
     spec = SourceSpec(args.source, args.source_kind, args.existing_splits, args.split, args.image_column,

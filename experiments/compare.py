@@ -24,6 +24,7 @@ from typing import Any
 
 import yaml
 
+from experiments import label_sweep
 from vit_mpp.cli import ArgumentParser, run_main
 from vit_mpp.config.engine import ConfigError
 from vit_mpp.data.manifest import check_manifest, manifest_classes, manifest_file, read_manifest
@@ -69,6 +70,19 @@ class Setup:
     out: Path
     notes: list[str] = field(default_factory=list)
     fingerprint: str = ""  # of the configs' and manifests' contents: a dry run's lengths are kept under it
+    points: list[str] = field(default_factory=lambda: [""])  # the label sweep's points (k2, k20, all); "": none
+    finetune_steps: int | None = None  # a sweep's fine-tuning steps at every point (None: the first point's)
+
+    def runs(self, arm: str, point: str) -> bool:
+        """Whether `arm` runs at `point`: not a semi-supervised arm at point all when its pool is the labelled set."""
+        same = Path(self.unlabelled).resolve() == Path(self.labelled).resolve()
+        return not (point == "all" and same and kind(arm) in ("semi", "semi_scratch"))
+
+    def labelled_of(self, seed: int, point: str) -> str:
+        """The labelled set a fine-tuning of `seed` at `point` trains on: --labelled itself, or a subset of it."""
+        if point in ("", "all"):
+            return self.labelled.replace("{seed}", str(seed))
+        return str(label_sweep.subset_folder(self.out, point, seed))
 
     @property
     def reference(self) -> str:
@@ -80,7 +94,7 @@ class Setup:
 class Stage:
     """One process of the plan: `python -m <module> --config <config> <overrides>` in `run_dir`."""
 
-    name: str  # seed0/mpp/pretrain
+    name: str  # seed0/mpp/pretrain; seed0/mpp/finetune_k20 at a point of a label sweep
     module: str  # pretrain | finetune
     config: str
     run_dir: Path
@@ -88,6 +102,21 @@ class Stage:
     needs: Stage | None = None  # a stage whose export this one starts from
     steps: int = 0  # planned optimizer steps (0: unknown)
     batch: int = 0
+    point: str = ""  # the label sweep's point of a fine-tuning ("": none, or a pretraining shared by every point)
+
+    @property
+    def arm(self) -> str:
+        return self.name.split("/")[1]
+
+    @property
+    def stage(self) -> str:
+        """pretrain or finetune (the arm's stage, whatever its point)."""
+        return self.name.split("/")[2].split("_", 1)[0]
+
+    @property
+    def key(self) -> str:
+        """ARM/STAGE[_POINT]: the same for every seed (lengths are measured on the first)."""
+        return self.name.split("/", 1)[1]
 
     @property
     def command(self) -> list[str]:
@@ -202,6 +231,14 @@ def build_parser() -> ArgumentParser:
                    help="config overrides: pretrain:KEY=VALUE (every MPP pretraining), finetune:KEY=VALUE (every "
                    "run of the fine-tuning config), ARM.pretrain:KEY=VALUE or ARM.finetune:KEY=VALUE (one arm's "
                    "stage, applied last), e.g. mpp.pretrain:mpp.target=l2 probe.finetune:model.global_pool=avg")
+    p.add_argument("--labels-per-class", nargs="+", default=None, metavar="K",
+                   help="the label-efficiency curve: every fine-tuning at each point (e.g. 2 20 100 all), on K "
+                   "labelled images of each class drawn per seed from --labelled (build-shards subset) or on all "
+                   "of it, as many steps at each point (--finetune-steps); the pretrainings are shared by the points, "
+                   "the equal-compute arms sized per point; one table per point, the curve, and labels.png")
+    p.add_argument("--finetune-steps", type=int, default=None, metavar="N",
+                   help="with --labels-per-class: each fine-tuning makes about N steps at every point (its epochs "
+                   "set per point); default: as many as the fine-tuning config makes at the first point")
     p.add_argument("--out", required=True, type=Path, metavar="DIR",
                    help="where the run directories (DIR/seedS/ARM/STAGE), logs and tables go")
     p.add_argument("--jobs", type=int, default=1, help="runs at a time (default: %(default)s)")
@@ -245,6 +282,15 @@ def check_args(argv: list[str] | None) -> tuple[Setup, Any]:
                   {"pretrain": args.pretrain_config, "finetune": args.finetune_config}, overrides, args.out)
     contents = [Path(args.pretrain_config).read_text(), Path(args.finetune_config).read_text(), *read, test_info]
     setup.fingerprint = hashlib.sha256(json.dumps(contents, sort_keys=True).encode()).hexdigest()
+    setup.points = label_sweep.parse_points(args.labels_per_class, args.labelled)
+    if args.finetune_steps is not None and (args.finetune_steps < 1 or setup.points == [""]):
+        raise ConfigError(f"--finetune-steps {args.finetune_steps}: give a count >= 1, with --labels-per-class (a "
+                          "single comparison's fine-tuning length is its config's train.epochs)")
+    setup.finetune_steps = args.finetune_steps
+    same = Path(args.unlabelled).resolve() == Path(args.labelled).resolve()
+    if "all" in setup.points and same and any(kind(a) in ("semi", "semi_scratch") for a in setup.arms):
+        setup.notes.append("semi-supervised arms not run at point all: their pool, --unlabelled, is the labelled set "
+                           "itself there")
     if not manifest_classes(pool) and any(kind(a) == "supervised" for a in arms):
         setup.arms = [a for a in arms if kind(a) != "supervised"]
         setup.notes.append(f"supervised arm skipped: the pool {args.unlabelled} carries no labels (its manifest "
@@ -271,31 +317,38 @@ def stage_overrides(setup: Setup, arm: str, stage: str, own: list[str]) -> list[
     return [*fixed, *setup.overrides.get(config, []), *defining, *setup.overrides.get(f"{arm}.{stage}", [])]
 
 
-def arm_stages(setup: Setup, arm: str, seed: int, pretrained: dict[str, Stage]) -> list[Stage]:
-    """The stages of one arm for one seed (`pretrained`: the MPP pretraining stage of each mpp arm, this seed)."""
+def arm_stages(setup: Setup, arm: str, seed: int, pretrained: dict[str, Stage], point: str = "") -> list[Stage]:
+    """The stages of one arm for one seed at one point of the label sweep; a pretraining is made at the first point
+    and shared by the others (`pretrained`: this seed's pretraining stage of each arm that has one). Returns the
+    stages new to the plan."""
     base = setup.out / f"seed{seed}" / arm
     k, name = kind(arm), f"seed{seed}/{arm}"
-    scored = [f"data.shards={setup.labelled.replace('{seed}', str(seed))}", f"train.seed={seed}",
+    scored = [f"data.shards={setup.labelled_of(seed, point)}", f"train.seed={seed}",
               f"data.val_shards={setup.test}", f"data.val_split={setup.test_split}"]
+    where = f"finetune_{point}" if point else "finetune"
 
     def finetune(init: Stage | None, extra: tuple[str, ...] = ()) -> Stage:
         checkpoint = f"init.checkpoint={init.run_dir / 'export'}" if init else "init.checkpoint="
-        return Stage(f"{name}/finetune", "finetune", setup.configs["finetune"], base / "finetune",
-                     [f"train.run_dir={base / 'finetune'}", *stage_overrides(setup, arm, "finetune",
-                                                                             [*scored, checkpoint, *extra])], init)
+        return Stage(f"{name}/{where}", "finetune", setup.configs["finetune"], base / where,
+                     [f"train.run_dir={base / where}", *stage_overrides(setup, arm, "finetune",
+                                                                        [*scored, checkpoint, *extra])], init,
+                     point=point)
 
-    if k == "mpp":
-        pre = Stage(f"{name}/pretrain", "pretrain", setup.configs["pretrain"], base / "pretrain",
-                    [f"train.run_dir={base / 'pretrain'}", *stage_overrides(
-                        setup, arm, "pretrain", [f"data.shards={setup.unlabelled}", f"train.seed={seed}"])])
+    if k in ("mpp", "supervised"):
+        pre, new = pretrained.get(arm), []
+        if pre is None and k == "mpp":
+            pre = Stage(f"{name}/pretrain", "pretrain", setup.configs["pretrain"], base / "pretrain",
+                        [f"train.run_dir={base / 'pretrain'}", *stage_overrides(
+                            setup, arm, "pretrain", [f"data.shards={setup.unlabelled}", f"train.seed={seed}"])])
+            new = [pre]
+        elif pre is None:
+            own = [f"data.shards={setup.unlabelled}", f"train.seed={seed}", "data.val_shards=",
+                   f"data.val_split={'val' if setup.pool_val else ''}", "init.checkpoint="]
+            pre = Stage(f"{name}/pretrain", "finetune", setup.configs["finetune"], base / "pretrain",
+                        [f"train.run_dir={base / 'pretrain'}", *stage_overrides(setup, arm, "pretrain", own)])
+            new = [pre]
         pretrained[arm] = pre
-        return [pre, finetune(pre)]
-    if k == "supervised":
-        own = [f"data.shards={setup.unlabelled}", f"train.seed={seed}", "data.val_shards=",
-               f"data.val_split={'val' if setup.pool_val else ''}", "init.checkpoint="]
-        pre = Stage(f"{name}/pretrain", "finetune", setup.configs["finetune"], base / "pretrain",
-                    [f"train.run_dir={base / 'pretrain'}", *stage_overrides(setup, arm, "pretrain", own)])
-        return [pre, finetune(pre)]
+        return [*new, finetune(pre)]
     if k == "probe":
         return [finetune(pretrained[setup.reference], ("train.mode=linear_probe",))]
     pool = (f"semi.pool={setup.unlabelled}",)  # semi-supervised: the unlabelled set is the pool
@@ -304,15 +357,20 @@ def arm_stages(setup: Setup, arm: str, seed: int, pretrained: dict[str, Stage]) 
     return [finetune(None, pool if k == "semi_scratch" else ())]
 
 
-def plan_runs(setup: Setup) -> tuple[list[Stage], dict[tuple[int, str], list[Stage]]]:
-    """Every stage of every seed (lengths not yet known), and (seed, arm) -> the stages its result depends on."""
+def plan_runs(setup: Setup) -> tuple[list[Stage], dict[tuple[int, str, str], list[Stage]]]:
+    """Every stage of every seed and point (lengths not yet known), and (seed, arm, point) -> the stages its result
+    depends on."""
     stages, of_arm = [], {}
     for seed in setup.seeds:
         pretrained: dict[str, Stage] = {}
-        for arm in sorted(setup.arms, key=lambda a: kind(a) != "mpp"):  # mpp arms first: probe starts from one
-            own = arm_stages(setup, arm, seed, pretrained)
-            stages += own
-            of_arm[seed, arm] = ([pretrained[setup.reference]] if kind(arm) in READS_REFERENCE else []) + own
+        for point in setup.points:
+            for arm in sorted(setup.arms, key=lambda a: kind(a) != "mpp"):  # mpp arms first: probe starts from one
+                if not setup.runs(arm, point):
+                    continue
+                new = arm_stages(setup, arm, seed, pretrained, point)
+                stages += new
+                before = pretrained[setup.reference] if kind(arm) in READS_REFERENCE else pretrained.get(arm)
+                of_arm[seed, arm, point] = ([before] if before is not None else []) + [new[-1]]
     return stages, of_arm
 
 
@@ -342,17 +400,20 @@ def error_of(text: str) -> str:
     return line.removeprefix("error: ")
 
 
-def measure(stages: list[Stage], jobs: int, fingerprint: str, cache: Path | None) -> dict[str, Lengths]:
+def measure(stages: list[Stage], jobs: int, fingerprint: str, cache: Path | None,
+            shards: dict[str, str] | None = None) -> dict[str, Lengths]:
     """Dry-run each distinct stage command of the first seed (from scratch for fine-tunings: the export it starts
     from does not exist yet); a failing one is this command's one error line. A command already dry-run on the same
     configs and manifests (`fingerprint`) is not run again: its lengths are kept in `cache` (None: not kept).
+    `shards` reads a data.shards elsewhere (a --dry-run's labelled subsets, drawn into a temporary folder).
     Returns 'ARM/STAGE' -> lengths."""
     first, nowhere = stages[0].name.split("/")[0], stages[0].run_dir.parents[2] / ".dry-run"  # never written
+    moved = {f"data.shards={a}": f"data.shards={b}" for a, b in (shards or {}).items()}
     checks: dict[tuple[str, ...], list[Stage]] = {}
     for s in stages:
         if s.name.startswith(first + "/"):
             cmd = ["init.checkpoint=" if c.startswith("init.checkpoint=") else f"train.run_dir={nowhere}"
-                   if c.startswith("train.run_dir=") else c for c in s.command[1:]]  # not the interpreter's path
+                   if c.startswith("train.run_dir=") else moved.get(c, c) for c in s.command[1:]]  # no interpreter
             checks.setdefault(tuple(cmd), []).append(s)
     known = json.loads(cache.read_text()) if cache is not None and cache.is_file() else {}
     keys = {cmd: hashlib.sha256(json.dumps([cmd, fingerprint]).encode()).hexdigest() for cmd in checks}
@@ -367,35 +428,56 @@ def measure(stages: list[Stage], jobs: int, fingerprint: str, cache: Path | None
     if results and cache is not None:
         make_out_folder(cache.parent)
         cache.write_text(json.dumps(known, indent=1) + "\n")
-    return {s.name.split("/", 1)[1]: Lengths(*known[keys[cmd]]) for cmd, group in checks.items() for s in group}
+    return {s.key: Lengths(*known[keys[cmd]]) for cmd, group in checks.items() for s in group}
 
 
 def set_lengths(setup: Setup, stages: list[Stage], lengths: dict[str, Lengths]) -> dict[str, int]:
     """Give each stage its steps and batch, and the equal-compute arms their epochs: scratch_equal sees as many
     images as the reference MPP arm's pretraining and fine-tuning together, the supervised pretraining as many as
     the MPP pretraining, semi_scratch as many as the MPP pretraining and the first semi arm's fine-tuning (its own
-    fine-tuning as configured without one). Returns arm -> epochs set."""
+    fine-tuning as configured without one). In a label sweep every fine-tuning makes --finetune-steps at each point,
+    or as many as it makes at the first (`label_sweep.same_steps`), and the equal-compute arms are sized per point.
+    Returns
+    arm -> epochs set ('arm@point' in a sweep)."""
     ref = setup.reference
-    pre, ft = lengths[f"{ref}/pretrain"], lengths[f"{ref}/finetune"]
-    targets = {"scratch_equal": pre.batch * pre.steps + ft.batch * ft.steps, "supervised": pre.batch * pre.steps}
+    pre = lengths[f"{ref}/pretrain"]
     semi = [a for a in setup.arms if kind(a) == "semi"]
-    if semi:
-        semi_ft = lengths[f"{semi[0]}/finetune"]
-        targets["semi_scratch"] = pre.batch * pre.steps + semi_ft.batch * semi_ft.steps
     epochs = {}
-    for s in stages:
-        arm_stage = s.name.split("/", 1)[1]
-        got = lengths[arm_stage]
-        arm, stage = arm_stage.split("/")
-        if (kind(arm), stage) in EQUAL_COMPUTE:
-            per_epoch = got.steps // got.epochs
-            target = targets.get(kind(arm), pre.batch * pre.steps + got.batch * got.steps)
-            epochs[arm] = equal_epochs(target, per_epoch, got.batch)
-            s.overrides.append(f"train.epochs={epochs[arm]}")
-            s.steps, s.batch = epochs[arm] * per_epoch, got.batch
-        else:
-            s.steps, s.batch = got.steps, got.batch
+    for point in setup.points:
+        here = [s for s in stages if s.point == point or (point == setup.points[0] and s.stage == "pretrain")]
+        got = {s.key: lengths[s.key] for s in here}
+        if point != setup.points[0] and not setup.finetune_steps:  # the other points: the first point's steps
+            first = {key: key.replace(f"_{point}", f"_{setup.points[0]}") for key in got}
+            got = {key: label_sweep.same_steps(lengths[first[key]].steps, length)
+                   if key.endswith(f"/finetune_{point}") and first[key] in lengths else length
+                   for key, length in got.items()}
+        if setup.finetune_steps:
+            got = {key: label_sweep.same_steps(setup.finetune_steps, length) if key.endswith(f"/finetune_{point}")
+                   else length for key, length in got.items()}
+        ft = got[f"{ref}/{finetune_stage(point)}"]
+        targets = {"scratch_equal": pre.batch * pre.steps + ft.batch * ft.steps, "supervised": pre.batch * pre.steps}
+        if semi and f"{semi[0]}/{finetune_stage(point)}" in got:
+            semi_ft = got[f"{semi[0]}/{finetune_stage(point)}"]
+            targets["semi_scratch"] = pre.batch * pre.steps + semi_ft.batch * semi_ft.steps
+        for s in here:
+            length = got[s.key]
+            if (kind(s.arm), s.stage) in EQUAL_COMPUTE:
+                per_epoch = length.steps // length.epochs
+                target = targets.get(kind(s.arm), pre.batch * pre.steps + length.batch * length.steps)
+                e = equal_epochs(target, per_epoch, length.batch)
+                epochs[f"{s.arm}@{point}" if point and s.stage == "finetune" else s.arm] = e
+                s.overrides.append(f"train.epochs={e}")
+                s.steps, s.batch = e * per_epoch, length.batch
+            else:
+                if length.epochs is not None and length != lengths[s.key]:  # a sweep's point: its own epochs
+                    s.overrides.append(f"train.epochs={length.epochs}")
+                s.steps, s.batch = length.steps, length.batch
     return epochs
+
+
+def finetune_stage(point: str) -> str:
+    """The fine-tuning stage's name at a point of the label sweep."""
+    return f"finetune_{point}" if point else "finetune"
 
 
 # ---------------------------------------------------------------------------------------------- runs on disk
@@ -600,45 +682,78 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def write_csv(report: dict[str, Any], path: Path) -> None:
-    """One row per arm and per difference: what, name, mean, std, then one column per seed."""
-    seeds = report["seeds"]
+    """One row per arm and per difference: what, name, mean, std, then one column per seed; a label sweep's rows
+    start with their point."""
+    seeds, points = report["seeds"], report.get("points")
     with open_out_file(path) as f:
         w = csv.writer(f, lineterminator="\n")
-        w.writerow(["what", "name", "mean", "std", *[f"seed_{s}" for s in seeds]])
-        for what, rows in (("arm", report["table"]["arms"]), ("difference", report["table"]["differences"])):
-            for name, row in rows.items():
-                w.writerow([what, name, row["mean"], row["std"], *[row["per_seed"].get(s) for s in seeds]])
+        w.writerow([*(["point"] if points else []), "what", "name", "mean", "std", *[f"seed_{s}" for s in seeds]])
+        for point, part in (points or {"": report}).items():
+            for what, rows in (("arm", part["table"]["arms"]), ("difference", part["table"]["differences"])):
+                for name, row in rows.items():
+                    w.writerow([*([point] if points else []), what, name, row["mean"], row["std"],
+                                *[row["per_seed"].get(s) for s in seeds]])
 
 
-def make_report(setup: Setup, of_arm: dict[tuple[int, str], list[Stage]], epochs: dict[str, int]) -> dict[str, Any]:
-    """Read every arm's result from its run directories; the table, costs and notes as one JSON-able dict."""
+def make_report(setup: Setup, of_arm: dict[tuple[int, str, str], list[Stage]], epochs: dict[str, int],
+                point: str = "") -> dict[str, Any]:
+    """Read every arm's result at one point of the sweep from its run directories; the table, costs and notes as
+    one JSON-able dict."""
     top1: dict[str, dict[int, float | None]] = {a: {} for a in setup.arms}
     cost = {}
-    notes = list(setup.notes)
+    notes = list(setup.notes) if point in ("", setup.points[0]) else []
     for arm in setup.arms:
         images, minutes = [], []
         for seed in setup.seeds:
-            stages = of_arm[seed, arm]
+            stages = of_arm.get((seed, arm, point), [])
+            if not stages:  # not run at this point
+                top1[arm][seed] = None
+                continue
             top1[arm][seed] = final_top1(stages[-1].run_dir)
             if top1[arm][seed] is None:
                 notes.append(f"{stages[-1].name}: no test result in {stages[-1].run_dir}")
             images.append(sum(images_seen(s.run_dir) for s in stages))
             minutes.append(sum((wall_time_s(read_metrics(s.run_dir)) or 0.0) / 60 for s in stages))
-        cost[arm] = {"images": round(statistics.mean(images)), "minutes": statistics.mean(minutes)}
-    if all(v is None for by_seed in top1.values() for v in by_seed.values()):
-        raise ConfigError(f"no run in {setup.out} has a test result yet: run the same command without --report-only")
-    runs = {s.name: str(s.run_dir) for stages in of_arm.values() for s in stages}
+        cost[arm] = {"images": round(statistics.mean(images or [0])), "minutes": statistics.mean(minutes or [0.0])}
+    runs = {s.name: str(s.run_dir) for (_, _, p), stages in of_arm.items() if p == point for s in stages}
+    here = {k: v for k, v in epochs.items() if "@" not in k or k.endswith(f"@{point}")}
     return {"test": setup.test, "test_split": setup.test_split, "test_samples": setup.test_samples,
-            "seeds": setup.seeds, "table": table(top1, setup.arms, setup.seeds), "cost": cost, "epochs": epochs,
+            "seeds": setup.seeds, "table": table(top1, setup.arms, setup.seeds), "cost": cost, "epochs": here,
             "notes": notes, "runs": runs}
 
 
+def has_result(report: dict[str, Any]) -> bool:
+    return any(v is not None for row in report["table"]["arms"].values() for v in row["per_seed"].values())
+
+
+def sweep_report(setup: Setup, of_arm: dict[tuple[int, str, str], list[Stage]], epochs: dict[str, int],
+                 ) -> dict[str, Any]:
+    """The label sweep's report: each point's (as `make_report`), and the curve (each arm's mean and std per point,
+    at labels per class)."""
+    points = {p: make_report(setup, of_arm, epochs, p) for p in setup.points}
+    curve = {"seeds": setup.seeds,
+             "points": [{"name": p, "per_class": label_sweep.labels_per_class(setup.labelled, p)} for p in points],
+             "arms": {a: {p: (r["table"]["arms"][a]["mean"], r["table"]["arms"][a]["std"]) for p, r in points.items()}
+                      for a in setup.arms}}
+    return {"points": points, "curve": curve}
+
+
 def write_report(report: dict[str, Any], out: Path) -> str:
-    """compare.md, compare.csv and compare.json in `out`; returns the markdown."""
-    text = markdown(report)
+    """compare.md, compare.csv and compare.json in `out` (a sweep: the curve first, then each point's tables, and
+    labels.png); returns the markdown."""
     make_out_folder(out)
+    if "points" in report:
+        parts = [label_sweep.curve_markdown(report["curve"])]
+        for point, part in report["points"].items():
+            parts.append(f"\n## {point}: {label_sweep.labels_per_class_text(report['curve'], point)}\n\n"
+                         + markdown(part))
+        text = "\n".join(parts)
+        label_sweep.plot_curve(report["curve"], out / "labels.png", f"{out.name}: top-1 against labels per class")
+        write_csv({**report["points"][next(iter(report["points"]))], "points": report["points"]}, out / "compare.csv")
+    else:
+        text = markdown(report)
+        write_csv(report, out / "compare.csv")
     (out / "compare.md").write_text(text)
-    write_csv(report, out / "compare.csv")
     (out / "compare.json").write_text(json.dumps(report, indent=1) + "\n")
     return text
 
@@ -650,11 +765,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"note: {note}", flush=True)
     stages, of_arm = plan_runs(setup)
     epochs: dict[str, int] = {}
+    sweep = setup.points != [""]
     if not args.report_only:
         started = time.monotonic()
-        print(f"checking {len(stages)} runs ({len(setup.arms)} arms x {len(setup.seeds)} seeds) with the stages' "
-              "own --dry-run ...", flush=True)
-        lengths = measure(stages, args.jobs, setup.fingerprint, None if args.dry_run else setup.out / DRY_RUNS)
+        moved, keep = {}, None
+        if sweep and args.dry_run:  # the first seed's subsets, for the stages' dry runs; nothing under --out
+            moved, keep = label_sweep.draft_subsets(setup.labelled, setup.points, setup.seeds[0], setup.out)
+        elif sweep:
+            label_sweep.make_subsets(setup.labelled, setup.points, setup.seeds, setup.out)
+        points = f" x {len(setup.points)} points" if sweep else ""
+        print(f"checking {len(stages)} runs ({len(setup.arms)} arms x {len(setup.seeds)} seeds{points}) with the "
+              "stages' own --dry-run ...", flush=True)
+        lengths = measure(stages, args.jobs, setup.fingerprint, None if args.dry_run else setup.out / DRY_RUNS,
+                          moved)
         epochs = set_lengths(setup, stages, lengths)
         check_run_dirs(stages)
         print(f"checked in {format_duration(time.monotonic() - started)}"
@@ -663,12 +786,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for s in stages:
                 print(f"{s.name}: {s.steps} steps x {s.batch}{' (finished)' if finished(s) else ''}\n  "
                       f"{shlex.join(s.command)}")
+            if keep is not None:
+                keep.cleanup()
             return {}
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         execute(stages, setup.out, args.jobs, args.threads or max(1, cores // args.jobs))
-    report = make_report(setup, of_arm, epochs)
+    report = sweep_report(setup, of_arm, epochs) if sweep else make_report(setup, of_arm, epochs)
+    if not any(has_result(r) for r in (report["points"].values() if sweep else [report])):
+        raise ConfigError(f"no run in {setup.out} has a test result yet: run the same command without --report-only")
     text = write_report(report, setup.out)
-    print("\n" + text + f"\nwrote {setup.out / 'compare.md'}, compare.csv, compare.json", flush=True)
+    figure = ", labels.png" if sweep else ""
+    print("\n" + text + f"\nwrote {setup.out / 'compare.md'}, compare.csv, compare.json{figure}", flush=True)
     return report
 
 

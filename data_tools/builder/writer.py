@@ -87,9 +87,14 @@ class ShardWriter:
         """Add one sample: `files` maps extension to bytes; they are stored adjacent, as `<key>.<ext>`."""
         if "." in key or "/" in key:
             raise ValueError(f"sample key {key!r} must not contain '.' or '/'")
+        self.write_members([(f"{key}.{ext}", data) for ext, data in files.items()])
+
+    def write_members(self, members: list[tuple[str, bytes]]) -> None:
+        """Add one sample as its members (name, bytes), in order: a sample copied from another tar keeps its
+        names (`build-shards subset`), where `write` makes them from a key."""
         put, added = self.pieces.append, 0
-        for ext, data in files.items():
-            header = ustar_header(f"{key}.{ext}", len(data))
+        for name, data in members:
+            header = ustar_header(name, len(data))
             pad = ZEROS[: -len(data) % BLOCK]
             for piece in (header, data, pad):
                 if piece:

@@ -6,6 +6,7 @@ anything is written. See docs/build_shards.md#indexing-shards-you-already-have.
 
 from __future__ import annotations
 
+import copy
 import json
 import multiprocessing as mp
 import os
@@ -251,8 +252,10 @@ def summary(info: dict, seconds: float, workers: int, pool: str, read_bytes: int
             f"{seconds:.1f} s ({rate}, {workers} {pool} worker(s))")
 
 
-def index(locations: list[str], splits: list[str] | None, out: str | None, options: IndexOptions) -> dict:
-    """`build-shards index`: list, check the output, read every shard, then write the manifest; returns it."""
+def index(locations: list[str], splits: list[str] | None, out: str | None, options: IndexOptions,
+          amend: Callable[[dict], None] | None = None) -> dict:
+    """`build-shards index`: list, check the output, read every shard, then write the manifest; returns it.
+    `amend` adds to the manifest before it is written (`build-shards subset`: where the subset comes from)."""
     start = time.perf_counter()
     location_splits = split_names(locations, splits)
     shards = list_shards(locations, splits, options.read.timeout, options.read.retries)
@@ -271,11 +274,14 @@ def index(locations: list[str], splits: list[str] | None, out: str | None, optio
     info = build_manifest(locations, location_splits, shards, results, place, options)
     for line in report(info, shards, results):
         print(line, flush=True)
+    written = copy.deepcopy(info)
+    if amend is not None:
+        amend(written)  # the summary below says what was indexed
     if urls.is_local(place.out):
         os.makedirs(os.path.dirname(manifest_file(place.out)), exist_ok=True)
-    write_manifest_url(place.out, info)
+    write_manifest_url(place.out, written)
     read_bytes = sum(r.bytes for r in results)
     print(summary(info, time.perf_counter() - start, max(1, min(options.workers, len(shards))), options.pool,
                   read_bytes))
     print(f"manifest: {manifest_file(place.out)}" + (f" (shards in {place.location})" if place.location else ""))
-    return info
+    return written

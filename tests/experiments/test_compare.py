@@ -14,7 +14,9 @@ import yaml
 
 from experiments import compare
 from tests.helpers.processes import in_process, run_module
+from tests.helpers.runs import read_metrics
 from tests.helpers.shards import write_shard_set
+from vit_mpp.data.manifest import read_manifest
 
 PRE_STEPS, PRE_BATCH, FT_EPOCHS, FT_BATCH = 20, 8, 3, 4
 
@@ -23,7 +25,7 @@ def dry_run_text(cmd: list[str]) -> str:
     """What a stage's --dry-run prints, as far as compare reads it: the resolved config, then the start line."""
     module = cmd[cmd.index("-m") + 1]
     over = dict(c.split("=", 1) for c in cmd if "=" in c and not c.startswith("-"))
-    samples = 60 if "pool" in over["data.shards"] else 12  # the pool's and the labelled set's train splits
+    samples = read_manifest(over["data.shards"])["splits"]["train"]["num_samples"]  # a subset's too
     if module == "pretrain":
         batch, epochs, steps = PRE_BATCH, None, int(over.get("train.steps", PRE_STEPS))
     else:
@@ -231,6 +233,114 @@ def test_overrides_reach_their_stage_in_order(tmp_path, monkeypatch, shards):
     assert "model.global_pool=avg" not in attentive
 
 
+# ------------------------------------------------------------------------------------------ the label sweep
+
+
+def test_a_label_sweep_shares_the_pretrainings_and_sizes_each_point(tmp_path, monkeypatch, shards, capsys):
+    # 12 labelled images (4 of each of 3 classes); at 2 per class a subset of 6: 1 step an epoch at batch 4, all
+    # of them 3. The fine-tunings make --finetune-steps 9 at both points; equal compute is sized per point.
+    fake = FakeStages(monkeypatch, top1=lambda stage: {"mpp": 0.8, "scratch_equal": 0.6}.get(stage.arm, 0.7)
+                      - (0.2 if stage.point == "k2" else 0.0))
+    out = tmp_path / "out"
+    args = argv(shards, out, "--seeds", "0", "1", "--arms", "mpp,scratch_equal,supervised,semi",
+                "--labels-per-class", "2", "all", "--finetune-steps", "9", "--jobs", "2")
+    report = compare.main(args)
+    assert sorted(n for n in fake.launched if n.startswith("seed0/")) == sorted([
+        "seed0/mpp/pretrain", "seed0/supervised/pretrain",  # once each, for both points
+        *(f"seed0/{arm}/finetune_{p}" for arm in ("mpp", "scratch_equal", "supervised", "semi")
+          for p in ("k2", "all"))])
+
+    def command(name: str) -> list[str]:
+        return json.loads((out / name / compare.SIDECAR).read_text())["command"]
+
+    for seed in (0, 1):
+        subset = out / "labelled" / f"k2_s{seed}"
+        assert read_manifest(subset)["subset"]["per_class"] == 2 and read_manifest(subset)["splits"]["train"][
+            "num_samples"] == 6
+        assert f"data.shards={subset}" in command(f"seed{seed}/mpp/finetune_k2")
+        assert f"init.checkpoint={out / f'seed{seed}/mpp/pretrain/export'}" in command(f"seed{seed}/semi/finetune_k2")
+    assert f"data.shards={shards['labelled']}" in command("seed0/mpp/finetune_all")
+    drawn = [(out / f"labelled/k2_s{seed}/train-000000.tar").read_bytes() for seed in (0, 1)]
+    assert drawn[0] != drawn[1]  # a draw per seed
+    assert command("seed0/mpp/finetune_k2")[-1] == "train.epochs=9"  # 9 steps at both points: the config's 3
+    assert not any(c.startswith("train.epochs=") for c in command("seed0/mpp/finetune_all"))  # epochs make 9 at all
+    # scratch_equal: the 20 x 8 MPP images and the 9 x 4 of the fine-tuning = 196, in 4 (k2) and 12 (all) an epoch
+    assert command("seed0/scratch_equal/finetune_k2")[-1] == "train.epochs=49"
+    assert command("seed0/scratch_equal/finetune_all")[-1] == "train.epochs=16"
+    assert report["curve"]["points"] == [{"name": "k2", "per_class": 2.0}, {"name": "all", "per_class": 4.0}]
+    assert report["curve"]["arms"]["mpp"] == {"k2": (pytest.approx(0.6), 0.0), "all": (pytest.approx(0.8), 0.0)}
+    assert report["points"]["k2"]["table"]["differences"]["mpp - scratch_equal"]["mean"] == pytest.approx(0.2)
+    md = (out / "compare.md").read_text()
+    assert "| arm | k2 (2/class) | all (4/class) |" in md and "| mpp | 0.600 ± 0.000 | 0.800 ± 0.000 |" in md
+    assert "## k2: 2 labelled images per class" in md and "## all: 4 labelled images per class" in md
+    assert (out / "labels.png").stat().st_size > 10_000
+    rows = (out / "compare.csv").read_text().splitlines()
+    assert rows[0] == "point,what,name,mean,std,seed_0,seed_1" and any(r.startswith("all,arm,mpp,") for r in rows)
+
+    fake.launched.clear()
+    assert compare.main(args)["curve"] == report["curve"] and not fake.launched  # a rerun: every run reused
+    assert compare.main([*args, "--report-only"])["curve"] == report["curve"]
+
+
+def test_a_sweep_without_finetune_steps_keeps_the_first_points_steps(tmp_path, monkeypatch, shards):
+    FakeStages(monkeypatch)
+    out = tmp_path / "out"
+    compare.main(argv(shards, out, "--seeds", "0", "--arms", "mpp", "--labels-per-class", "all", "1"))
+
+    def command(name: str) -> list[str]:
+        return json.loads((out / name / compare.SIDECAR).read_text())["command"]
+
+    assert not command("seed0/mpp/finetune_all")[-1].startswith("train.epochs=")  # the config's 3 epochs, 9 steps
+    assert command("seed0/mpp/finetune_k1")[-1] == "train.epochs=9"  # 3 images: 1 step an epoch
+
+
+def test_semi_arms_skip_point_all_when_their_pool_is_the_labelled_set(tmp_path, monkeypatch, shards, capsys):
+    fake = FakeStages(monkeypatch)
+    args = argv(shards, tmp_path / "out", "--seeds", "0", "--arms", "mpp,semi,semi_scratch", "--labels-per-class",
+                "1", "all")
+    args[args.index("--unlabelled") + 1] = str(shards["labelled"])
+    report = compare.main(args)
+    assert not any(n.endswith("finetune_all") and "semi" in n for n in fake.launched)
+    assert "seed0/semi/finetune_k1" in fake.launched and "seed0/semi_scratch/finetune_k1" in fake.launched
+    assert report["curve"]["arms"]["semi"]["all"] == (None, None)
+    assert any("not run at point all" in n for n in report["points"]["k1"]["notes"])
+
+
+def test_a_sweeps_dry_run_writes_nothing(tmp_path, monkeypatch, shards, capsys):
+    fake = FakeStages(monkeypatch)
+    out = tmp_path / "out"
+    assert compare.main(argv(shards, out, "--seeds", "0", "--arms", "mpp", "--labels-per-class", "2", "all",
+                             "--dry-run")) == {}
+    printed = capsys.readouterr().out
+    assert f"data.shards={out / 'labelled/k2_s0'}" in printed and "seed0/mpp/finetune_k2: 3 steps x 4" in printed
+    assert not out.exists() and not fake.launched
+    assert any(str(out / "labelled") not in " ".join(cmd) and "compare-dry-run-" in " ".join(cmd)
+               for cmd in fake.dry_runs)  # the subset the stage's dry run read, drawn in a temporary folder
+
+
+@pytest.mark.parametrize("more, says", [
+    (["--labels-per-class", "two"], "--labels-per-class 'two': give counts"),
+    (["--labels-per-class", "2", "2"], "names a point twice"),
+    (["--labels-per-class", "0"], "--labels-per-class '0'"),
+    (["--finetune-steps", "100"], "with --labels-per-class"),
+    (["--labels-per-class", "2", "--finetune-steps", "0"], "give a count >= 1"),
+    (["--labels-per-class", "5"], "--per-class 5: "),  # 4 of each class in the labelled set
+])
+def test_a_bad_sweep_is_one_line_before_anything_runs(tmp_path, monkeypatch, shards, capsys, more, says):
+    fake = FakeStages(monkeypatch)
+    code, _, err = in_process(compare.main, argv(shards, tmp_path / "out", *more), capsys)
+    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1 and says in err, err
+    assert not fake.dry_runs and not fake.launched and not (tmp_path / "out" / "seed0").exists()
+
+
+def test_a_sweep_needs_one_labelled_set(tmp_path, monkeypatch, shards, capsys):
+    FakeStages(monkeypatch)
+    args = argv(shards, tmp_path / "out", "--labels-per-class", "2")
+    args[args.index("--labelled") + 1] = str(shards["labelled"]).replace("labelled", "{seed}_labelled")
+    code, _, err = in_process(compare.main, args, capsys)
+    assert code == 2 and err.count("\n") == 1, err
+
+
 # ------------------------------------------------------------------------------------------- one-line mistakes
 
 
@@ -344,3 +454,20 @@ def test_a_tiny_real_comparison_runs_and_resumes(tmp_path, monkeypatch, shards):
     launched = []
     monkeypatch.setattr(compare, "launch", lambda *a: launched.append(a) or 0)
     assert compare.main(args)["table"] == report["table"] and not launched
+
+
+@pytest.mark.slow
+def test_a_tiny_real_label_sweep(tmp_path, shards):
+    """The real subsets and stages: one MPP pretraining, fine-tunings at 1 label per class and at all of them, each
+    scored on the test set, the curve and its plot."""
+    tiny = ["--set", "finetune:model.patch_size=4", "finetune:model.embed_dim=32", "finetune:model.depth=2",
+            "finetune:model.num_heads=2", "finetune:model.img_size=16", "pretrain:train.steps=4",
+            "finetune:data.num_workers=0", "pretrain:data.num_workers=0"]
+    out = tmp_path / "out"
+    report = compare.main(argv(shards, out, "--seeds", "0", "--arms", "mpp,scratch_equal", "--labels-per-class",
+                               "1", "all", "--finetune-steps", "3", "--jobs", "2", *tiny))
+    assert all(report["curve"]["arms"][a][p][0] is not None for a in ("mpp", "scratch_equal") for p in ("k1", "all"))
+    assert [r["step"] for r in read_metrics(out / "seed0/mpp/finetune_k1") if "loss" in r][-1] == 3
+    assert [r["step"] for r in read_metrics(out / "seed0/mpp/finetune_all") if "loss" in r][-1] == 3
+    assert read_manifest(out / "labelled/k1_s0")["splits"]["train"]["num_samples"] == 3
+    assert (out / "labels.png").is_file() and len(list((out / "seed0/mpp").iterdir())) == 3  # 1 pretraining

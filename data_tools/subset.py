@@ -1,0 +1,202 @@
+"""`build-shards subset SOURCE OUT --per-class K --seed S`: K labelled samples of each class, drawn with a seed from
+one split of a shard set, written as a shard set of their own (the samples' bytes as they are, their manifest made
+by `build-shards index`), for fine-tuning on few labels and for `compare --labels-per-class`. The set's other splits
+are not copied: the new manifest names their shards where they are. See docs/build_shards.md#subsets.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from data_tools.builder.writer import ShardWriter
+from data_tools.indexer import index_tars
+from data_tools.indexer.index_tars import IndexOptions
+from vit_mpp.data import urls
+from vit_mpp.data.labels import BadLabel, cls_label
+from vit_mpp.data.manifest import (
+    MANIFEST_NAME,
+    check_manifest,
+    load_split,
+    manifest_classes,
+    manifest_file,
+    read_manifest,
+    shard_base,
+    shard_url,
+)
+from vit_mpp.data.tar_scan import TarDamaged, TarReader, describe, samples
+from vit_mpp.data.urls import ReadPolicy
+from vit_mpp.errors import UserError
+from vit_mpp.tools.args import check_writable_place
+
+SHARD_SIZE = 1000  # samples per written shard
+
+
+class SubsetError(UserError):
+    """A subset that cannot be drawn (a split without labels, a class with fewer than K samples, an unreadable
+    shard, an output that is not ours); one line, nothing written."""
+
+
+@dataclass(frozen=True)
+class Picked:
+    """A labelled sample of the source split: where it is and its class."""
+
+    shard: int  # index into the split's shard list
+    key: str
+    label: int
+
+
+def _read_shard(url: str, wanted: frozenset[str] | None, keep: frozenset[str] | None, read: ReadPolicy,
+                ) -> list[tuple[str, dict[str, bytes]]]:
+    """(key, data) of each sample of one shard, with the bytes of the `wanted` suffixes (None: all of
+    them) of the samples in `keep` (None: every sample); an unreadable shard is one SubsetError line."""
+    def scan(stream: Any) -> list[tuple[str, dict[str, bytes]]]:
+        reader = TarReader(stream)
+        found = []
+        for sample in samples(reader, wanted if wanted is not None else _ALL):
+            if keep is None or sample.key in keep:
+                found.append((sample.key, sample.data))
+        return found
+
+    try:
+        return urls.read_stream(url, scan, read.timeout, read.retries, read.wait_s)
+    except TarDamaged as e:
+        raise SubsetError(f"{url}: {describe(e)}") from None
+    except OSError as e:
+        raise SubsetError(f"cannot read {url}: {describe(e)}") from None
+
+
+class _Everything(frozenset):
+    """A `wanted` set that holds every suffix: the copy keeps every member of a sample."""
+
+    def __contains__(self, item: object) -> bool:
+        return True
+
+
+_ALL = _Everything()
+
+
+def draw(labels: list[Picked], per_class: int, seed: int, where: str) -> list[Picked]:
+    """`per_class` samples of each class, drawn with `seed` (numpy's default generator, a permutation per class in
+    ascending class order), in the source's order; a class with fewer is a SubsetError."""
+    by_class: dict[int, list[Picked]] = {}
+    for p in labels:
+        by_class.setdefault(p.label, []).append(p)
+    short = {c: len(v) for c, v in sorted(by_class.items()) if len(v) < per_class}
+    if short:
+        listed = ", ".join(f"class {c} has {n}" for c, n in list(short.items())[:5])
+        raise SubsetError(f"--per-class {per_class}: {where} has fewer samples of {len(short)} class(es) ({listed}): "
+                          "give a smaller --per-class")
+    rng = np.random.default_rng(seed)
+    chosen = {id(v[i]) for _, v in sorted(by_class.items()) for i in rng.permutation(len(v))[:per_class]}
+    return [p for p in labels if id(p) in chosen]
+
+
+def check_out(out: Path, source: str, overwrite: bool) -> None:
+    """OUT may be new, empty, an unfinished subset (tars, no manifest) or, with --overwrite, a finished one; never
+    the source itself, nor a folder that holds anything else."""
+    check_writable_place("OUT", out, out)
+    if urls.is_local(source) and Path(urls.local_path(source)).resolve() == out.resolve():
+        raise SubsetError(f"OUT {out} is the source set: write the subset into a folder of its own")
+    if not out.is_dir():
+        return
+    ours = [p for p in out.iterdir() if p.suffix in (".tar", ".tmp") or p.name == MANIFEST_NAME]
+    others = sorted(p.name for p in out.iterdir() if p not in ours)
+    if others:
+        raise SubsetError(f"OUT {out} holds files that are not a subset's ({', '.join(others[:3])}): give an empty "
+                          "or new folder")
+    if (out / MANIFEST_NAME).is_file() and not overwrite:
+        raise SubsetError(f"OUT {out} already holds a subset (its {MANIFEST_NAME}): give --overwrite to draw it again")
+
+
+@dataclass(frozen=True)
+class SubsetOptions:
+    """The options of `build-shards subset` other than what is drawn."""
+
+    split: str = "train"
+    overwrite: bool = False
+    shard_size: int = SHARD_SIZE
+    read: ReadPolicy = ReadPolicy()
+
+
+def subset(source: str, out: Path, per_class: int, seed: int, options: SubsetOptions = SubsetOptions(),
+           ) -> dict[str, Any]:
+    """Draw the subset and write it (shards, then the manifest, the commit point); returns its manifest."""
+    start = time.perf_counter()
+    split, overwrite, shard_size, read = options.split, options.overwrite, options.shard_size, options.read
+    if per_class < 1 or shard_size < 1:
+        raise SubsetError(f"--per-class and --shard-size must be >= 1, got {per_class} and {shard_size}")
+    info = read_manifest(source)
+    check_manifest(info, manifest_file(source))
+    if split not in info["splits"]:
+        raise SubsetError(f"{source} has no split '{split}' (it has: {', '.join(info['splits'])})")
+    if not manifest_classes(info):
+        raise SubsetError(f"{source} carries no labels (its manifest counts no classes): a subset is drawn per class")
+    check_out(out, source, overwrite)
+    shards, _ = load_split(source, split)
+    where = f"{source}:{split}"
+    labels: list[Picked] = []
+    unlabelled = 0
+    for i, url in enumerate(shards.urls):
+        for key, data in _read_shard(url, frozenset({"cls"}), None, read):
+            try:
+                label = cls_label(data.get("cls"))
+            except BadLabel:
+                label = -1
+            if label < 0:
+                unlabelled += 1
+            else:
+                labels.append(Picked(i, key, label))
+    chosen = draw(labels, per_class, seed, where)
+
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in [p for p in out.iterdir() if p.suffix in (".tar", ".tmp") or p.name == MANIFEST_NAME]:
+        stale.unlink()  # an earlier draw (--overwrite) or an interrupted one: replaced whole
+    writer, written = None, 0
+    for i, url in enumerate(shards.urls):
+        keep = frozenset(p.key for p in chosen if p.shard == i)
+        if not keep:
+            continue
+        for key, data in _read_shard(url, None, keep, read):
+            if writer is None:
+                writer = ShardWriter(out / f"{split}-{written // shard_size:06d}.tar")
+            try:
+                writer.write_members([(f"{key}.{suffix}", data[suffix]) for suffix in data])
+            except ValueError as e:  # a member name longer than a tar header holds
+                raise SubsetError(f"{url}: sample {key}: {e}") from None
+            written += 1
+            if written % shard_size == 0:
+                writer.close()
+                writer = None
+    if writer is not None:
+        writer.close()
+
+    def record(made: dict[str, Any]) -> None:
+        """The source's other splits (where they are), its classes and encoder, and how the subset was drawn."""
+        base = shard_base(source, info)
+        for name, entry in info["splits"].items():
+            if name != split:
+                made["splits"][name] = {**entry, "filenames": [_absolute(shard_url(base, f))
+                                                               for f in entry["filenames"]]}
+        for field in ("num_classes", "class_names", "encoder"):
+            if field in info:
+                made[field] = info[field]
+        made["subset"] = {"of": source, "split": split, "per_class": per_class, "seed": seed,
+                          "samples": len(chosen), "of_samples": len(labels), "unlabelled_left_out": unlabelled}
+
+    made = index_tars.index([str(out)], [split], str(out), IndexOptions(workers=1, pool="thread", overwrite=True,
+                                                                         read=read), amend=record)
+    print(f"subset: {len(chosen):,} of the {len(labels):,} labelled samples of {where} ({per_class} of each of "
+          f"{len({p.label for p in chosen})} classes, seed {seed}) in {out}, {time.perf_counter() - start:.1f} s"
+          + (f"; {unlabelled:,} sample(s) without a label left out" if unlabelled else ""), flush=True)
+    return made
+
+
+def _absolute(name: str) -> str:
+    return os.path.abspath(name) if urls.is_local(name) else name
+

@@ -1,0 +1,159 @@
+"""`build-shards subset SOURCE OUT --per-class K --seed S`: K samples of each class, the same ones for the same seed,
+copied byte for byte into shards of their own whose manifest names the source's other splits where they are (a
+fine-tuning reads the subset and the source's val split); `inspect` passes on it; every mistake is one line with
+nothing written, and a draw that was interrupted is drawn again whole."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tarfile
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from data_tools.cli import main as build_main
+from finetune.__main__ import main as finetune_main
+from tests.helpers.processes import REPO, in_process, subprocess_env
+from tests.helpers.runs import audit, read_metrics
+from tests.helpers.shards import write_shard_set
+from vit_mpp.data.manifest import load_split
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> Path:
+    # 3 classes (sample i is labelled i % 3), uneven shards: 14, 10 and 9 of each class in train
+    return write_shard_set(tmp_path_factory.mktemp("src") / "set", {"train": [13, 11, 9], "val": [6]})
+
+
+def members(folder: Path, split: str = "train") -> dict[str, bytes]:
+    """Every member of a split's shards, name -> bytes, in order."""
+    shards, _ = load_split(folder, split)
+    found = {}
+    for url in shards.urls:
+        with tarfile.open(url) as tar:
+            for m in tar.getmembers():
+                found[m.name] = tar.extractfile(m).read()
+    return found
+
+
+def labels(folder: Path) -> Counter:
+    return Counter(int(v) for k, v in members(folder).items() if k.endswith(".cls"))
+
+
+def subset(capsys, source: Path, out: Path, *more: str) -> tuple[int, str, str]:
+    return in_process(build_main, ["subset", str(source), str(out), *more], capsys)
+
+
+def test_k_of_each_class_the_same_for_the_same_seed_copied_byte_for_byte(source, tmp_path, capsys):
+    code, out, _ = subset(capsys, source, tmp_path / "a", "--per-class", "4", "--seed", "1", "--shard-size", "5")
+    assert code == 0 and "12 of the 33 labelled samples" in out, out
+    assert labels(tmp_path / "a") == {0: 4, 1: 4, 2: 4}
+    assert sorted(p.name for p in (tmp_path / "a").glob("*.tar")) == ["train-000000.tar", "train-000001.tar",
+                                                                     "train-000002.tar"]  # 5 + 5 + 2 samples
+    original = members(source)
+    copied = members(tmp_path / "a")
+    assert all(original[name] == data for name, data in copied.items())  # the bytes as they were
+    assert list(copied) == [n for n in original if n in copied]  # in the source's order, each sample whole
+    assert len(copied) == 12 * 3  # png, cls, json of each
+
+    assert subset(capsys, source, tmp_path / "b", "--per-class", "4", "--seed", "1")[0] == 0
+    assert subset(capsys, source, tmp_path / "c", "--per-class", "4", "--seed", "2")[0] == 0
+    assert members(tmp_path / "b") == copied  # the same seed: the same samples (in one shard this time)
+    assert members(tmp_path / "c").keys() != copied.keys()
+
+    info = json.loads((tmp_path / "a" / "_info.json").read_text())
+    assert info["subset"] == {"of": str(source), "split": "train", "per_class": 4, "seed": 1, "samples": 12,
+                              "of_samples": 33, "unlabelled_left_out": 0}
+    assert info["class_names"] == ["a", "b", "c"] and info["num_classes"] == 3
+    assert info["splits"]["val"]["filenames"] == [str(source / "val-000000.tar")]  # where it is, not copied
+    assert members(tmp_path / "a", "val") == members(source, "val")
+    code, out, _ = in_process(build_main, ["inspect", str(tmp_path / "a"), "--samples", "0"], capsys)
+    assert code == 0 and "verified: every shard matches the manifest" in out, out
+
+
+def test_a_fine_tuning_reads_the_subset_and_the_sources_val_split(source, tmp_path, capsys):
+    assert subset(capsys, source, tmp_path / "few", "--per-class", "2")[0] == 0
+    run_dir = tmp_path / "run"
+    code, out, err = in_process(finetune_main, [
+        "--config", "configs/finetune/tiny.yaml", f"data.shards={tmp_path / 'few'}", "init.checkpoint=",
+        "model.img_size=16", "model.patch_size=4", "model.embed_dim=32", "model.depth=1", "model.num_heads=2",
+        "data.num_workers=0", "train.epochs=2", "train.record_samples=true", f"train.run_dir={run_dir}"], capsys)
+    assert code == 0, err[-2000:]
+    evals = [r for r in read_metrics(run_dir) if "val_top1" in r]
+    assert evals and all(r["val_samples"] == 6 for r in evals)  # the source's val split, read where it is
+    drawn = {name.split(".")[0] for name in members(tmp_path / "few")}
+    assert {k for r in audit(run_dir) for k in r["keys"]} == drawn  # trained on the subset, all of it
+
+
+@pytest.mark.parametrize("more, says", [
+    (["--per-class", "12"], "fewer samples of 3 class(es) (class 0 has 11, class 1 has 11, class 2 has 11)"),
+    (["--per-class", "3", "--split", "test"], "has no split 'test'"),
+])
+def test_what_cannot_be_drawn_is_one_line_and_nothing_is_written(source, tmp_path, capsys, more, says):
+    code, _, err = subset(capsys, source, tmp_path / "out", *more)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], err
+    assert not (tmp_path / "out").exists()
+
+
+def test_outputs_that_are_refused(source, tmp_path, capsys):
+    unlabelled = write_shard_set(tmp_path / "unlabelled", {"train": [6]}, labels={"train": [None] * 6})
+    info = json.loads((unlabelled / "_info.json").read_text())
+    del info["num_classes"], info["class_names"]
+    (unlabelled / "_info.json").write_text(json.dumps(info))
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    done = tmp_path / "done"
+    assert subset(capsys, source, done, "--per-class", "2")[0] == 0
+    before = {p.name: p.read_bytes() for p in done.iterdir()}
+    for src, out, says in ((unlabelled, tmp_path / "x", "carries no labels"),
+                           (source, source, "is the source set"),
+                           (source, foreign, "holds files that are not a subset's"),
+                           (source, done, "already holds a subset")):
+        code, _, err = subset(capsys, src, out, "--per-class", "2", "--seed", "5")
+        assert code == 2 and says in err and len(err.strip().splitlines()) == 1, err
+    assert {p.name: p.read_bytes() for p in done.iterdir()} == before
+    assert (foreign / "notes.txt").read_text() == "mine" and len(list(foreign.iterdir())) == 1
+    code, _, err = subset(capsys, source, done, "--per-class", "2", "--seed", "5", "--overwrite")
+    assert code == 0, err
+    assert json.loads((done / "_info.json").read_text())["subset"]["seed"] == 5
+
+
+def test_an_interrupted_draw_is_drawn_again_whole(source, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert subset(capsys, source, out, "--per-class", "3", "--shard-size", "2")[0] == 0
+    expected = members(out)
+    (out / "_info.json").unlink()  # killed before its manifest, the commit point: a stale tar and a .tmp left
+    (out / "train-000004.tar").unlink()
+    (out / "train-000009.tar.tmp").write_bytes(b"half")
+    assert subset(capsys, source, out, "--per-class", "3", "--shard-size", "2")[0] == 0
+    assert members(out) == expected and not list(out.glob("*.tmp"))
+
+
+def test_a_damaged_source_shard_is_one_line(source, tmp_path, capsys):
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    for p in source.iterdir():
+        (damaged / p.name).write_bytes(p.read_bytes())
+    shard = damaged / "train-000001.tar"
+    shard.write_bytes(shard.read_bytes()[:3000])
+    code, _, err = subset(capsys, damaged, tmp_path / "out", "--per-class", "2")
+    assert code == 2 and "train-000001.tar" in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_command_line(source, tmp_path):
+    # the installed command, as a user types it, and its help
+    result = subprocess.run([sys.executable, "-m", "data_tools.cli", "subset", str(source), str(tmp_path / "s"),
+                             "--per-class", "1"], capture_output=True, text=True, env=subprocess_env(), cwd=REPO)
+    assert result.returncode == 0 and "3 of the 33 labelled samples" in result.stdout, result.stderr
+    helped = subprocess.run([sys.executable, "-m", "data_tools.cli", "subset", "--help"], capture_output=True,
+                            text=True, env=subprocess_env(), cwd=REPO)
+    assert helped.returncode == 0 and "--per-class K" in helped.stdout and "--seed" in helped.stdout
+    bad = subprocess.run([sys.executable, "-m", "data_tools.cli", "subset", str(source), str(tmp_path / "t"),
+                          "--per-class", "0"], capture_output=True, text=True, env=subprocess_env(), cwd=REPO)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("error: ")
