@@ -287,8 +287,7 @@ def check_args(argv: list[str] | None) -> tuple[Setup, Any]:
         raise ConfigError(f"--finetune-steps {args.finetune_steps}: give a count >= 1, with --labels-per-class (a "
                           "single comparison's fine-tuning length is its config's train.epochs)")
     setup.finetune_steps = args.finetune_steps
-    same = Path(args.unlabelled).resolve() == Path(args.labelled).resolve()
-    if "all" in setup.points and same and any(kind(a) in ("semi", "semi_scratch") for a in setup.arms):
+    if "all" in setup.points and not all(setup.runs(a, "all") for a in setup.arms):
         setup.notes.append("semi-supervised arms not run at point all: their pool, --unlabelled, is the labelled set "
                            "itself there")
     if not manifest_classes(pool) and any(kind(a) == "supervised" for a in arms):
@@ -437,8 +436,7 @@ def set_lengths(setup: Setup, stages: list[Stage], lengths: dict[str, Lengths]) 
     the MPP pretraining, semi_scratch as many as the MPP pretraining and the first semi arm's fine-tuning (its own
     fine-tuning as configured without one). In a label sweep every fine-tuning makes --finetune-steps at each point,
     or as many as it makes at the first (`label_sweep.same_steps`), and the equal-compute arms are sized per point.
-    Returns
-    arm -> epochs set ('arm@point' in a sweep)."""
+    Returns arm -> epochs set ('arm@point' in a sweep)."""
     ref = setup.reference
     pre = lengths[f"{ref}/pretrain"]
     semi = [a for a in setup.arms if kind(a) == "semi"]

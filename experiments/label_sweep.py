@@ -58,7 +58,9 @@ def make_subsets(labelled: str, points: list[str], seeds: list[int], root: Path)
             folder = subset_folder(root, point, seed)
             if (folder / MANIFEST_NAME).is_file():
                 drawn = read_manifest(folder).get("subset") or {}
-                if (drawn.get("of"), drawn.get("per_class"), drawn.get("seed")) != (labelled, per_class(point), seed):
+                of = str(drawn.get("of"))
+                same = of == labelled or Path(of).resolve() == Path(labelled).resolve()
+                if not same or (drawn.get("per_class"), drawn.get("seed")) != (per_class(point), seed):
                     raise ConfigError(f"{folder} holds another subset ({drawn.get('per_class')} per class of "
                                       f"{drawn.get('of')}, seed {drawn.get('seed')}): give another --out")
             else:

@@ -333,6 +333,17 @@ def test_a_bad_sweep_is_one_line_before_anything_runs(tmp_path, monkeypatch, sha
     assert not fake.dry_runs and not fake.launched and not (tmp_path / "out" / "seed0").exists()
 
 
+def test_a_subset_drawn_from_another_set_is_not_reused(tmp_path, monkeypatch, shards, capsys):
+    fake = FakeStages(monkeypatch)
+    compare.main(argv(shards, tmp_path / "out", "--seeds", "0", "--arms", "mpp", "--labels-per-class", "2"))
+    fake.launched.clear()
+    args = argv(shards, tmp_path / "out", "--seeds", "0", "--arms", "mpp", "--labels-per-class", "2")
+    args[args.index("--labelled") + 1] = str(shards["pool"])
+    code, _, err = in_process(compare.main, args, capsys)
+    assert code == 2 and err.count("\n") == 1 and "holds another subset (2 per class of " in err, err
+    assert not fake.launched
+
+
 def test_a_sweep_needs_one_labelled_set(tmp_path, monkeypatch, shards, capsys):
     FakeStages(monkeypatch)
     args = argv(shards, tmp_path / "out", "--labels-per-class", "2")
