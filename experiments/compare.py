@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from experiments import label_sweep
+from experiments import label_sweep, monitor_ranks
 from vit_mpp.cli import ArgumentParser, run_main
 from vit_mpp.config.engine import ConfigError
 from vit_mpp.data.manifest import check_manifest, manifest_classes, manifest_file, read_manifest
@@ -676,6 +676,8 @@ def markdown(report: dict[str, Any]) -> str:
     if report["epochs"]:
         lines.append("Equal-compute epochs: " + ", ".join(f"{a} {e}" for a, e in report["epochs"].items()) + ".")
     lines += [f"Note: {n}" for n in report["notes"]]
+    if "monitors" in report:
+        lines += ["", monitor_ranks.monitor_markdown(report["monitors"]).rstrip("\n")]
     return "\n".join(lines) + "\n"
 
 
@@ -715,9 +717,12 @@ def make_report(setup: Setup, of_arm: dict[tuple[int, str, str], list[Stage]], e
         cost[arm] = {"images": round(statistics.mean(images or [0])), "minutes": statistics.mean(minutes or [0.0])}
     runs = {s.name: str(s.run_dir) for (_, _, p), stages in of_arm.items() if p == point for s in stages}
     here = {k: v for k, v in epochs.items() if "@" not in k or k.endswith(f"@{point}")}
+    mpp = [(arm, seed, of_arm[seed, arm, point][0].run_dir, top1[arm][seed]) for arm in setup.arms
+           if kind(arm) == "mpp" for seed in setup.seeds if (seed, arm, point) in of_arm]
+    monitors = monitor_ranks.monitor_table(mpp)
     return {"test": setup.test, "test_split": setup.test_split, "test_samples": setup.test_samples,
             "seeds": setup.seeds, "table": table(top1, setup.arms, setup.seeds), "cost": cost, "epochs": here,
-            "notes": notes, "runs": runs}
+            "notes": notes, "runs": runs, **({"monitors": monitors} if monitors["spearman"] else {})}
 
 
 def has_result(report: dict[str, Any]) -> bool:
