@@ -31,7 +31,9 @@ from vit_mpp.data.manifest import (
 )
 from vit_mpp.data.tar_scan import TarDamaged, TarReader, describe, samples
 from vit_mpp.data.urls import ReadPolicy
+from vit_mpp.durable import writing
 from vit_mpp.errors import UserError
+from vit_mpp.progress import progress
 from vit_mpp.tools.args import check_writable_place
 
 SHARD_SIZE = 1000  # samples per written shard
@@ -142,39 +144,42 @@ def subset(source: str, out: Path, per_class: int, seed: int, options: SubsetOpt
     where = f"{source}:{split}"
     labels: list[Picked] = []
     unlabelled = 0
-    for i, url in enumerate(shards.urls):
-        for key, data in _read_shard(url, frozenset({"cls"}), None, read):
-            try:
-                label = cls_label(data.get("cls"))
-            except BadLabel:
-                label = -1
-            if label < 0:
-                unlabelled += 1
-            else:
-                labels.append(Picked(i, key, label))
+    with progress(f"reading the labels of {where}", len(shards.urls), "shards") as shown:
+        for i, url in enumerate(shards.urls):
+            for key, data in _read_shard(url, frozenset({"cls"}), None, read):
+                try:
+                    label = cls_label(data.get("cls"))
+                except BadLabel:
+                    label = -1
+                if label < 0:
+                    unlabelled += 1
+                else:
+                    labels.append(Picked(i, key, label))
+            shown(1)
     chosen = draw(labels, per_class, seed, where)
 
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in [p for p in out.iterdir() if p.suffix in (".tar", ".tmp") or p.name == MANIFEST_NAME]:
-        stale.unlink()  # an earlier draw (--overwrite) or an interrupted one: replaced whole
-    writer, written = None, 0
-    for i, url in enumerate(shards.urls):
-        keep = frozenset(p.key for p in chosen if p.shard == i)
-        if not keep:
-            continue
-        for key, data in _read_shard(url, None, keep, read):
-            if writer is None:
-                writer = ShardWriter(out / f"{split}-{written // shard_size:06d}.tar")
-            try:
-                writer.write_members([(f"{key}.{suffix}", data[suffix]) for suffix in data])
-            except ValueError as e:  # a member name longer than a tar header holds
-                raise SubsetError(f"{url}: sample {key}: {e}") from None
-            written += 1
-            if written % shard_size == 0:
-                writer.close()
-                writer = None
-    if writer is not None:
-        writer.close()
+    holding = sorted({p.shard for p in chosen})  # the shards read again, for the drawn samples' bytes
+    with writing(out), progress(f"copying {len(chosen):,} samples", len(holding), "shards") as shown:
+        out.mkdir(parents=True, exist_ok=True)
+        for stale in [p for p in out.iterdir() if p.suffix in (".tar", ".tmp") or p.name == MANIFEST_NAME]:
+            stale.unlink()  # an earlier draw (--overwrite) or an interrupted one: replaced whole
+        writer, written = None, 0
+        for i in holding:
+            keep = frozenset(p.key for p in chosen if p.shard == i)
+            for key, data in _read_shard(shards.urls[i], None, keep, read):
+                if writer is None:
+                    writer = ShardWriter(out / f"{split}-{written // shard_size:06d}.tar")
+                try:
+                    writer.write_members([(f"{key}.{suffix}", data[suffix]) for suffix in data])
+                except ValueError as e:  # a member name longer than a tar header holds
+                    raise SubsetError(f"{shards.urls[i]}: sample {key}: {e}") from None
+                written += 1
+                if written % shard_size == 0:
+                    writer.close()
+                    writer = None
+            shown(1)
+        if writer is not None:
+            writer.close()
 
     def record(made: dict[str, Any]) -> None:
         """The source's other splits (where they are), its classes and encoder, and how the subset was drawn."""

@@ -16,6 +16,7 @@ import pytest
 
 from data_tools.cli import main as build_main
 from finetune.__main__ import main as finetune_main
+from tests.helpers.disks import resize, small_disk
 from tests.helpers.processes import REPO, in_process, subprocess_env
 from tests.helpers.runs import audit, read_metrics
 from tests.helpers.shards import write_shard_set
@@ -157,3 +158,18 @@ def test_the_command_line(source, tmp_path):
     bad = subprocess.run([sys.executable, "-m", "data_tools.cli", "subset", str(source), str(tmp_path / "t"),
                           "--per-class", "0"], capture_output=True, text=True, env=subprocess_env(), cwd=REPO)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("error: ")
+
+
+def test_a_full_disk_is_one_line_and_the_same_command_goes_on_once_space_is_freed(tmp_path, capsys):
+    # The real writer meets the kernel's ENOSPC: a tmpfs too small for the drawn samples' bytes (no injected error)
+    big = write_shard_set(tmp_path / "big", {"train": [30, 30], "val": [3]}, size=64)
+    with small_disk(tmp_path / "disk", 64) as disk:
+        out = disk / "few"
+        code, _, err = subset(capsys, big, out, "--per-class", "20")
+        lines = err.strip().splitlines()
+        assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and "space" in lines[0], err
+        assert not (out / "_info.json").exists()  # nothing that looks finished
+        resize(disk, 4096)
+        code, _, err = subset(capsys, big, out, "--per-class", "20")
+        assert code == 0, err
+        assert labels(out) == {0: 20, 1: 20, 2: 20}
