@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.processes import JOB_LAUNCH, LAUNCH, Background, run_module
+from tests.helpers.processes import JOB_LAUNCH, LAUNCH, Background, run_module, wait_all_gone
 from tests.helpers.runs import assert_each_sample_once_per_epoch
 from tests.helpers.servers import FaultyHandler, serve_faulty
 from tests.helpers.shards import write_shard_set
@@ -268,8 +268,7 @@ def test_two_machines_on_one_host_preempted_then_resumed_as_one(shards, tmp_path
                            tmp_path / f"machine{m}", "two-machines") for m in (0, 1)]
     machines[0].wait_for("step 20/")
     machines[0].signal_all(signal.SIGTERM)  # every process of both machines (they share the marker)
-    for m in machines:
-        m.wait_gone(60)
+    wait_all_gone(machines, 60)
     step = int(re.search(r"preempted at step (\d+)", machines[0].output())[1])
     resumed = run_module(*pretrain_args(shards, run_dir, "data.num_workers=2", f"train.steps={step + 20}")[1:])
     assert resumed.returncode == 0, resumed.stderr[-3000:]

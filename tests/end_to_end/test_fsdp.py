@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers.processes import LAUNCH, REPO, Background, subprocess_env
+from tests.helpers.processes import LAUNCH, REPO, Background, subprocess_env, wait_all_gone
 from tests.helpers.runs import assert_each_sample_once_per_epoch, read_metrics
 from tests.helpers.shards import write_shard_set
 
@@ -186,8 +186,7 @@ def test_two_machines_sharded_on_one_host_preempted_then_resumed_as_one(shards, 
     machines[0].wait_for("step 6/")
     assert "FSDP over 2 processes" in machines[0].output()  # one process on each machine
     machines[0].signal_all(signal.SIGTERM)
-    for m in machines:
-        m.wait_gone(60)
+    wait_all_gone(machines, 60)
     assert [m.proc.returncode for m in machines] == [75, 75], machines[0].output()[-3000:]
     step = int(re.search(r"preempted at step (\d+)", machines[0].output())[1])
     resumed = subprocess.run([*fsdp(1), *endless(shards, run_dir, f"train.steps={step + 10}")], capture_output=True,

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.processes import JOB_LAUNCH, REPO, Background, subprocess_env
+from tests.helpers.processes import JOB_LAUNCH, REPO, Background, subprocess_env, wait_all_gone
 from tests.helpers.runs import assert_each_sample_once_per_epoch
 from tests.helpers.schedulers import Slurm, job_spec, pod_command, pod_failure_action, recipe, with_site_values
 from tests.helpers.shards import write_shard_set
@@ -211,8 +211,8 @@ def test_the_kubernetes_job_as_written_recreates_preempted_pods_and_they_resume(
     preempted_step(pods[0].output(), run_dir)
 
     pods = start_pods("b")
+    wait_all_gone(pods, 300)
     for pod in pods:
-        pod.wait_gone(300)
         assert pod.proc.returncode == 0 and pod_failure_action(job, 0) == "Succeeded", pod.output()[-3000:]
     assert_resumed_whole(run_dir, pods[0].output(), steps)
 

@@ -130,6 +130,25 @@ class Background:
         self.file.close()
 
 
+def wait_all_gone(commands: list[Background], timeout: float) -> None:
+    """Until no process of any of `commands` is left (machines of one job): on a timeout, the AssertionError
+    describes every process left of every command, so a hang between machines shows both sides, and they are
+    killed."""
+    import time
+
+    start = time.monotonic()
+    while any(c.pids() for c in commands):
+        if time.monotonic() - start > timeout:
+            left = "\n".join(f"[{c.marker}] {describe(pid)}" for c in commands for pid in c.pids())
+            tails = "\n".join(f"[{c.marker}] ...{c.output()[-1500:]}" for c in commands)
+            for c in commands:  # described: now gone, so that a hung job does not outlive its test
+                c.signal_all(9)
+            raise AssertionError(f"still running after {timeout} s:\n{left}\n{tails}")
+        time.sleep(0.05)
+    for c in commands:
+        c.wait_gone(30)
+
+
 def describe(pid: int) -> str:
     """What a process left running is doing: its command, state, parent, blocked signals and kernel wait channel,
     and its Python stacks (py-spy, a dev dependency, where ptrace is allowed): a hang in CI says where it is."""
