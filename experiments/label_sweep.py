@@ -48,11 +48,9 @@ def subset_folder(out: Path, point: str, seed: int) -> Path:
     return out / SUBSETS / f"{point}_s{seed}"
 
 
-def make_subsets(labelled: str, points: list[str], seeds: list[int], root: Path) -> dict[str, str]:
+def make_subsets(labelled: str, points: list[str], seeds: list[int], root: Path) -> None:
     """Draw every (point, seed) subset not drawn yet under `root` (`subset_folder`); an existing one is reused when
-    it was drawn from the same set with the same count and seed, else one line. Returns folder -> folder (for
-    `compare.measure`'s `shards`)."""
-    made = {}
+    it was drawn from the same set with the same count and seed, else one line."""
     for point in (p for p in points if p.startswith("k")):
         for seed in seeds:
             folder = subset_folder(root, point, seed)
@@ -65,8 +63,6 @@ def make_subsets(labelled: str, points: list[str], seeds: list[int], root: Path)
                                       f"{drawn.get('of')}, seed {drawn.get('seed')}): give another --out")
             else:
                 draw_subset(labelled, folder, per_class(point), seed)
-            made[str(folder)] = str(folder)
-    return made
 
 
 def draw_subset(labelled: str, folder: Path, count: int, seed: int) -> None:
