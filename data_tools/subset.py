@@ -158,15 +158,16 @@ def subset(source: str, out: Path, per_class: int, seed: int, options: SubsetOpt
             shown(1)
     chosen = draw(labels, per_class, seed, where)
 
-    holding = sorted({p.shard for p in chosen})  # the shards read again, for the drawn samples' bytes
+    holding: dict[int, set[str]] = {}  # the shards read again, for the drawn samples' bytes: shard -> keys
+    for p in chosen:
+        holding.setdefault(p.shard, set()).add(p.key)
     with writing(out), progress(f"copying {len(chosen):,} samples", len(holding), "shards") as shown:
         out.mkdir(parents=True, exist_ok=True)
         for stale in [p for p in out.iterdir() if p.suffix in (".tar", ".tmp") or p.name == MANIFEST_NAME]:
             stale.unlink()  # an earlier draw (--overwrite) or an interrupted one: replaced whole
         writer, written = None, 0
-        for i in holding:
-            keep = frozenset(p.key for p in chosen if p.shard == i)
-            for key, data in _read_shard(shards.urls[i], None, keep, read):
+        for i, keep in sorted(holding.items()):
+            for key, data in _read_shard(shards.urls[i], None, frozenset(keep), read):
                 if writer is None:
                     writer = ShardWriter(out / f"{split}-{written // shard_size:06d}.tar")
                 try:

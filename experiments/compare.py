@@ -324,7 +324,7 @@ def arm_stages(setup: Setup, arm: str, seed: int, pretrained: dict[str, Stage], 
     k, name = kind(arm), f"seed{seed}/{arm}"
     scored = [f"data.shards={setup.labelled_of(seed, point)}", f"train.seed={seed}",
               f"data.val_shards={setup.test}", f"data.val_split={setup.test_split}"]
-    where = f"finetune_{point}" if point else "finetune"
+    where = finetune_stage(point)
 
     def finetune(init: Stage | None, extra: tuple[str, ...] = ()) -> Stage:
         checkpoint = f"init.checkpoint={init.run_dir / 'export'}" if init else "init.checkpoint="
@@ -738,7 +738,7 @@ def sweep_report(setup: Setup, of_arm: dict[tuple[int, str, str], list[Stage]], 
              "points": [{"name": p, "per_class": label_sweep.labels_per_class(setup.labelled, p)} for p in points],
              "arms": {a: {p: (r["table"]["arms"][a]["mean"], r["table"]["arms"][a]["std"]) for p, r in points.items()}
                       for a in setup.arms}}
-    return {"points": points, "curve": curve}
+    return {"seeds": setup.seeds, "points": points, "curve": curve}
 
 
 def write_report(report: dict[str, Any], out: Path) -> str:
@@ -752,10 +752,9 @@ def write_report(report: dict[str, Any], out: Path) -> str:
                          + markdown(part))
         text = "\n".join(parts)
         label_sweep.plot_curve(report["curve"], out / "labels.png", f"{out.name}: top-1 against labels per class")
-        write_csv({**report["points"][next(iter(report["points"]))], "points": report["points"]}, out / "compare.csv")
     else:
         text = markdown(report)
-        write_csv(report, out / "compare.csv")
+    write_csv(report, out / "compare.csv")
     (out / "compare.md").write_text(text)
     (out / "compare.json").write_text(json.dumps(report, indent=1) + "\n")
     return text

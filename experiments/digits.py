@@ -42,12 +42,17 @@ def digits_split(labels: np.ndarray, held_out: float) -> tuple[np.ndarray, np.nd
 def build_shards(source: Path, out: Path, shard_size: int) -> None:
     """`build-shards SOURCE OUT` (run as `python -m data_tools.cli`, without relying on the venv's bin/ on PATH) on a
     tree or list that has its own splits, PNG bytes kept as they are; a failure is one UserError line."""
-    cmd = [sys.executable, "-m", "data_tools.cli", str(source), str(out), "--existing-splits", "--format", "png",
-           "--max-side", "0", "--min-side", "8", "--shard-size", str(shard_size), "--workers", "1", "--overwrite"]
-    result = subprocess.run(cmd, capture_output=True, text=True)
+    run_build_shards([str(source), str(out), "--existing-splits", "--format", "png", "--max-side", "0", "--min-side",
+                      "8", "--shard-size", str(shard_size), "--workers", "1", "--overwrite"], f"build-shards {source}")
+
+
+def run_build_shards(args: list[str], what: str) -> None:
+    """`build-shards ARGS` as `python -m data_tools.cli` (the product's command, without relying on the venv's bin/
+    on PATH) in a child process; its error line becomes one UserError line, `what: ...`."""
+    result = subprocess.run([sys.executable, "-m", "data_tools.cli", *args], capture_output=True, text=True)
     if result.returncode != 0:
         last = (result.stderr.strip().splitlines() or [f"exit status {result.returncode}"])[-1]
-        raise UserError(f"build-shards {source} failed: {last.removeprefix('error: ')}")
+        raise UserError(f"{what} failed: {last.removeprefix('error: ')}")
 
 
 def write_digits(root: Path, size: int, val_fraction: float) -> dict[str, list[tuple[str, int]]]:

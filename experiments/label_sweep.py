@@ -7,12 +7,11 @@ docs/experiments.md#the-label-efficiency-curve.
 from __future__ import annotations
 
 import dataclasses
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from experiments.digits import run_build_shards
 from vit_mpp.config.engine import ConfigError
 from vit_mpp.data.manifest import MANIFEST_NAME, manifest_classes, read_manifest
 
@@ -66,14 +65,10 @@ def make_subsets(labelled: str, points: list[str], seeds: list[int], root: Path)
 
 
 def draw_subset(labelled: str, folder: Path, count: int, seed: int) -> None:
-    """`build-shards subset` (run as `python -m data_tools.cli`, the product's command, in a child process) into
-    `folder`; its error is this command's one line."""
-    cmd = [sys.executable, "-m", "data_tools.cli", "subset", labelled, str(folder), "--per-class", str(count),
-           "--seed", str(seed), "--overwrite"]
-    result = subprocess.run(cmd, capture_output=True, text=True)
-    if result.returncode != 0:
-        last = (result.stderr.strip().splitlines() or [f"exit status {result.returncode}"])[-1]
-        raise ConfigError(f"build-shards subset {labelled}: {last.removeprefix('error: ')}")
+    """`build-shards subset` into `folder` (the product's command, in a child process); its error is this
+    command's one line."""
+    run_build_shards(["subset", labelled, str(folder), "--per-class", str(count), "--seed", str(seed),
+                      "--overwrite"], f"build-shards subset {labelled}")
 
 
 def draft_subsets(labelled: str, points: list[str], seed: int, out: Path) -> tuple[dict[str, str], Any]:
