@@ -6,6 +6,7 @@ See docs/experiments.md.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import dataclasses
 import hashlib
@@ -13,10 +14,13 @@ import json
 import os
 import re
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +32,7 @@ from experiments import label_sweep, monitor_ranks
 from vit_mpp.cli import ArgumentParser, run_main
 from vit_mpp.config.engine import ConfigError
 from vit_mpp.data.manifest import check_manifest, manifest_classes, manifest_file, read_manifest
-from vit_mpp.errors import UserError
+from vit_mpp.errors import EXIT_PREEMPTED, Stopped, UserError
 from vit_mpp.models.export_folder import is_export
 from vit_mpp.progress import format_duration
 from vit_mpp.run.metering.metrics_log import read_metrics
@@ -504,13 +508,63 @@ def check_run_dirs(stages: list[Stage]) -> None:
                               "remove that run directory to run it again")
 
 
+class Children:
+    """The stages' processes under way. A stop signal to compare (a scheduler's SIGTERM, Ctrl-C, a hang-up) reaches
+    each of them as SIGTERM, their preemption signal: they save a checkpoint and exit 75, and compare starts nothing
+    new; without it a compare killed with `kill` left its runs training, holding their run directories."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.running: set[subprocess.Popen] = set()
+        self.stopped_by: int | None = None
+
+    def run(self, command: list[str], **popen: Any) -> int:
+        """Run `command` to its end (not at all once a stop signal came: 128 + its number); its exit status."""
+        with self.lock:
+            if self.stopped_by is not None:
+                return 128 + self.stopped_by
+            proc = subprocess.Popen(command, **popen)
+            self.running.add(proc)
+        try:
+            return proc.wait()
+        finally:
+            with self.lock:
+                self.running.discard(proc)
+
+    def stop(self, signum: int, frame: Any = None) -> None:
+        """The signal handler: stop every stage under way (once each is enough: later signals change nothing)."""
+        if self.stopped_by is None:
+            self.stopped_by = signum
+            with self.lock:
+                for proc in self.running:
+                    if proc.poll() is None:
+                        proc.send_signal(signal.SIGTERM)
+
+    @contextlib.contextmanager
+    def stop_signals(self) -> Iterator[None]:
+        """`stop` handles STOP_SIGNALS while the stages run (the previous handlers come back)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.stop) for sig in STOP_SIGNALS}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
+children = Children()
+
+
 def launch(stage: Stage, log: Path, threads: int) -> int:
     """Run one stage as a subprocess, its output appended to `log`; its exit status."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
     with log.open("a") as f:
         f.write(f"$ {shlex.join(stage.command)}\n")
         f.flush()
-        return subprocess.run(stage.command, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
+        return children.run(stage.command, stdout=f, stderr=subprocess.STDOUT, env=env)
 
 
 @dataclass
@@ -553,7 +607,8 @@ class Progress:
 
 def execute(stages: list[Stage], out: Path, jobs: int, threads: int) -> None:
     """Run the stages not finished yet, `jobs` at a time, each after the stage it starts from; stops starting new
-    ones at the first failure and raises it as one line once the running ones end."""
+    ones at the first failure and raises it as one line once the running ones end. A stop signal stops the running
+    ones (each saves a checkpoint) and ends compare with status 75: the same command resumes."""
     todo = [s for s in stages if not finished(s)]
     reused = len(stages) - len(todo)
     if reused:
@@ -563,12 +618,14 @@ def execute(stages: list[Stage], out: Path, jobs: int, threads: int) -> None:
     logs = make_out_folder(out / "logs")
     users = {id(s.needs) for s in todo if s.needs}
     pending = sorted(todo, key=lambda s: (id(s) not in users, -s.work))  # what others start from first, then long
-    progress, running, failed = Progress(len(todo), jobs), {}, None
+    progress, running, failed, stopped = Progress(len(todo), jobs), {}, None, []
     print(f"{len(todo)} runs, {jobs} at a time, {threads} thread(s) each; logs in {logs}", flush=True)
-    with ThreadPoolExecutor(jobs) as pool:
+    children.stopped_by = None
+    with children.stop_signals(), ThreadPoolExecutor(jobs) as pool:
         while pending or running:
             waiting = [*pending, *running.values()]  # a stage starts once the one it starts from is done
-            for s in [s for s in pending if failed is None and s.needs not in waiting][:jobs - len(running)]:
+            go = failed is None and children.stopped_by is None
+            for s in [s for s in pending if go and s.needs not in waiting][:jobs - len(running)]:
                 pending.remove(s)
                 make_out_folder(s.run_dir, "train.run_dir")
                 (s.run_dir / SIDECAR).write_text(json.dumps({"command": [s.module, s.config, *s.overrides]}) + "\n")
@@ -579,16 +636,24 @@ def execute(stages: list[Stage], out: Path, jobs: int, threads: int) -> None:
                 break
             done, _ = wait(list(running), return_when=FIRST_COMPLETED)
             for future in done:
-                s = running.pop(future)
+                s, status = running.pop(future), future.result()
                 log = logs / (s.name.replace("/", "_") + ".log")
-                if future.result() != 0 and failed is None:
-                    failed = (f"{s.name} failed with exit status {future.result()}: "
+                if status == 0:
+                    print(progress.end(s, pending, list(running.values())), flush=True)
+                elif children.stopped_by is not None and (status == EXIT_PREEMPTED or status > 128 or status < 0):
+                    stopped.append((s.name, status))  # saved (75), or stopped before anything was saved
+                elif failed is None:
+                    failed = (f"{s.name} failed with exit status {status}: "
                               f"{error_of(log.read_text())} (log: {log}); run the same command to resume")
                     print(f"{s.name} failed; waiting for the runs under way", flush=True)
-                elif future.result() == 0:
-                    print(progress.end(s, pending, list(running.values())), flush=True)
     if failed:
         raise ConfigError(failed)
+    if children.stopped_by is not None:
+        saved = [name for name, status in stopped if status == EXIT_PREEMPTED]
+        raise Stopped(f"compare stopped by {signal.Signals(children.stopped_by).name}: "
+                      f"{len(stopped)} run(s) under way stopped, {len(saved)} of them with a checkpoint saved"
+                      f"{' (' + ', '.join(saved) + ')' if saved else ''}; {len(pending) + len(stopped)} of "
+                      f"{len(todo)} not finished; run the same command to resume")
 
 
 # ------------------------------------------------------------------------------------------------------ the table

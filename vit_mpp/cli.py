@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from typing import NoReturn
 
 from vit_mpp import launcher
-from vit_mpp.errors import Preempted, StoppedUnsaved, UserError
+from vit_mpp.errors import Stopped, UserError
 from vit_mpp.launcher import (
     is_peer_error,
     note_failure,
@@ -57,7 +57,7 @@ def one_line_errors() -> Iterator[None]:
     else is a bug and keeps its traceback."""
     try:
         yield
-    except (Preempted, StoppedUnsaved) as e:
+    except Stopped as e:
         quiet_after_the_outcome(e.status)
         if process_rank() == 0:
             print(e, flush=True)

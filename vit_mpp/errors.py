@@ -22,7 +22,14 @@ class UserError(Exception):
 EXIT_PREEMPTED = 75  # sysexits.h EX_TEMPFAIL: a checkpoint of the step named exists; the same command resumes
 
 
-class Preempted(Exception):
+class Stopped(Exception):
+    """Stopped by a signal, with a line that says what a rerun does (printed, not an `error:`) and the exit status
+    `status`: 75 when the same command resumes."""
+
+    status = EXIT_PREEMPTED
+
+
+class Preempted(Stopped):
     """The run stopped on a preemption signal at `step`, whose checkpoint exists: saved now, or before (a run
     stopped before its first new step). Exit status 75."""
 
@@ -34,7 +41,7 @@ class Preempted(Exception):
         self.step = step
 
 
-class StoppedUnsaved(Exception):
+class StoppedUnsaved(Stopped):
     """The run stopped on signal `signum` before anything was saved (a new run, before its first step): exit status
     128 + the signal's number, as for a process the signal ended, and a line that says so."""
 

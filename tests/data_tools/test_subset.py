@@ -6,9 +6,11 @@ nothing written, and a draw that was interrupted is drawn again whole."""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import tarfile
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -173,3 +175,34 @@ def test_a_full_disk_is_one_line_and_the_same_command_goes_on_once_space_is_free
         code, _, err = subset(capsys, big, out, "--per-class", "20")
         assert code == 0, err
         assert labels(out) == {0: 20, 1: 20, 2: 20}
+
+
+def test_killed_mid_copy_by_sigkill_the_same_command_draws_it_whole(tmp_path):
+    # The real command, killed -9 while it copies (some shards of OUT written, its manifest not yet): nothing looks
+    # finished, and running it again gives what an uninterrupted draw gives
+    big = write_shard_set(tmp_path / "big", {"train": [150] * 8, "val": [3]}, size=8, meta=False)
+    command = [sys.executable, "-m", "data_tools.cli", "subset", str(big), "OUT", "--per-class", "300",
+               "--shard-size", "3", "--seed", "4"]
+    out = tmp_path / "out"
+    proc = subprocess.Popen([str(out) if a == "OUT" else a for a in command], env=subprocess_env(), cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        while not (out.is_dir() and len(list(out.glob("*.tar"))) >= 5):
+            assert proc.poll() is None, "the draw ended before it could be killed mid-copy"
+            time.sleep(0.002)
+        proc.kill()
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    assert not (out / "_info.json").exists() and len(list(out.glob("*.tar"))) < 300  # mid-copy, unfinished
+    inspected = subprocess.run([sys.executable, "-m", "data_tools.cli", "inspect", str(out)], capture_output=True,
+                               text=True, env=subprocess_env(), cwd=REPO)
+    assert inspected.returncode == 2 and inspected.stderr.strip().splitlines()[-1].startswith("error: ")
+
+    for folder in (out, tmp_path / "clean"):
+        again = subprocess.run([str(folder) if a == "OUT" else a for a in command], capture_output=True, text=True,
+                               env=subprocess_env(), cwd=REPO)
+        assert again.returncode == 0, again.stderr
+    assert members(out) == members(tmp_path / "clean") and labels(out) == {0: 300, 1: 300, 2: 300}
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in (tmp_path / "clean").iterdir())

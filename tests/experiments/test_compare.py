@@ -5,15 +5,20 @@ anything runs. The stages are faked here (their dry runs and launches); one slow
 from __future__ import annotations
 
 import json
+import os
+import signal
 import statistics
 import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 import yaml
 
 from experiments import compare
-from tests.helpers.processes import in_process, run_module
+from tests.helpers.processes import REPO, Background, in_process, run_module, subprocess_env
 from tests.helpers.runs import read_metrics
 from tests.helpers.shards import write_shard_set
 from vit_mpp.data.manifest import read_manifest
@@ -449,6 +454,26 @@ def test_the_command_is_wired_and_a_mistake_is_one_line(tmp_path):
     assert moved.stderr.count("\n") == 1
 
 
+def test_a_stop_signal_reaches_the_stages_under_way_and_none_starts_after_it():
+    # compare's own handler, in this process: the child gets SIGTERM (its preemption signal), exits 75 as a stage
+    # does once it saved, and a stage about to start does not
+    stage = [sys.executable, "-c", "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(75));"
+             " print('up', flush=True); time.sleep(120)"]
+    children, result = compare.Children(), {}
+    with children.stop_signals():
+        reader, writer = os.pipe()
+        runner = threading.Thread(target=lambda: result.update(status=children.run(stage, stdout=writer)))
+        runner.start()
+        with os.fdopen(reader) as said:
+            assert said.readline() == "up\n"  # its handler is set
+            os.kill(os.getpid(), signal.SIGTERM)  # as a scheduler or `kill` does: compare's process alone
+            runner.join(30)
+        os.close(writer)
+    assert result == {"status": 75} and children.stopped_by == signal.SIGTERM
+    assert children.run([sys.executable, "-c", "raise SystemExit(0)"]) == 128 + signal.SIGTERM  # not started
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # the previous handler is back
+
+
 # ------------------------------------------------------------------------------------------------ for real
 
 
@@ -482,3 +507,41 @@ def test_a_tiny_real_label_sweep(tmp_path, shards):
     assert [r["step"] for r in read_metrics(out / "seed0/mpp/finetune_all") if "loss" in r][-1] == 3
     assert read_manifest(out / "labelled/k1_s0")["splits"]["train"]["num_samples"] == 3
     assert (out / "labels.png").is_file() and len(list((out / "seed0/mpp").iterdir())) == 3  # 1 pretraining
+
+
+@pytest.mark.slow
+def test_a_stop_signal_to_the_real_compare_stops_its_runs_which_save_and_the_same_command_resumes(tmp_path, shards):
+    """`kill PID` of compare alone (not its group): its running pretraining saves and exits 75, compare exits 75
+    with one line, nothing of it is left running, and the same command resumes the pretraining where it stopped."""
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "experiments.compare", *argv(
+        shards, out, "--seeds", "0", "--arms", "mpp", "--jobs", "1", "--set", "pretrain:train.steps=1000",
+        "pretrain:train.ckpt_every=100000", "pretrain:train.eval_every=0", "pretrain:train.log_every=10",
+        "pretrain:data.num_workers=0", "finetune:model.patch_size=4", "finetune:model.embed_dim=32",
+        "finetune:model.depth=2", "finetune:model.num_heads=2", "finetune:model.img_size=16",
+        "finetune:train.epochs=1", "finetune:data.num_workers=0")]
+    first = Background(command, tmp_path / "first.log", "compare-stop")
+    try:
+        first.wait_for("seed0/mpp/pretrain started")
+        metrics = out / "seed0/mpp/pretrain/metrics.jsonl"
+        while not (metrics.is_file() and metrics.read_text().count("\n") >= 2):  # in its loop, past step 10
+            assert first.proc.poll() is None, first.output()[-3000:]
+            time.sleep(0.05)
+        os.kill(first.proc.pid, signal.SIGTERM)
+        first.wait_gone(120)  # the stage too: nothing of compare is left running
+    finally:
+        first.kill()
+    said = first.output().strip().splitlines()
+    assert first.proc.returncode == 75, first.output()[-3000:]
+    assert said[-1].startswith("compare stopped by SIGTERM: 1 run(s) under way stopped, 1 of them with a checkpoint "
+                               "saved (seed0/mpp/pretrain); 2 of 2 not finished; run the same command"), said[-3:]
+    log = (out / "logs/seed0_mpp_pretrain.log").read_text()
+    stopped_at = int(log.split("preempted at step ")[1].split(":")[0])
+    assert 10 <= stopped_at < 1000 and not (out / "seed0/mpp/finetune/metrics.jsonl").exists()
+
+    again = subprocess.run(command, capture_output=True, text=True, timeout=900, env=subprocess_env(), cwd=REPO)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    log = (out / "logs/seed0_mpp_pretrain.log").read_text()
+    assert f"(step {stopped_at})" in log.split("preempted at step")[1]  # resumed there, not started again
+    assert [r["step"] for r in read_metrics(out / "seed0/mpp/pretrain") if "loss" in r][-1] == 1000
+    assert "wrote" in again.stdout and (out / "compare.md").is_file()
