@@ -37,6 +37,7 @@ from vit_mpp.models.export_folder import is_export
 from vit_mpp.progress import format_duration
 from vit_mpp.run.metering.metrics_log import read_metrics
 from vit_mpp.run.metering.summary import wall_time_s
+from vit_mpp.run.start.run_dir import lock_run_dir
 from vit_mpp.tools.args import check_out_folder, make_out_folder, open_out_file
 
 KINDS = ("scratch", "mpp", "scratch_equal", "supervised", "probe", "semi", "semi_scratch")
@@ -833,6 +834,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     stages, of_arm = plan_runs(setup)
     epochs: dict[str, int] = {}
     sweep = setup.points != [""]
+    if not args.dry_run:  # one compare at a time in DIR (the runs lock their own directories too)
+        lock_run_dir(make_out_folder(setup.out), "--out")
     if not args.report_only:
         started = time.monotonic()
         moved, keep = {}, None

@@ -474,6 +474,26 @@ def test_a_stop_signal_reaches_the_stages_under_way_and_none_starts_after_it():
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # the previous handler is back
 
 
+def test_a_second_compare_on_a_busy_out_is_one_line(tmp_path, shards):
+    # The kernel's lock on DIR, held by another live process: the real command refuses it before it writes anything
+    out = tmp_path / "out"
+    out.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
+                               "from vit_mpp.run.start.run_dir import lock_run_dir; "
+                               f"lock_run_dir(Path({str(out)!r})); print('held', flush=True); time.sleep(120)"],
+                              stdout=subprocess.PIPE, text=True, env=subprocess_env(), cwd=REPO)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        result = run_module("experiments.compare", *argv(shards, out, "--seeds", "0", "--arms", "scratch,mpp"))
+    finally:
+        holder.kill()
+        holder.wait()
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"error: {out} is in use by another "
+                                                                             f"run (pid {holder.pid}"), result.stderr
+    assert lines[0].endswith("or use another --out") and sorted(p.name for p in out.iterdir()) == [".lock"]
+
+
 # ------------------------------------------------------------------------------------------------ for real
 
 

@@ -48,8 +48,9 @@ class RunDirBusy(UserError):
     """Another live run holds the run directory."""
 
 
-def lock_run_dir(run_dir: Path) -> None:
-    """Hold an exclusive lock on `run_dir` until this process ends, or raise RunDirBusy naming the holder.
+def lock_run_dir(run_dir: Path, flag: str = "train.run_dir") -> None:
+    """Hold an exclusive lock on `run_dir` until this process ends, or raise RunDirBusy naming the holder (and
+    `flag`, the setting that chooses another).
 
     The lock is the kernel's (flock on run_dir/.lock): it goes with the process that holds it, however that process
     ends (kill -9 included), so a lock is never left stale by a dead run. On NFSv4 and Lustre (flock mount option)
@@ -67,7 +68,7 @@ def lock_run_dir(run_dir: Path) -> None:
         holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown"
         os.close(fd)
         raise RunDirBusy(f"{run_dir} is in use by another run ({_describe(holder)}): wait for it to end, or use "
-                         "another train.run_dir") from None
+                         f"another {flag}") from None
     except OSError as e:
         if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
             raise
