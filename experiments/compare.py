@@ -834,8 +834,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     stages, of_arm = plan_runs(setup)
     epochs: dict[str, int] = {}
     sweep = setup.points != [""]
-    if not args.dry_run:  # one compare at a time in DIR (the runs lock their own directories too)
-        lock_run_dir(make_out_folder(setup.out), "--out")
+    if not (args.dry_run or args.report_only):  # one compare at a time runs in DIR (the runs lock their own too);
+        lock_run_dir(make_out_folder(setup.out), "--out")  # a table of what is there so far may be made meanwhile
     if not args.report_only:
         started = time.monotonic()
         moved, keep = {}, None

@@ -485,6 +485,8 @@ def test_a_second_compare_on_a_busy_out_is_one_line(tmp_path, shards):
     try:
         assert holder.stdout.readline() == "held\n"
         result = run_module("experiments.compare", *argv(shards, out, "--seeds", "0", "--arms", "scratch,mpp"))
+        table = run_module("experiments.compare", *argv(shards, out, "--seeds", "0", "--arms", "scratch,mpp",
+                                                          "--report-only"))
     finally:
         holder.kill()
         holder.wait()
@@ -492,6 +494,7 @@ def test_a_second_compare_on_a_busy_out_is_one_line(tmp_path, shards):
     assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"error: {out} is in use by another "
                                                                              f"run (pid {holder.pid}"), result.stderr
     assert lines[0].endswith("or use another --out") and sorted(p.name for p in out.iterdir()) == [".lock"]
+    assert table.returncode == 2 and "has a test result yet" in table.stderr  # a table of what is there: not refused
 
 
 # ------------------------------------------------------------------------------------------------ for real
