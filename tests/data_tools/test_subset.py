@@ -190,8 +190,7 @@ def test_killed_mid_copy_by_sigkill_the_same_command_draws_it_whole(tmp_path):
         while not (out.is_dir() and len(list(out.glob("*.tar"))) >= 5):
             assert proc.poll() is None, "the draw ended before it could be killed mid-copy"
             time.sleep(0.002)
-        proc.kill()
-    finally:
+    finally:  # killed there, mid-copy (or on a failed assertion)
         proc.kill()
         proc.wait()
     assert proc.returncode == -signal.SIGKILL
