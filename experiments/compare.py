@@ -421,7 +421,8 @@ def measure(stages: list[Stage], jobs: int, fingerprint: str, cache: Path | None
             checks.setdefault(tuple(cmd), []).append(s)
     known = json.loads(cache.read_text()) if cache is not None and cache.is_file() else {}
     keys = {cmd: hashlib.sha256(json.dumps([cmd, fingerprint]).encode()).hexdigest() for cmd in checks}
-    with ThreadPoolExecutor(jobs) as pool:
+    pool = ThreadPoolExecutor(jobs)
+    try:
         results = {cmd: pool.submit(dry_run, [sys.executable, *cmd]) for cmd in checks if keys[cmd] not in known}
         for cmd, future in results.items():
             result = future.result()
@@ -429,6 +430,8 @@ def measure(stages: list[Stage], jobs: int, fingerprint: str, cache: Path | None
                 which = checks[cmd][0].name.split("/", 1)[1]
                 raise ConfigError(f"{which}: {error_of(result.stderr + result.stdout)}")
             known[keys[cmd]] = list(dataclasses.astuple(parse_dry_run(result.stdout)))
+    finally:  # on an error or Ctrl-C the dry runs not started yet are not waited for
+        pool.shutdown(wait=False, cancel_futures=True)
     if results and cache is not None:
         make_out_folder(cache.parent)
         cache.write_text(json.dumps(known, indent=1) + "\n")
@@ -826,6 +829,17 @@ def write_report(report: dict[str, Any], out: Path) -> str:
     return text
 
 
+@contextlib.contextmanager
+def ctrl_c_before_the_runs() -> Iterator[None]:
+    """Ctrl-C while compare draws subsets or dry-runs the stages (a minute under load), before any run starts: one
+    line and status 130, not a traceback (an interrupted draw is drawn again whole by the same command)."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        raise Stopped("compare stopped by SIGINT while checking its runs: no run was started; run the same command "
+                      "to start", 128 + signal.SIGINT) from None
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Check, plan, run what is not finished, and print and write the table; returns the report."""
     setup, args = check_args(argv)
@@ -839,17 +853,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if not args.report_only:
         started = time.monotonic()
         moved, keep = {}, None
-        if sweep and args.dry_run:  # the first seed's subsets, for the stages' dry runs; nothing under --out
-            moved, keep = label_sweep.draft_subsets(setup.labelled, setup.points, setup.seeds[0], setup.out)
-        elif sweep:
-            label_sweep.make_subsets(setup.labelled, setup.points, setup.seeds, setup.out)
-        points = f" x {len(setup.points)} points" if sweep else ""
-        print(f"checking {len(stages)} runs ({len(setup.arms)} arms x {len(setup.seeds)} seeds{points}) with the "
-              "stages' own --dry-run ...", flush=True)
-        lengths = measure(stages, args.jobs, setup.fingerprint, None if args.dry_run else setup.out / DRY_RUNS,
-                          moved)
-        epochs = set_lengths(setup, stages, lengths)
-        check_run_dirs(stages)
+        with ctrl_c_before_the_runs():
+            if sweep and args.dry_run:  # the first seed's subsets, for the stages' dry runs; nothing under --out
+                moved, keep = label_sweep.draft_subsets(setup.labelled, setup.points, setup.seeds[0], setup.out)
+            elif sweep:
+                label_sweep.make_subsets(setup.labelled, setup.points, setup.seeds, setup.out)
+            points = f" x {len(setup.points)} points" if sweep else ""
+            print(f"checking {len(stages)} runs ({len(setup.arms)} arms x {len(setup.seeds)} seeds{points}) with the "
+                  "stages' own --dry-run ...", flush=True)
+            lengths = measure(stages, args.jobs, setup.fingerprint, None if args.dry_run else setup.out / DRY_RUNS,
+                              moved)
+            epochs = set_lengths(setup, stages, lengths)
+            check_run_dirs(stages)
         print(f"checked in {format_duration(time.monotonic() - started)}"
               + "".join(f"; {arm}: {e} epochs (equal compute)" for arm, e in epochs.items()), flush=True)
         if args.dry_run:

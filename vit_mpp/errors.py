@@ -24,16 +24,16 @@ EXIT_PREEMPTED = 75  # sysexits.h EX_TEMPFAIL: a checkpoint of the step named ex
 
 class Stopped(Exception):
     """Stopped by a signal, with a line that says what a rerun does (printed, not an `error:`) and the exit status
-    `status`: 75 when the same command resumes."""
+    `status`: 75 when the same command resumes, 128 + the signal's number when nothing was saved."""
 
-    status = EXIT_PREEMPTED
+    def __init__(self, line: str, status: int = EXIT_PREEMPTED) -> None:
+        super().__init__(line)
+        self.status = status
 
 
 class Preempted(Stopped):
     """The run stopped on a preemption signal at `step`, whose checkpoint exists: saved now, or before (a run
     stopped before its first new step). Exit status 75."""
-
-    status = EXIT_PREEMPTED
 
     def __init__(self, step: int, saved_now: bool = True) -> None:
         saved = "checkpoint saved" if saved_now else "its checkpoint was saved before"
@@ -47,8 +47,7 @@ class StoppedUnsaved(Stopped):
 
     def __init__(self, signum: int, name: str) -> None:
         super().__init__(f"preempted ({name}) before the first step: nothing was saved; run the same command to "
-                         "start")
-        self.status = 128 + signum
+                         "start", 128 + signum)
 
 
 def start_up_stop(signum: int, step: int | None) -> tuple[str, int]:

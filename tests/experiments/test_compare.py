@@ -4,6 +4,7 @@ anything runs. The stages are faked here (their dry runs and launches); one slow
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -495,6 +496,28 @@ def test_a_second_compare_on_a_busy_out_is_one_line(tmp_path, shards):
                                                                              f"run (pid {holder.pid}"), result.stderr
     assert lines[0].endswith("or use another --out") and sorted(p.name for p in out.iterdir()) == [".lock"]
     assert table.returncode == 2 and "has a test result yet" in table.stderr  # a table of what is there: not refused
+
+
+def test_ctrl_c_while_compare_checks_its_runs_is_one_line_not_a_traceback(tmp_path, shards):
+    # A terminal's Ctrl-C: SIGINT to the whole foreground group (compare and the dry run under way), while the real
+    # command dry-runs its stages; nothing has started, so nothing to resume: status 130 and one line
+    command = [sys.executable, "-m", "experiments.compare", *argv(
+        shards, tmp_path / "out", "--seeds", "0", "--arms", "scratch,mpp,scratch_equal,supervised", "--jobs", "1")]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env(),
+                            cwd=REPO, start_new_session=True)
+    try:
+        assert proc.stdout.readline().startswith("checking ")
+        time.sleep(1)  # a dry run under way
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert proc.returncode == 128 + signal.SIGINT and "Traceback" not in err, err[-3000:]
+    assert out.strip().splitlines()[-1] == ("compare stopped by SIGINT while checking its runs: no run was started; "
+                                            "run the same command to start")
+    assert not (tmp_path / "out" / "seed0").exists()
 
 
 # ------------------------------------------------------------------------------------------------ for real
