@@ -502,12 +502,13 @@ def test_ctrl_c_while_compare_checks_its_runs_is_one_line_not_a_traceback(tmp_pa
     # A terminal's Ctrl-C: SIGINT to the whole foreground group (compare and the dry run under way), while the real
     # command dry-runs its stages; nothing has started, so nothing to resume: status 130 and one line
     command = [sys.executable, "-m", "experiments.compare", *argv(
-        shards, tmp_path / "out", "--seeds", "0", "--arms", "scratch,mpp,scratch_equal,supervised", "--jobs", "1")]
+        shards, tmp_path / "out", "--seeds", "0", "--arms", "scratch,mpp,scratch_equal,supervised", "--jobs", "1",
+        "--set", "finetune:model.patch_size=4", "finetune:model.embed_dim=32", "finetune:model.depth=2",
+        "finetune:model.num_heads=2", "finetune:model.img_size=16")]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env(),
                             cwd=REPO, start_new_session=True)
     try:
-        assert proc.stdout.readline().startswith("checking ")
-        time.sleep(1)  # a dry run under way
+        assert proc.stdout.readline().startswith("checking ")  # the first of 5 dry runs (seconds each) starts now
         os.killpg(proc.pid, signal.SIGINT)
         out, err = proc.communicate(timeout=120)
     finally:
