@@ -505,8 +505,11 @@ def test_ctrl_c_while_compare_checks_its_runs_is_one_line_not_a_traceback(tmp_pa
         shards, tmp_path / "out", "--seeds", "0", "--arms", "scratch,mpp,scratch_equal,supervised", "--jobs", "1",
         "--set", "finetune:model.patch_size=4", "finetune:model.embed_dim=32", "finetune:model.depth=2",
         "finetune:model.num_heads=2", "finetune:model.img_size=16")]
+    # as from a terminal: SIGINT not ignored (pytest-xdist's workers ignore it, and an ignored signal stays ignored
+    # across exec, so Python would not raise KeyboardInterrupt)
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env(),
-                            cwd=REPO, start_new_session=True)
+                            cwd=REPO, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert proc.stdout.readline().startswith("checking ")  # the first of 5 dry runs (seconds each) starts now
         os.killpg(proc.pid, signal.SIGINT)
