@@ -20,7 +20,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -384,7 +384,7 @@ def plan_runs(setup: Setup) -> tuple[list[Stage], dict[tuple[int, str, str], lis
 def dry_run(cmd: list[str]) -> subprocess.CompletedProcess:
     """A stage's own `--dry-run`: every check a run makes at start, nothing written."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    return subprocess.run([*cmd, "--dry-run"], capture_output=True, text=True, env=env)
+    return children.capture([*cmd, "--dry-run"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
 def parse_dry_run(text: str) -> Lengths:
@@ -524,13 +524,18 @@ class Children:
 
     def run(self, command: list[str], **popen: Any) -> int:
         """Run `command` to its end (not at all once a stop signal came: 128 + its number); its exit status."""
+        return self.capture(command, **popen).returncode
+
+    def capture(self, command: list[str], **popen: Any) -> subprocess.CompletedProcess:
+        """`run`, with what it printed to the pipes `popen` asks for (a dry run's output)."""
         with self.lock:
             if self.stopped_by is not None:
-                return 128 + self.stopped_by
+                return subprocess.CompletedProcess(command, 128 + self.stopped_by, "", "")
             proc = subprocess.Popen(command, **popen)
             self.running.add(proc)
         try:
-            return proc.wait()
+            out, err = proc.communicate()
+            return subprocess.CompletedProcess(command, proc.returncode, out, err)
         finally:
             with self.lock:
                 self.running.discard(proc)
@@ -544,22 +549,29 @@ class Children:
                     if proc.poll() is None:
                         proc.send_signal(signal.SIGTERM)
 
-    @contextlib.contextmanager
-    def stop_signals(self) -> Iterator[None]:
-        """`stop` handles STOP_SIGNALS while the stages run (the previous handlers come back)."""
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        previous = {sig: signal.signal(sig, self.stop) for sig in STOP_SIGNALS}
-        try:
-            yield
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+    def stop_signals(self) -> contextlib.AbstractContextManager[None]:
+        """`stop` handles the stop signals while the stages run."""
+        return handling_stop_signals(self.stop)
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
 children = Children()
+
+
+@contextlib.contextmanager
+def handling_stop_signals(handler: Callable[[int, Any], None]) -> Iterator[None]:
+    """`handler` handles the STOP_SIGNALS in the main thread (the previous handlers come back), but not one that
+    compare's parent set to be ignored: `nohup` ignores SIGHUP so that a sweep outlives its terminal, and a background
+    job of a non-interactive shell ignores SIGINT."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS if signal.getsignal(sig) is not signal.SIG_IGN}
+    try:
+        yield
+    finally:
+        for sig, before in previous.items():
+            signal.signal(sig, before)
 
 
 def launch(stage: Stage, log: Path, threads: int) -> int:
@@ -830,14 +842,19 @@ def write_report(report: dict[str, Any], out: Path) -> str:
 
 
 @contextlib.contextmanager
-def ctrl_c_before_the_runs() -> Iterator[None]:
-    """Ctrl-C while compare draws subsets or dry-runs the stages (a minute under load), before any run starts: one
-    line and status 130, not a traceback (an interrupted draw is drawn again whole by the same command)."""
-    try:
+def stopped_before_the_runs() -> Iterator[None]:
+    """A stop signal while compare draws subsets or dry-runs the stages (a minute under load), before any run starts
+    (a terminal's Ctrl-C, a scheduler's SIGTERM): the dry runs under way are stopped, and compare ends with one line
+    and status 128 + the signal's number, not a traceback or the signal's own death (an interrupted draw is drawn
+    again whole by the same command)."""
+
+    def stop(signum: int, frame: Any) -> None:
+        children.stop(signum)
+        raise Stopped(f"compare stopped by {signal.Signals(signum).name} while checking its runs: no run was started; "
+                      "run the same command to start", 128 + signum)
+
+    with handling_stop_signals(stop):
         yield
-    except KeyboardInterrupt:
-        raise Stopped("compare stopped by SIGINT while checking its runs: no run was started; run the same command "
-                      "to start", 128 + signal.SIGINT) from None
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -853,7 +870,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if not args.report_only:
         started = time.monotonic()
         moved, keep = {}, None
-        with ctrl_c_before_the_runs():
+        with stopped_before_the_runs():
             if sweep and args.dry_run:  # the first seed's subsets, for the stages' dry runs; nothing under --out
                 moved, keep = label_sweep.draft_subsets(setup.labelled, setup.points, setup.seeds[0], setup.out)
             elif sweep:

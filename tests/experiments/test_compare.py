@@ -498,30 +498,63 @@ def test_a_second_compare_on_a_busy_out_is_one_line(tmp_path, shards):
     assert table.returncode == 2 and "has a test result yet" in table.stderr  # a table of what is there: not refused
 
 
-def test_ctrl_c_while_compare_checks_its_runs_is_one_line_not_a_traceback(tmp_path, shards):
-    # A terminal's Ctrl-C: SIGINT to the whole foreground group (compare and the dry run under way), while the real
-    # command dry-runs its stages; nothing has started, so nothing to resume: status 130 and one line
+@pytest.mark.parametrize("how", ["ctrl-c", "scheduler", "scheduler under nohup"])
+def test_a_stop_while_compare_checks_its_runs_is_one_line_and_stops_its_dry_runs(tmp_path, shards, how):
+    # While the real command dry-runs its stages, nothing has started, so nothing to resume: status 128 + the signal
+    # and one line. A terminal's Ctrl-C is SIGINT to the whole foreground group (compare and the dry run under way);
+    # a scheduler's SIGTERM reaches compare alone, which stops its dry run itself; under nohup a hang-up changes
+    # nothing (SIGHUP stays ignored) and the scheduler's SIGTERM still stops it
     command = [sys.executable, "-m", "experiments.compare", *argv(
         shards, tmp_path / "out", "--seeds", "0", "--arms", "scratch,mpp,scratch_equal,supervised", "--jobs", "1",
         "--set", "finetune:model.patch_size=4", "finetune:model.embed_dim=32", "finetune:model.depth=2",
         "finetune:model.num_heads=2", "finetune:model.img_size=16")]
-    # as from a terminal: SIGINT not ignored (pytest-xdist's workers ignore it, and an ignored signal stays ignored
-    # across exec, so Python would not raise KeyboardInterrupt)
+
+    def as_launched() -> None:  # SIGINT not ignored, as from a terminal: pytest-xdist's workers ignore it, and an
+        signal.signal(signal.SIGINT, signal.SIG_DFL)  # ignored signal stays ignored across exec
+        if how.endswith("nohup"):
+            signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env(),
-                            cwd=REPO, start_new_session=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                            cwd=REPO, start_new_session=True, preexec_fn=as_launched)
     try:
         assert proc.stdout.readline().startswith("checking ")  # the first of 5 dry runs (seconds each) starts now
-        os.killpg(proc.pid, signal.SIGINT)
+        if how == "ctrl-c":
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            if how.endswith("nohup"):
+                proc.send_signal(signal.SIGHUP)
+                time.sleep(0.5)
+            proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=120)
+        stopped = time.monotonic()
+        while time.monotonic() - stopped < 30:  # its dry run is stopped, not left running in the group
+            try:
+                os.killpg(proc.pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail("a dry run outlived the compare that started it")
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-    assert proc.returncode == 128 + signal.SIGINT and "Traceback" not in err, err[-3000:]
-    assert out.strip().splitlines()[-1] == ("compare stopped by SIGINT while checking its runs: no run was started; "
-                                            "run the same command to start")
+    sig = signal.SIGINT if how == "ctrl-c" else signal.SIGTERM
+    assert proc.returncode == 128 + sig and "Traceback" not in err, err[-3000:]
+    assert out.strip().splitlines()[-1] == (f"compare stopped by {sig.name} while checking its runs: no run was "
+                                            "started; run the same command to start")
     assert not (tmp_path / "out" / "seed0").exists()
+
+
+def test_a_signal_its_parent_ignores_stays_ignored():
+    # `nohup compare ...`: the hang-up of the terminal must not stop a sweep of hours
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        with compare.Children().stop_signals():
+            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+            assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_IGN, signal.SIG_DFL)
+    finally:
+        signal.signal(signal.SIGHUP, previous)
 
 
 # ------------------------------------------------------------------------------------------------ for real
