@@ -32,6 +32,7 @@ from experiments import label_sweep, monitor_ranks
 from vit_mpp.cli import ArgumentParser, run_main
 from vit_mpp.config.engine import ConfigError
 from vit_mpp.data.manifest import check_manifest, manifest_classes, manifest_file, read_manifest
+from vit_mpp.durable import write_atomic
 from vit_mpp.errors import EXIT_PREEMPTED, Stopped, UserError
 from vit_mpp.models.export_folder import is_export
 from vit_mpp.progress import format_duration
@@ -404,6 +405,16 @@ def error_of(text: str) -> str:
     return line.removeprefix("error: ")
 
 
+def read_cache(cache: Path | None) -> dict[str, Any]:
+    """The dry runs' lengths kept in `cache`; one that cannot be read (written by an older compare killed while it
+    wrote it) is only a cache: its dry runs are run again."""
+    try:
+        known = json.loads(cache.read_text()) if cache is not None and cache.is_file() else {}
+    except (ValueError, UnicodeDecodeError):
+        return {}
+    return known if isinstance(known, dict) else {}
+
+
 def measure(stages: list[Stage], jobs: int, fingerprint: str, cache: Path | None,
             shards: dict[str, str] | None = None) -> dict[str, Lengths]:
     """Dry-run each distinct stage command of the first seed (from scratch for fine-tunings: the export it starts
@@ -419,13 +430,15 @@ def measure(stages: list[Stage], jobs: int, fingerprint: str, cache: Path | None
             cmd = ["init.checkpoint=" if c.startswith("init.checkpoint=") else f"train.run_dir={nowhere}"
                    if c.startswith("train.run_dir=") else moved.get(c, c) for c in s.command[1:]]  # no interpreter
             checks.setdefault(tuple(cmd), []).append(s)
-    known = json.loads(cache.read_text()) if cache is not None and cache.is_file() else {}
+    known = read_cache(cache)
     keys = {cmd: hashlib.sha256(json.dumps([cmd, fingerprint]).encode()).hexdigest() for cmd in checks}
     pool = ThreadPoolExecutor(jobs)
     try:
         results = {cmd: pool.submit(dry_run, [sys.executable, *cmd]) for cmd in checks if keys[cmd] not in known}
         for cmd, future in results.items():
             result = future.result()
+            if children.stopped_by is not None:  # its dry run was stopped, not wrong
+                raise stopped_while_checking(children.stopped_by)
             if result.returncode != 0:
                 which = checks[cmd][0].name.split("/", 1)[1]
                 raise ConfigError(f"{which}: {error_of(result.stderr + result.stdout)}")
@@ -434,7 +447,7 @@ def measure(stages: list[Stage], jobs: int, fingerprint: str, cache: Path | None
         pool.shutdown(wait=False, cancel_futures=True)
     if results and cache is not None:
         make_out_folder(cache.parent)
-        cache.write_text(json.dumps(known, indent=1) + "\n")
+        write_atomic(cache, json.dumps(known, indent=1) + "\n")  # a compare killed here leaves the old one whole
     return {s.key: Lengths(*known[keys[cmd]]) for cmd, group in checks.items() for s in group}
 
 
@@ -644,7 +657,7 @@ def execute(stages: list[Stage], out: Path, jobs: int, threads: int) -> None:
             for s in [s for s in pending if go and s.needs not in waiting][:jobs - len(running)]:
                 pending.remove(s)
                 make_out_folder(s.run_dir, "train.run_dir")
-                (s.run_dir / SIDECAR).write_text(json.dumps({"command": [s.module, s.config, *s.overrides]}) + "\n")
+                write_atomic(s.run_dir / SIDECAR, json.dumps({"command": [s.module, s.config, *s.overrides]}) + "\n")
                 print(progress.begin(s), flush=True)
                 log = logs / (s.name.replace("/", "_") + ".log")
                 running[pool.submit(launch, s, log, threads)] = s
@@ -846,15 +859,23 @@ def stopped_before_the_runs() -> Iterator[None]:
     """A stop signal while compare draws subsets or dry-runs the stages (a minute under load), before any run starts
     (a terminal's Ctrl-C, a scheduler's SIGTERM): the dry runs under way are stopped, and compare ends with one line
     and status 128 + the signal's number, not a traceback or the signal's own death (an interrupted draw is drawn
-    again whole by the same command)."""
+    again whole by the same command; a draw the signal did not reach ends first). The handler only stops: an
+    exception raised from it into threading's own code (the dry runs' pool) breaks its locks, so `measure` raises
+    once its dry run returns, and here the error of a draw the signal interrupted becomes the stop's line."""
+    with handling_stop_signals(children.stop):
+        try:
+            yield
+        except UserError:
+            if children.stopped_by is None:
+                raise
+        if children.stopped_by is not None:
+            raise stopped_while_checking(children.stopped_by) from None
 
-    def stop(signum: int, frame: Any) -> None:
-        children.stop(signum)
-        raise Stopped(f"compare stopped by {signal.Signals(signum).name} while checking its runs: no run was started; "
-                      "run the same command to start", 128 + signum)
 
-    with handling_stop_signals(stop):
-        yield
+def stopped_while_checking(signum: int) -> Stopped:
+    """The line of a compare stopped before any run started."""
+    return Stopped(f"compare stopped by {signal.Signals(signum).name} while checking its runs: no run was started; "
+                   "run the same command to start", 128 + signum)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -201,6 +201,19 @@ def test_a_finished_run_is_reused_and_a_half_finished_one_resumed(tmp_path, monk
     assert (tmp_path / "out/compare.csv").read_text().splitlines()[0] == "what,name,mean,std,seed_0"
 
 
+def test_a_torn_dry_run_cache_is_run_again_not_a_traceback(tmp_path, monkeypatch, shards):
+    # what an older compare killed while it wrote its cache left: the lengths are dry-run again, the file rewritten
+    fake = FakeStages(monkeypatch)
+    args = argv(shards, tmp_path / "out", "--seeds", "0", "--arms", "scratch,mpp")
+    first = compare.main(args)
+    cache = tmp_path / "out" / compare.DRY_RUNS
+    whole = cache.read_text()
+    cache.write_text(whole[: len(whole) // 2])
+    fake.dry_runs.clear()
+    assert compare.main(args)["table"] == first["table"] and len(fake.dry_runs) == 2
+    assert cache.read_text() == whole and not list(cache.parent.glob("*.tmp*"))
+
+
 def test_report_only_reads_the_runs_and_runs_nothing(tmp_path, monkeypatch, shards):
     fake = FakeStages(monkeypatch)
     compare.main(argv(shards, tmp_path / "out", "--seeds", "0", "--arms", "scratch,mpp"))
