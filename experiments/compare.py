@@ -437,8 +437,6 @@ def measure(stages: list[Stage], jobs: int, fingerprint: str, cache: Path | None
         results = {cmd: pool.submit(dry_run, [sys.executable, *cmd]) for cmd in checks if keys[cmd] not in known}
         for cmd, future in results.items():
             result = future.result()
-            if children.stopped_by is not None:  # its dry run was stopped, not wrong
-                raise stopped_while_checking(children.stopped_by)
             if result.returncode != 0:
                 which = checks[cmd][0].name.split("/", 1)[1]
                 raise ConfigError(f"{which}: {error_of(result.stderr + result.stdout)}")
@@ -860,8 +858,8 @@ def stopped_before_the_runs() -> Iterator[None]:
     (a terminal's Ctrl-C, a scheduler's SIGTERM): the dry runs under way are stopped, and compare ends with one line
     and status 128 + the signal's number, not a traceback or the signal's own death (an interrupted draw is drawn
     again whole by the same command; a draw the signal did not reach ends first). The handler only stops: an
-    exception raised from it into threading's own code (the dry runs' pool) breaks its locks, so `measure` raises
-    once its dry run returns, and here the error of a draw the signal interrupted becomes the stop's line."""
+    exception raised from it into threading's own code (the dry runs' pool) breaks its locks. The error of a dry run
+    or a draw the signal stopped (or of one never started after it) becomes the stop's line here."""
     with handling_stop_signals(children.stop):
         try:
             yield
