@@ -376,7 +376,7 @@ FORK_HANGS = "a forked worker can hang in Python before 3.10.15 and 3.11.10: CPy
 
 def worker_died(error: BaseException) -> WorkerDied | None:
     """The one-line error for torch's report that a data-loader worker died, or sent no batch for the loader's
-    timeout (vit_mpp/data/stream.py `loader_timeout_s`): a traceback otherwise. None for any other error."""
+    timeout (vit_mpp/data/loader_workers.py `loader_timeout_s`): a traceback otherwise. None for any other error."""
     if not isinstance(error, RuntimeError):
         return None
     if silent := _WORKER_SILENT.search(str(error)):

@@ -81,7 +81,7 @@ def command(stage: str, layout: Layout, shards: Path, run_dir: Path) -> list[str
     return [*layout.launch(), *STAGES[stage][1], f"data.shards={shards}", f"train.run_dir={run_dir}",
             "train.ckpt_every=4", "train.log_every=1", "train.record_samples=true",
             # a loader worker hung in its fork (CPython gh-112275 on Pythons before 3.11.10) is one line after a
-            # wait derived from this (vit_mpp/data/stream.py loader_timeout_s: 80 s), inside the soak's patience
+            # wait derived from this (vit_mpp/data/loader_workers.py loader_timeout_s: 80 s), inside the soak's patience
             "data.read_timeout_s=5", f"data.num_workers={layout.workers}"]
 
 

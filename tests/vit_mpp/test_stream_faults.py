@@ -235,10 +235,10 @@ class _HungWorker(torch.utils.data.IterableDataset):
 
 
 def test_a_hung_loader_worker_is_its_ranks_one_line_after_the_wait_and_does_not_outlive_its_loader():
-    from vit_mpp.data.stream import _Loader, end_workers
+    from vit_mpp.data.loader_workers import Loader, end_workers
     from vit_mpp.launcher import worker_died
 
-    batches = iter(_Loader(_HungWorker(), batch_size=None, num_workers=1, timeout=1))
+    batches = iter(Loader(_HungWorker(), batch_size=None, num_workers=1, timeout=1))
     worker = batches._workers[0]
     with pytest.raises(RuntimeError) as waited:
         next(batches)
@@ -260,8 +260,8 @@ def test_a_rank_takes_its_hung_loader_worker_with_it_however_it_ends(tmp_path, h
         "import gc, sys, time\n"
         "from tests.vit_mpp.test_stream_faults import _HungWorker\n"
         "from vit_mpp import launcher\n"
-        "from vit_mpp.data.stream import _Loader\n"
-        "batches = iter(_Loader(_HungWorker(), batch_size=None, num_workers=1, timeout=60))\n"
+        "from vit_mpp.data.loader_workers import Loader\n"
+        "batches = iter(Loader(_HungWorker(), batch_size=None, num_workers=1, timeout=60))\n"
         "print(batches._workers[0].pid, flush=True)\n"
         "time.sleep(1)\n"
         f"{ending[how]}\n")
@@ -293,7 +293,7 @@ def test_a_worker_whose_rank_stops_reading_mid_hand_over_adds_no_traceback(capsy
     # server (multiprocessing's resource_sharer) a ConnectionResetError traceback above the rank's one line.
     import multiprocessing.resource_sharer as resource_sharer
 
-    from vit_mpp.data.stream import _quiet_fd_server
+    from vit_mpp.data.loader_workers import _quiet_fd_server
 
     seen: list[type] = []
     hook = _quiet_fd_server(lambda kind, error, tb: seen.append(kind))

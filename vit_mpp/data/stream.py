@@ -12,14 +12,10 @@ import hashlib
 import itertools
 import math
 import os
-import signal
 import sys
-import threading
-import traceback
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Any
 
 import torch
@@ -30,6 +26,7 @@ from vit_mpp.data import urls
 from vit_mpp.data.device_decode import collate_images, decode_on_device
 from vit_mpp.data.image_decoder import ImageDecoder, image_bytes
 from vit_mpp.data.labels import sample_label
+from vit_mpp.data.loader_workers import Loader, end_workers, init_worker, loader_timeout_s
 from vit_mpp.data.manifest import Split
 from vit_mpp.data.shard_reader import DataError, ShardError, range_segments, read_segment, shuffled
 from vit_mpp.data.stream_plan import (
@@ -45,7 +42,6 @@ from vit_mpp.data.stream_plan import (
     samples_per_epoch,
     share,
 )
-from vit_mpp.launcher import before_exit_now, die_with_parent
 
 
 @dataclass(frozen=True)
@@ -332,46 +328,6 @@ def _eval_batch(items: list[tuple[torch.Tensor, int, bool, str]]) -> dict[str, A
             "valid": torch.tensor(valid, dtype=torch.bool), "key": list(keys)}
 
 
-# The signals a rank's loader workers leave to the rank. A worker is forked with them blocked (`_Loader`), so that one
-# sent before its first line of Python (a launcher stops a rank's whole process group; a scheduler every process)
-# can neither kill it (torch's own SIGTERM handler, installed first thing, ends a worker signalled by anyone but its
-# parent) nor raise in it; `_init_worker` then ignores them, and hands SIGTERM to a thread that ends the worker when
-# its rank sends it.
-WORKER_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP})
-
-
-def _init_worker(worker_id: int, parent: int) -> None:
-    """A data-loader worker lives and dies with its rank: the rank decides when to stop (a worker that died of a
-    scheduler's signal would fail the run before the rank could save), and a rank killed outright takes its workers
-    with it. `parent`: the rank's pid, bound when the loader was made (see `die_with_parent`)."""
-    die_with_parent(parent)
-    for sig in WORKER_SIGNALS - {signal.SIGTERM}:
-        signal.signal(sig, signal.SIG_IGN)
-    # SIGTERM stays blocked for the thread below, which sees the sender (multiprocessing stops its children with it)
-    signal.pthread_sigmask(signal.SIG_SETMASK, {signal.SIGTERM})
-    threading.Thread(target=_sigterm_from_parent_only, args=(parent,), daemon=True).start()
-    sys.excepthook = _quiet_fd_server(sys.excepthook)
-
-
-def _quiet_fd_server(excepthook: Callable[..., Any]) -> Callable[..., Any]:
-    """`excepthook`, silent for the connection a worker's fd server (multiprocessing's resource_sharer, which hands
-    the rank the shared memory of a batch) loses when the rank stops reading mid hand-over: the rank is ending
-    (preempted, failed), and the traceback would bury its one line. Anything else goes to `excepthook`."""
-    def hook(kind: type[BaseException], error: BaseException, tb: TracebackType | None) -> None:
-        if issubclass(kind, (ConnectionError, EOFError)) and any(
-                frame.f_code.co_filename.endswith("resource_sharer.py") for frame, _ in traceback.walk_tb(tb)):
-            return
-        excepthook(kind, error, tb)
-
-    return hook
-
-
-def _sigterm_from_parent_only(parent: int) -> None:
-    while True:
-        if signal.sigwaitinfo({signal.SIGTERM}).si_pid == parent:
-            os._exit(0)
-
-
 class Batches:
     """A rank's endless training batches (`next(batches)`) that end when told: `close()` closes the stream's open
     shard reads (a loader without workers reads in this process) and stops the loader's workers. Whatever is still
@@ -400,77 +356,11 @@ class Batches:
 
 _live: weakref.WeakSet = weakref.WeakSet()  # Batches not closed yet
 
-# A worker forked while another thread of its rank holds CPython's thread-state lock hangs in the fork itself, before
-# any line of Python (CPython gh-112275, fixed in 3.10.15, 3.11.10 and 3.12): its stop signals stay blocked and it
-# never asks to die with its rank. The rank bounds its wait for a batch (`loader_timeout_s`: one line, not a hang) and
-# kills what torch's end of a loader leaves alive: when a loader ends or is dropped half-read (the k-NN monitor's),
-# as the process exits (before multiprocessing's own exit, which would wait for it forever), and when it ends at
-# once (`exit_now`). The soak found each: a worker alive minutes after its rank was preempted, a rank that never
-# exited.
-_running: weakref.WeakSet = weakref.WeakSet()  # this process's loader iterators with worker processes
-_forked: set = set()  # every worker process those loaders forked, until it is seen ended
 
-
-def _kill(workers: Iterable[Any]) -> None:
-    for worker in list(workers):
-        if worker.exitcode is None:
-            worker.kill()
-
-
-def end_workers(batches: Any) -> None:
-    """End a loader iterator's worker processes: SIGTERM, torch's own end (which forgets their pids: a worker killed
-    while torch watches it is an error raised in the rank), then SIGKILL to any still alive."""
-    shutdown = getattr(batches, "_shutdown_workers", None)
-    if shutdown is None:  # a loader without workers, or one closed already
-        return
-    # They hold nothing to save: ended at once (a worker leaves when its rank sends SIGTERM, with status 0), not
-    # asked and then waited for, 5 s each, as torch's own end does with a worker busy on a read.
-    for worker in batches._workers:
-        if worker.is_alive():
-            worker.terminate()
-    shutdown()
-    _kill(batches._workers)
-    _running.discard(batches)
-
-
-@atexit.register
+@atexit.register  # registered after loader_workers' own: runs before it ends what is left of the loaders
 def _end_live() -> None:
     for batches in list(_live):
         batches.close()
-    for running in list(_running):
-        end_workers(running)
-    _kill(_forked)  # those of the iterators already gone: torch forgot them as it ended them
-
-
-before_exit_now(lambda: _kill(_forked))  # the process ends right after: torch cannot see them die
-
-
-def loader_timeout_s(data: DataConfig) -> float:
-    """How long a rank waits for one batch from a loader worker before it takes the worker for stuck: well beyond
-    what a worker's reads may take, each under its deadline, retried (data.read_timeout_s, data.read_retries)."""
-    return max(60.0, 4 * (data.read_retries + 1) * data.read_timeout_s)
-
-
-class _Loader(DataLoader):
-    """A DataLoader whose worker processes are forked with WORKER_SIGNALS blocked (the mask is inherited; the rank's
-    own mask is restored at once: a signal that comes meanwhile waits, and is not lost), and remembered
-    (`end_workers`)."""
-
-    def __iter__(self) -> Any:
-        if self.num_workers == 0:
-            return super().__iter__()
-        previous = signal.pthread_sigmask(signal.SIG_BLOCK, WORKER_SIGNALS)
-        try:
-            batches = super().__iter__()
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-        workers = list(batches._workers)
-        _forked.difference_update([w for w in _forked if w.exitcode is not None])
-        _forked.update(workers)
-        _running.add(batches)
-        # Dropped half-read, the iterator is ended by torch (its __del__, which forgets the pids), then this runs
-        weakref.finalize(batches, _kill, workers).atexit = False
-        return batches
 
 
 def make_loader(stream: TrainStream | EvalStream, data: DataConfig) -> DataLoader:
@@ -480,12 +370,12 @@ def make_loader(stream: TrainStream | EvalStream, data: DataConfig) -> DataLoade
     if data.num_workers > 0:
         kwargs.update(prefetch_factor=data.prefetch_factor,
                       persistent_workers=data.persistent_workers and isinstance(stream, TrainStream),
-                      worker_init_fn=functools.partial(_init_worker, parent=os.getpid()),
+                      worker_init_fn=functools.partial(init_worker, parent=os.getpid()),
                       timeout=loader_timeout_s(data))
     # A generator of its own: torch draws a seed for the workers from the loader's generator each time an iterator
     # starts, and from the global one that would shift every later draw of the device's augmentations (a resumed run
     # starts its iterator after the checkpoint's generators are restored; the stream seeds each sample itself)
-    return _Loader(stream, batch_size=None, num_workers=data.num_workers, generator=torch.Generator(),
+    return Loader(stream, batch_size=None, num_workers=data.num_workers, generator=torch.Generator(),
                    pin_memory=data.pin_memory and torch.cuda.is_available(), **kwargs)
 
 
