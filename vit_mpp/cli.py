@@ -70,7 +70,7 @@ def one_line_errors() -> Iterator[None]:
             _one_line(died)
         if is_peer_error(e):
             stop_if_peer_failed()  # before the signal: the launcher's SIGTERM may follow the peer's failure
-            print(peer_failure_line(e, signalled=launcher.signalled), file=sys.stderr, flush=True)
+            launcher.say(peer_failure_line(e, signalled=launcher.signalled))
             launcher.exit_now(2)  # the group is broken: no clean-up can finish, and nothing was saved now
         note_failure()
         raise
@@ -84,13 +84,13 @@ def _one_line(error: UserError) -> NoReturn:
     rank, line, world = process_rank(), error_line(error), int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1 or (rank == 0 and not error.rank_local):
         note_failure()  # before the line: a peer whose collective breaks names this rank
-        print(f"error: {line}", file=sys.stderr, flush=True)
+        launcher.say(f"error: {line}")
     else:
         if error.rank_local:
             note_failure()
         else:  # every rank met it: the main one prints it, and the launcher then ends this one
             time.sleep(QUIET_WAIT_S)
-        print(f"error: [rank {rank}] {line}", file=sys.stderr, flush=True)
+        launcher.say(f"error: [rank {rank}] {line}")
     sys.exit(2)
 
 

@@ -84,8 +84,8 @@ def _watch_launchers_store() -> None:
 def _launcher_gone_unless_store_serves() -> None:
     if _store_refused():  # nothing listens: the launcher is gone
         host, port = _store_address()
-        print(f"error: [rank {process_rank()}] the launcher is gone (nothing serves its store at {host}:{port}); this "
-              "rank stops", file=sys.stderr, flush=True)
+        say(f"error: [rank {process_rank()}] the launcher is gone (nothing serves its store at {host}:{port}); this "
+            "rank stops")
         exit_now(1)
 
 
@@ -114,7 +114,7 @@ _before_exit: list[Callable[[], None]] = []
 
 
 def before_exit_now(cleanup: Callable[[], None]) -> None:
-    """Run `cleanup` before `exit_now` ends this process (what must not outlive the rank: vit_mpp/data/stream.py
+    """Run `cleanup` before `exit_now` ends this process (what must not outlive the rank: vit_mpp/data/loader_workers.py
     registers the killing of loader workers hung in their fork, which never asked to die with it)."""
     _before_exit.append(cleanup)
 
@@ -131,8 +131,7 @@ def exit_now(status: int) -> NoReturn:
 
 
 def _orphaned(parent: int) -> None:
-    print(f"error: [rank {process_rank()}] the launcher (pid {parent}) is gone; this rank stops", file=sys.stderr,
-          flush=True)
+    say(f"error: [rank {process_rank()}] the launcher (pid {parent}) is gone; this rank stops")
     exit_now(1)
 
 
@@ -225,7 +224,7 @@ def stop_start_up(signum: int, saved_step: Callable[[], int | None]) -> NoReturn
     except OSError:  # the launcher's folder is gone: say it here
         folder = None
     if not folder and process_rank() == 0:
-        print(line, file=sys.stderr, flush=True)
+        say(line)
     exit_now(status)
 
 
@@ -326,21 +325,35 @@ def failed_peer() -> int | None:
         return None
 
 
+# fd 2 is the process's: one thread at a time mutes it, and a rank's one line waits while it is muted. The main
+# thread (a broken collective) and the signal watcher (the launcher's SIGTERM) both read a peer's note: muting in
+# both at once left fd 2 on /dev/null for good (the second saved the first's /dev/null as the stderr to restore),
+# and the peer's line went there (a cluster test, under load: rank 0 ended with status 2 and no word).
+_stderr = threading.RLock()
+
+
 @contextlib.contextmanager
 def _store_client_quiet() -> Iterator[None]:
     """The process's C-level stderr muted for the block: the store's C++ client writes a stack dump there when its
     server goes away mid-call (a launcher killed while it dies: its pid is still the rank's parent and its store
     still takes connections), then raises, which the callers of these courtesy notes handle. The block is one
     round trip of the store, bounded by STORE_TIMEOUT."""
-    sys.stderr.flush()
-    saved, muted = os.dup(2), os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(muted, 2)
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(muted)
+    with _stderr:
+        sys.stderr.flush()
+        saved, muted = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(muted, 2)
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            os.close(muted)
+
+
+def say(line: str) -> None:
+    """Print a rank's one line on stderr, never while another thread has it muted (`_store_client_quiet`)."""
+    with _stderr:
+        print(line, file=sys.stderr, flush=True)
 
 
 def is_peer_error(error: BaseException) -> bool:
@@ -415,8 +428,7 @@ def stop_if_peer_failed(wait_s: float = 0.0) -> None:
     if peer is None:
         return
     _stopping.acquire()  # never released: the holder ends the process
-    print(f"error: [rank {process_rank()}] stopped: rank {peer} failed (its error is above)", file=sys.stderr,
-          flush=True)
+    say(f"error: [rank {process_rank()}] stopped: rank {peer} failed (its error is above)")
     exit_now(2)
 
 

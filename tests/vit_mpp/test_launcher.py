@@ -171,6 +171,41 @@ def test_a_peer_failure_outranks_the_launchers_sigterm_that_follows_it():
     assert errors[0].strip().splitlines() == ["error: [rank 0] stopped: rank 1 failed (its error is above)"], errors
 
 
+QUIET_SCRIPT = """
+import sys, threading, time
+from vit_mpp import launcher
+
+def muted(entered, hold):
+    with launcher._store_client_quiet():
+        entered.set()
+        time.sleep(hold)
+
+first, second = threading.Event(), threading.Event()
+a = threading.Thread(target=muted, args=(first, 0.3))
+a.start()
+first.wait()
+b = threading.Thread(target=muted, args=(second, 0.6))  # the signal watcher reads the note while the main thread does
+b.start()
+a.join(); b.join()
+launcher.say("error: [rank 0] stopped: rank 1 failed (its error is above)")
+a = threading.Thread(target=muted, args=(first, 0.5))
+first.clear(); a.start(); first.wait()
+launcher.say("error: said while another thread had stderr muted")
+a.join()
+"""
+
+
+def test_a_ranks_line_is_never_lost_to_two_threads_muting_stderr_at_once():
+    # A cluster test under load: rank 0 ended with status 2 and no word. Its main thread (the broken collective) and
+    # its signal watcher (the launcher's SIGTERM) both read the peer's note with stderr muted; the second saved the
+    # first's /dev/null as the stderr to restore, and the line went there.
+    proc = subprocess.run([sys.executable, "-c", QUIET_SCRIPT], cwd=REPO, env=subprocess_env(), capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.splitlines() == ["error: [rank 0] stopped: rank 1 failed (its error is above)",
+                                        "error: said while another thread had stderr muted"], proc.stderr
+
+
 class NotedStore:
     """A store holding the note of rank 1's failure."""
 
