@@ -376,7 +376,7 @@ def make_loader(stream: TrainStream | EvalStream, data: DataConfig) -> DataLoade
     # starts, and from the global one that would shift every later draw of the device's augmentations (a resumed run
     # starts its iterator after the checkpoint's generators are restored; the stream seeds each sample itself)
     return Loader(stream, batch_size=None, num_workers=data.num_workers, generator=torch.Generator(),
-                   pin_memory=data.pin_memory and torch.cuda.is_available(), **kwargs)
+                  pin_memory=data.pin_memory and torch.cuda.is_available(), **kwargs)
 
 
 def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
