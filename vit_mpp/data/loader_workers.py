@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
+from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
 from vit_mpp.config.sections import DataConfig
 from vit_mpp.launcher import FORK_HANGS, before_exit_now, die_with_parent
@@ -176,10 +177,25 @@ class Loader(DataLoader):
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, previous)
             self.worker_init_fn = init
-        workers = list(batches._workers)
         _forked.difference_update([w for w in _forked if w.exitcode is not None])
-        _forked.update(workers)
+        _forked.update(batches._workers)
         _running.add(batches)
-        # Dropped half-read, the iterator is ended by torch (its __del__, which forgets the pids), then this runs
-        weakref.finalize(batches, _kill, workers).atexit = False
         return batches, flags
+
+    def _get_iterator(self) -> Any:
+        return _WorkerBatches(self) if self.num_workers > 0 else super()._get_iterator()
+
+
+class _WorkerBatches(_MultiProcessingDataLoaderIter):
+    """torch's iterator over worker processes, which kills what its own end leaves alive (a worker hung in its fork
+    never sees SIGTERM) once torch has forgotten their pids: also when it is dropped half-read (the k-NN monitor's)
+    and ended by its __del__. A finalizer of its own would run before that __del__ when the iterator is collected in
+    a reference cycle (an exception's frames), and torch, still watching, raised its 'killed by signal' there."""
+
+    def _shutdown_workers(self, kill: Callable[[Iterable[Any]], None] = _kill) -> None:
+        # `kill` bound here: an iterator that lives to the interpreter's end is ended after this module's names are
+        # gone (its workers were killed by then: `_end_running`)
+        try:
+            super()._shutdown_workers()
+        finally:
+            kill(self._workers)
