@@ -94,9 +94,7 @@ def end_workers(batches: Any) -> None:
     shutdown = getattr(batches, "_shutdown_workers", None)
     if shutdown is None:  # a loader without workers, or one closed already
         return
-    if batches._worker_pids_set:
-        torch.utils.data._utils.signal_handling._remove_worker_pids(id(batches))
-        batches._worker_pids_set = False
+    _unwatch(batches)
     # They hold nothing to save: ended at once (a worker leaves when its rank sends SIGTERM, with status 0), not
     # asked and then waited for, 5 s each, as torch's own end does with a worker busy on a read.
     for worker in batches._workers:
@@ -110,6 +108,14 @@ def end_workers(batches: Any) -> None:
     _running.discard(batches)
 
 
+def _unwatch(batches: Any) -> None:
+    """Take a loader iterator's workers out of torch's watch: torch's SIGCHLD handler raises its 'killed by signal'
+    error, wherever this process is, for a worker of any iterator it watches that is killed."""
+    if batches._worker_pids_set:
+        torch.utils.data._utils.signal_handling._remove_worker_pids(id(batches))
+        batches._worker_pids_set = False
+
+
 @atexit.register
 def _end_running() -> None:
     for running in list(_running):
@@ -117,7 +123,15 @@ def _end_running() -> None:
     _kill(_forked)  # those of the iterators already gone: torch forgot them as it ended them
 
 
-before_exit_now(lambda: _kill(_forked))  # the process ends right after: torch cannot see them die
+def _end_now() -> None:
+    """Kill every worker forked, out of torch's watch first: the process ends right after, and a SIGCHLD meanwhile
+    would raise torch's error in its last lines (or, where a test stands in for the exit, in a later loader)."""
+    for running in list(_running):
+        _unwatch(running)
+    _kill(_forked)
+
+
+before_exit_now(_end_now)
 
 
 def loader_timeout_s(data: DataConfig) -> float:
