@@ -330,6 +330,7 @@ def failed_peer() -> int | None:
 # both at once left fd 2 on /dev/null for good (the second saved the first's /dev/null as the stderr to restore),
 # and the peer's line went there (a cluster test, under load: rank 0 ended with status 2 and no word).
 _stderr = threading.RLock()
+_unmuted: list[int] = []  # the real stderr while it is muted (a handler of the muting thread may mute it again)
 
 
 @contextlib.contextmanager
@@ -341,19 +342,25 @@ def _store_client_quiet() -> Iterator[None]:
     with _stderr:
         sys.stderr.flush()
         saved, muted = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+        _unmuted.append(saved)
         try:
             os.dup2(muted, 2)
             yield
         finally:
+            _unmuted.pop()
             os.dup2(saved, 2)
             os.close(saved)
             os.close(muted)
 
 
 def say(line: str) -> None:
-    """Print a rank's one line on stderr, never while another thread has it muted (`_store_client_quiet`)."""
+    """Print a rank's one line on stderr, never while another thread has it muted (`_store_client_quiet`); from a
+    signal handler that interrupted this thread's own muted block, on the stderr that block saved."""
     with _stderr:
-        print(line, file=sys.stderr, flush=True)
+        if _unmuted:
+            os.write(_unmuted[0], f"{line}\n".encode())
+        else:
+            print(line, file=sys.stderr, flush=True)
 
 
 def is_peer_error(error: BaseException) -> bool:

@@ -192,6 +192,8 @@ a = threading.Thread(target=muted, args=(first, 0.5))
 first.clear(); a.start(); first.wait()
 launcher.say("error: said while another thread had stderr muted")
 a.join()
+with launcher._store_client_quiet():  # a signal handler of this thread, run inside its own muted read
+    launcher.say("error: said from inside this thread's muted read")
 """
 
 
@@ -203,7 +205,8 @@ def test_a_ranks_line_is_never_lost_to_two_threads_muting_stderr_at_once():
                           text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr.splitlines() == ["error: [rank 0] stopped: rank 1 failed (its error is above)",
-                                        "error: said while another thread had stderr muted"], proc.stderr
+                                        "error: said while another thread had stderr muted",
+                                        "error: said from inside this thread's muted read"], proc.stderr
 
 
 class NotedStore:
