@@ -250,10 +250,12 @@ def parse_subset_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--read-retries", type=int, default=urls.READ_RETRIES, metavar="N",
                    help="attempts after a remote read failed or stalled, with backoff from 1 s")
     args = p.parse_args(argv)
-    if args.per_class < 1 or args.shard_size < 1:
-        p.error("--per-class and --shard-size must be >= 1")
-    if not 0 < args.read_timeout < math.inf or args.read_retries < 0:
-        p.error("--read-timeout must be > 0 and finite, --read-retries >= 0")
+    problems = subset_shards.number_problems(args.per_class, args.seed, args.shard_size)
+    problems += [message for bad, message in (
+        (not 0 < args.read_timeout < math.inf, f"--read-timeout must be > 0 and finite, got {args.read_timeout}"),
+        (args.read_retries < 0, f"--read-retries must be >= 0, got {args.read_retries}")) if bad]
+    if problems:
+        p.error(problems[0])  # one line: the first of them
     return args
 
 

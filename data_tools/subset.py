@@ -1,11 +1,14 @@
 """`build-shards subset SOURCE OUT --per-class K --seed S`: K labelled samples of each class, drawn with a seed from
 one split of a shard set, written as a shard set of their own (the samples' bytes as they are, their manifest made
 by `build-shards index`), for fine-tuning on few labels and for `compare --labels-per-class`. The set's other splits
-are not copied: the new manifest names their shards where they are. See docs/build_shards.md#subsets.
+are not copied: the new manifest names their shards where they are. Its fingerprint, made as a build's, lets an
+identical rerun say "already complete" and write nothing. See docs/build_shards.md#subsets-a-few-labels-of-each-class.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import time
 from dataclasses import dataclass
@@ -14,9 +17,11 @@ from typing import Any
 
 import numpy as np
 
+from data_tools.builder.journal import fingerprint
 from data_tools.builder.writer import ShardWriter
 from data_tools.indexer import index_tars
 from data_tools.indexer.index_tars import IndexOptions
+from vit_mpp import __version__
 from vit_mpp.data import urls
 from vit_mpp.data.labels import BadLabel, cls_label
 from vit_mpp.data.manifest import (
@@ -37,6 +42,9 @@ from vit_mpp.progress import progress
 from vit_mpp.tools.args import check_writable_place
 
 SHARD_SIZE = 1000  # samples per written shard
+# what a subset's manifest records of how it was drawn, and the flag that sets each: a rerun names those that differ
+DRAWN_WITH = (("of", "SOURCE"), ("split", "--split"), ("per_class", "--per-class"), ("seed", "--seed"),
+              ("shard_size", "--shard-size"))
 
 
 class SubsetError(UserError):
@@ -99,9 +107,27 @@ def draw(labels: list[Picked], per_class: int, seed: int, where: str) -> list[Pi
     return [p for p in labels if id(p) in chosen]
 
 
+def number_problems(per_class: int, seed: int, shard_size: int) -> list[str]:
+    """What is wrong with a draw's numbers, one line each (the command line's checks and `subset`'s are these)."""
+    checks = [(per_class < 1, f"--per-class must be >= 1, got {per_class}"),
+              # numpy's SeedSequence takes any integer >= 0, however large, and raises on a negative one
+              (seed < 0, f"--seed must be >= 0 (numpy's generator takes no negative seed), got {seed}"),
+              (shard_size < 1, f"--shard-size must be >= 1, got {shard_size}")]
+    return [message for bad, message in checks if bad]
+
+
+def draw_fingerprint(info: dict[str, Any], drawn: dict[str, Any]) -> str:
+    """A subset's fingerprint, made as a build's (data_tools/builder/journal.py `fingerprint`): how it is drawn
+    (`drawn`, the source where it is), the tool's version and the source's manifest (its shards, their sizes and
+    sums, its classes): an identical rerun finds it in OUT's manifest and writes nothing."""
+    source = hashlib.sha256(json.dumps(info, sort_keys=True).encode()).hexdigest()
+    return fingerprint(source, {**drawn, "of": _absolute(drawn["of"]), "tool_version": __version__})
+
+
 def check_out(out: Path, source: str, overwrite: bool) -> None:
     """OUT may be new, empty, an unfinished subset (tars, no manifest) or, with --overwrite, a finished one; never
-    the source itself, nor a folder that holds anything else."""
+    the source itself, nor a folder that holds anything else. A finished one without --overwrite is left to `finished`
+    (this very draw, or refused)."""
     check_writable_place("OUT", out, out)
     if urls.is_local(source) and Path(urls.local_path(source)).resolve() == out.resolve():
         raise SubsetError(f"OUT {out} is the source set: write the subset into a folder of its own")
@@ -112,8 +138,40 @@ def check_out(out: Path, source: str, overwrite: bool) -> None:
     if others:
         raise SubsetError(f"OUT {out} holds files that are not a subset's ({', '.join(others[:3])}): give an empty "
                           "or new folder")
-    if (out / MANIFEST_NAME).is_file() and not overwrite:
-        raise SubsetError(f"OUT {out} already holds a subset (its {MANIFEST_NAME}): give --overwrite to draw it again")
+
+
+def finished(out: Path, drawn: dict[str, Any], fp: str) -> dict[str, Any] | None:
+    """The manifest of the finished subset in OUT when it is this very draw (its fingerprint is `fp`); None when OUT
+    holds none (an interrupted draw: drawn again whole); a SubsetError naming what differs otherwise."""
+    try:
+        info = json.loads((out / MANIFEST_NAME).read_text())
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except (OSError, ValueError):  # unreadable or torn: not this draw, and --overwrite replaces it
+        info = None
+    if isinstance(info, dict) and info.get("fingerprint") == fp:
+        return info
+    raise SubsetError(f"OUT {out} already holds a subset drawn otherwise ({_differences(info, drawn)}): give "
+                      "--overwrite to draw it again")
+
+
+def _differences(info: Any, drawn: dict[str, Any]) -> str:
+    """How the subset `info` was drawn otherwise than `drawn`, for the refusal's line."""
+    then = info.get("subset") if isinstance(info, dict) else None
+    if not isinstance(then, dict) or "fingerprint" not in info:
+        return f"its {MANIFEST_NAME} has no fingerprint: an older build-shards subset's, or unreadable"
+    differ = []
+    for key, flag in DRAWN_WITH:
+        old, new = then.get(key), drawn[key]
+        if key == "of":
+            old, new = _absolute(str(old)), _absolute(new)
+        if old != new:
+            differ.append(f"{flag} {old} there, {new} now")
+    if differ:
+        return "; ".join(differ)
+    if info.get("tool_version") != __version__:
+        return f"build-shards {info.get('tool_version')} there, {__version__} now"
+    return f"SOURCE's {MANIFEST_NAME} changed since"
 
 
 @dataclass(frozen=True)
@@ -131,8 +189,8 @@ def subset(source: str, out: Path, per_class: int, seed: int, options: SubsetOpt
     """Draw the subset and write it (shards, then the manifest, the commit point); returns its manifest."""
     start = time.perf_counter()
     split, overwrite, shard_size, read = options.split, options.overwrite, options.shard_size, options.read
-    if per_class < 1 or shard_size < 1:
-        raise SubsetError(f"--per-class and --shard-size must be >= 1, got {per_class} and {shard_size}")
+    if problems := number_problems(per_class, seed, shard_size):
+        raise SubsetError(problems[0])
     info = read_manifest(source)
     check_manifest(info, manifest_file(source))
     if split not in info["splits"]:
@@ -140,8 +198,15 @@ def subset(source: str, out: Path, per_class: int, seed: int, options: SubsetOpt
     if not manifest_classes(info):
         raise SubsetError(f"{source} carries no labels (its manifest counts no classes): a subset is drawn per class")
     check_out(out, source, overwrite)
-    shards, _ = load_split(source, split)
     where = f"{source}:{split}"
+    drawn = {"of": source, "split": split, "per_class": per_class, "seed": seed, "shard_size": shard_size}
+    fp = draw_fingerprint(info, drawn)
+    done = None if overwrite else finished(out, drawn, fp)
+    if done is not None:  # as a rerun of a complete build: one line, status 0, nothing written
+        print(f"{out} is already complete ({MANIFEST_NAME}: {per_class} of each class of {where}, seed {seed}); pass "
+              "--overwrite to draw it again", flush=True)
+        return done
+    shards, _ = load_split(source, split)
     labels: list[Picked] = []
     unlabelled = 0
     with progress(f"reading the labels of {where}", len(shards.urls), "shards") as shown:
@@ -192,8 +257,9 @@ def subset(source: str, out: Path, per_class: int, seed: int, options: SubsetOpt
         for field in ("num_classes", "class_names", "encoder"):
             if field in info:
                 made[field] = info[field]
-        made["subset"] = {"of": source, "split": split, "per_class": per_class, "seed": seed,
-                          "samples": len(chosen), "of_samples": len(labels), "unlabelled_left_out": unlabelled}
+        made["subset"] = {**drawn, "samples": len(chosen), "of_samples": len(labels),
+                          "unlabelled_left_out": unlabelled}
+        made["fingerprint"] = fp
 
     made = index_tars.index([str(out)], [split], str(out), IndexOptions(workers=1, pool="thread", overwrite=True,
                                                                          read=read), amend=record)

@@ -1,7 +1,8 @@
 """`build-shards subset SOURCE OUT --per-class K --seed S`: K samples of each class, the same ones for the same seed,
 copied byte for byte into shards of their own whose manifest names the source's other splits where they are (a
 fine-tuning reads the subset and the source's val split); `inspect` passes on it; every mistake is one line with
-nothing written, and a draw that was interrupted is drawn again whole."""
+nothing written (a negative --seed too), a draw that was interrupted is drawn again whole, an identical rerun of a
+finished one is "already complete" (status 0, nothing written) and one drawn otherwise names what differs."""
 
 from __future__ import annotations
 
@@ -17,12 +18,14 @@ from pathlib import Path
 import pytest
 
 from data_tools.cli import main as build_main
+from data_tools.subset import SubsetError
+from data_tools.subset import subset as draw_subset
 from finetune.__main__ import main as finetune_main
 from tests.helpers.disks import resize, small_disk
 from tests.helpers.processes import REPO, in_process, subprocess_env
 from tests.helpers.runs import audit, read_metrics
 from tests.helpers.shards import write_shard_set
-from vit_mpp.data.manifest import load_split
+from vit_mpp.data.manifest import MANIFEST_NAME, load_split
 
 
 @pytest.fixture(scope="module")
@@ -68,8 +71,9 @@ def test_k_of_each_class_the_same_for_the_same_seed_copied_byte_for_byte(source,
     assert members(tmp_path / "c").keys() != copied.keys()
 
     info = json.loads((tmp_path / "a" / "_info.json").read_text())
-    assert info["subset"] == {"of": str(source), "split": "train", "per_class": 4, "seed": 1, "samples": 12,
-                              "of_samples": 33, "unlabelled_left_out": 0}
+    assert info["subset"] == {"of": str(source), "split": "train", "per_class": 4, "seed": 1, "shard_size": 5,
+                              "samples": 12, "of_samples": 33, "unlabelled_left_out": 0}
+    assert len(info["fingerprint"]) == 64  # what a rerun compares (as a build's)
     assert info["class_names"] == ["a", "b", "c"] and info["num_classes"] == 3
     assert info["splits"]["val"]["filenames"] == [str(source / "val-000000.tar")]  # where it is, not copied
     assert members(tmp_path / "a", "val") == members(source, "val")
@@ -205,3 +209,106 @@ def test_killed_mid_copy_by_sigkill_the_same_command_draws_it_whole(tmp_path):
         assert again.returncode == 0, again.stderr
     assert members(out) == members(tmp_path / "clean") and labels(out) == {0: 300, 1: 300, 2: 300}
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in (tmp_path / "clean").iterdir())
+
+
+@pytest.mark.parametrize("more, says", [
+    (["--per-class", "2", "--seed", "-1"], "--seed must be >= 0 (numpy's generator takes no negative seed), got -1"),
+    (["--per-class", "0"], "--per-class must be >= 1, got 0"),
+    (["--per-class", "2", "--shard-size", "-3"], "--shard-size must be >= 1, got -3"),
+    (["--per-class", "2", "--read-timeout", "nan"], "--read-timeout must be > 0 and finite, got nan"),
+    (["--per-class", "2", "--read-retries", "-1"], "--read-retries must be >= 0, got -1"),
+])
+def test_a_numeric_flag_out_of_range_is_one_line_naming_it_and_nothing_is_written(source, tmp_path, capsys, more,
+                                                                                    says):
+    code, out, err = subset(capsys, source, tmp_path / "out", *more)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith(f"error: {says}"), err
+    assert not (tmp_path / "out").exists() and not out
+
+
+def test_a_negative_seed_through_the_command_is_one_line(source, tmp_path):
+    # numpy's generator raised its ValueError: a 27-line traceback and exit status 1
+    bad = subprocess.run([sys.executable, "-m", "data_tools.cli", "subset", str(source), str(tmp_path / "out"),
+                          "--per-class", "2", "--seed", "-1"], capture_output=True, text=True, env=subprocess_env(),
+                         cwd=REPO)
+    lines = bad.stderr.strip().splitlines()
+    assert bad.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: --seed must be >= 0"), bad.stderr
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(SubsetError, match="--seed must be >= 0"):  # the function itself, for a caller in Python
+        draw_subset(str(source), tmp_path / "out", 2, -1)
+    assert not (tmp_path / "out").exists()
+
+
+def snapshot(folder: Path) -> dict[str, tuple[bytes, int]]:
+    return {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in folder.iterdir()}
+
+
+def test_an_identical_rerun_is_already_complete_and_writes_nothing(source, tmp_path, capsys):
+    out = tmp_path / "few"
+    drawn = ["--per-class", "3", "--seed", "7", "--shard-size", "4"]
+    assert subset(capsys, source, out, *drawn)[0] == 0
+    before = snapshot(out)
+    code, said, err = subset(capsys, source, out, *drawn, "--read-retries", "1")  # how it reads: not the subset
+    assert code == 0 and not err, err
+    assert said.strip().splitlines() == [f"{out} is already complete ({MANIFEST_NAME}: 3 of each class of "
+                                         f"{source}:train, seed 7); pass --overwrite to draw it again"], said
+    assert snapshot(out) == before  # not a byte, not a time stamp
+
+
+@pytest.mark.parametrize("other, differs", [
+    (["--seed", "8"], "--seed 7 there, 8 now"),
+    (["--per-class", "2"], "--per-class 3 there, 2 now"),
+    (["--shard-size", "5"], "--shard-size 4 there, 5 now"),
+    (["--split", "val", "--per-class", "2"], "--split train there, val now; --per-class 3 there, 2 now"),
+])
+def test_a_rerun_with_other_settings_is_one_line_naming_what_differs(source, tmp_path, capsys, other, differs):
+    out = tmp_path / "few"
+    drawn = {"--per-class": "3", "--seed": "7", "--shard-size": "4"}
+    assert subset(capsys, source, out, *[x for kv in drawn.items() for x in kv])[0] == 0
+    before = snapshot(out)
+    now = {**drawn, **dict(zip(other[::2], other[1::2]))}
+    code, said, err = subset(capsys, source, out, *[x for kv in now.items() for x in kv])
+    assert code == 2 and err.strip().splitlines() == [
+        f"error: OUT {out} already holds a subset drawn otherwise ({differs}): give --overwrite to draw it again"], err
+    assert snapshot(out) == before
+    assert subset(capsys, source, out, *[x for kv in now.items() for x in kv], "--overwrite")[0] == 0
+
+
+def test_a_rerun_from_another_source_or_a_changed_one_is_refused(source, tmp_path, capsys):
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for p in source.iterdir():
+        (copy / p.name).write_bytes(p.read_bytes())
+    out = tmp_path / "few"
+    assert subset(capsys, copy, out, "--per-class", "2")[0] == 0
+    before = snapshot(out)
+    code, _, err = subset(capsys, source, out, "--per-class", "2")
+    assert code == 2 and err.strip().splitlines() == [
+        f"error: OUT {out} already holds a subset drawn otherwise (SOURCE {copy} there, {source} now): give "
+        "--overwrite to draw it again"], err
+    info = json.loads((copy / MANIFEST_NAME).read_text())
+    info["splits"]["val"]["filenames"] = [str(copy / "val-000000.tar")]  # the same shards, named otherwise
+    (copy / MANIFEST_NAME).write_text(json.dumps(info))
+    code, _, err = subset(capsys, copy, out, "--per-class", "2")
+    assert code == 2 and err.strip().splitlines() == [
+        f"error: OUT {out} already holds a subset drawn otherwise (SOURCE's {MANIFEST_NAME} changed since): give "
+        "--overwrite to draw it again"], err
+    assert snapshot(out) == before
+
+
+def test_a_rerun_of_the_command_is_already_complete(source, tmp_path):
+    # the real command twice, as a script that repeats its steps runs it: the second time is status 0
+    command = [sys.executable, "-m", "data_tools.cli", "subset", str(source), str(tmp_path / "s"), "--per-class", "1"]
+    first = subprocess.run(command, capture_output=True, text=True, env=subprocess_env(), cwd=REPO)
+    assert first.returncode == 0, first.stderr
+    before = snapshot(tmp_path / "s")
+    again = subprocess.run(command, capture_output=True, text=True, env=subprocess_env(), cwd=REPO)
+    assert again.returncode == 0 and not again.stderr, again.stderr
+    assert again.stdout.strip().splitlines() == [f"{tmp_path / 's'} is already complete ({MANIFEST_NAME}: 1 of each "
+                                                 f"class of {source}:train, seed 0); pass --overwrite to draw it "
+                                                 "again"], again.stdout
+    assert snapshot(tmp_path / "s") == before
+    other = subprocess.run([*command, "--seed", "3"], capture_output=True, text=True, env=subprocess_env(), cwd=REPO)
+    lines = other.stderr.strip().splitlines()
+    assert other.returncode == 2 and len(lines) == 1 and "--seed 0 there, 3 now" in lines[0], other.stderr
+    assert snapshot(tmp_path / "s") == before

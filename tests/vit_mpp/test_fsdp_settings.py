@@ -91,6 +91,49 @@ def test_an_ema_is_refused_with_fsdp_before_anything_is_written(demo_shards, enc
     assert not (tmp_path / "run").exists()
 
 
+# semi.pool needs the EMA, and FSDP refuses an EMA: one line names both, whichever check meets them first (the pool's
+# own check when train.ema_decay=0, FSDP's when it is > 0); each used to send the user to the other
+SEMI_UNDER_FSDP = ("error: config key 'semi.pool' needs the model's EMA (train.ema_decay > 0) as its teacher, and an "
+                   "EMA is not kept under FSDP (it needs the whole model on every process, and FSDP shards it): "
+                   "fine-tune with the pool without the FSDP accelerate config, or without semi.pool")
+
+
+def semi_argv(shards, run_dir, ema: str) -> list[str]:
+    return ["--config", "configs/finetune/tiny.yaml", f"data.shards={shards}", "init.checkpoint=",
+            f"train.run_dir={run_dir}", f"semi.pool={shards}", ema]
+
+
+@pytest.mark.parametrize("ema", ["train.ema_decay=0", "train.ema_decay=0.99"])
+def test_a_pool_under_fsdp_is_one_line_naming_both_settings(ema, demo_shards, tmp_path, monkeypatch, capsys):
+    fsdp_env(monkeypatch)
+    code, _, err = in_process(finetune_main, semi_argv(demo_shards, tmp_path / "run", ema), capsys)
+    assert code == 2 and err.strip().splitlines() == [SEMI_UNDER_FSDP], err
+    assert not (tmp_path / "run").exists()
+    monkeypatch.delenv("ACCELERATE_USE_FSDP")  # without FSDP, the pool's own rule is as it was
+    code, _, err = in_process(finetune_main, semi_argv(demo_shards, tmp_path / "run", "train.ema_decay=0"), capsys)
+    assert code == 2 and "config key 'semi.pool' the pool's labels come from the model's EMA" in err, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_pool_under_fsdp_through_the_command_is_one_line(demo_shards, tmp_path):
+    # `python -m finetune` as each rank runs it, in the environment the FSDP launch config gives: status 2, one line
+    env = {**subprocess_env(), "ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}
+    for ema in ("train.ema_decay=0", "train.ema_decay=0.99"):
+        done = subprocess.run([sys.executable, "-m", "finetune", *semi_argv(demo_shards, tmp_path / "run", ema)],
+                              capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+        assert done.returncode == 2 and done.stderr.strip().splitlines() == [SEMI_UNDER_FSDP], done.stderr[-3000:]
+        assert not (tmp_path / "run").exists()
+    # and under the real launcher with configs/accelerate/fsdp_vit_large.yaml (torch elastic's, whose own report of
+    # the failed rank follows, with its exit status 1): the rank's one line is this one
+    done = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", FSDP_CONFIG,
+                           "--num_processes", "1", "--mixed_precision", "no", "--main_process_port", "0", "--quiet",
+                           "-m", "finetune", *semi_argv(demo_shards, tmp_path / "run", "train.ema_decay=0.99")],
+                          capture_output=True, text=True, timeout=300, env=subprocess_env(), cwd=REPO)
+    errors = [ln for ln in done.stderr.splitlines() if ln.startswith("error:")]
+    assert done.returncode != 0 and errors == [SEMI_UNDER_FSDP], done.stderr[-3000:]
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_unit_class_the_model_does_not_have_is_one_line(demo_shards, tmp_path, monkeypatch, capsys):
     fsdp_env(monkeypatch, FSDP_TRANSFORMER_CLS_TO_WRAP="LlamaDecoderLayer")
     code, _, err = in_process(pretrain_main, pretrain_argv(demo_shards, tmp_path / "run"), capsys)

@@ -17,6 +17,11 @@ from vit_mpp.config.engine import ConfigError
 
 USE_FSDP = "ACCELERATE_USE_FSDP"
 WRAP_POLICIES = ("TRANSFORMER_BASED_WRAP", "NO_WRAP")
+# semi.pool's teacher is the model's EMA, which is not kept under FSDP: whichever check meets the two first (the pool's
+# own when train.ema_decay=0, `check_fsdp` when it is > 0) says this, so that neither sends the user to the other
+SEMI_POOL_UNDER_FSDP = ("needs the model's EMA (train.ema_decay > 0) as its teacher, and an EMA is not kept under FSDP "
+                        "(it needs the whole model on every process, and FSDP shards it): fine-tune with the pool "
+                        "without the FSDP accelerate config, or without semi.pool")
 
 
 def _flag(env: MutableMapping[str, str], name: str, default: bool = False) -> bool:
@@ -87,6 +92,9 @@ def check_fsdp(cfg: Any, env: MutableMapping[str, str] = os.environ) -> None:
     if tc.mixed_precision == "fp16":
         raise ConfigError("train.mixed_precision=fp16 does not go with FSDP here (its loss scaler would have to see "
                           "every shard's gradients); use train.mixed_precision=bf16 (bf16 parameters, fp32 reduction)")
+    semi = getattr(cfg, "semi", None)
+    if semi is not None and semi.pool_sets():
+        raise ConfigError(f"config key 'semi.pool' {SEMI_POOL_UNDER_FSDP}")  # as the pool's own check words it
     if getattr(tc, "ema_decay", 0.0) > 0:
         raise ConfigError(f"train.ema_decay={tc.ema_decay:g} needs the whole model on every process, and FSDP shards "
                           "it; set train.ema_decay=0, or fine-tune without the FSDP accelerate config")
