@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from experiments import compare
+from experiments import compare, compare_arms, compare_report, run_scheduler
 from tests.helpers.processes import REPO, Background, in_process, run_module, subprocess_env
 from tests.helpers.runs import read_metrics
 from tests.helpers.shards import write_shard_set
@@ -40,7 +40,7 @@ def dry_run_text(cmd: list[str]) -> str:
         steps = epochs * max(1, samples // batch)
     train = {"batch_size": batch, **({"epochs": epochs} if epochs else {"steps": steps})}
     cfg = {"model": {"name": "vit", "img_size": 16, "patch_size": 4}, "train": {**train, "crop": [0.5, 1.0]}}
-    return (f"{compare.DRY_RUN_HEAD}\n{yaml.safe_dump(cfg, sort_keys=False)}model vit (1M params)\n"
+    return (f"{run_scheduler.DRY_RUN_HEAD}\n{yaml.safe_dump(cfg, sort_keys=False)}model vit (1M params)\n"
             f"data {samples} train images\nlearning rate: step 1 0.1\n"
             f"would start a new run in {over['train.run_dir']}, {steps} steps\n")
 
@@ -51,8 +51,8 @@ class FakeStages:
 
     def __init__(self, monkeypatch, top1=lambda stage: 0.5) -> None:
         self.dry_runs, self.launched, self.top1 = [], [], top1
-        monkeypatch.setattr(compare, "dry_run", self.dry_run)
-        monkeypatch.setattr(compare, "launch", self.launch)
+        monkeypatch.setattr(run_scheduler, "dry_run", self.dry_run)
+        monkeypatch.setattr(run_scheduler, "launch", self.launch)
 
     def dry_run(self, cmd):
         self.dry_runs.append(cmd)
@@ -95,7 +95,7 @@ def argv(shards: dict[str, Path], out: Path, *more: str, pool: str = "pool") -> 
 def test_the_paired_table_is_per_seed_then_mean_and_sample_std():
     top1 = {"scratch": {0: 0.70, 1: 0.60, 2: 0.65}, "mpp": {0: 0.80, 1: 0.75, 2: 0.70},
             "scratch_equal": {0: 0.78, 1: 0.74, 2: None}, "probe": {0: 0.30, 1: 0.35, 2: 0.40}}
-    rows = compare.table(top1, list(top1), [0, 1, 2])
+    rows = compare_report.table(top1, list(top1), [0, 1, 2])
     assert rows["arms"]["mpp"]["mean"] == pytest.approx(0.75)
     assert rows["arms"]["mpp"]["std"] == pytest.approx(statistics.stdev([0.80, 0.75, 0.70]))
     assert rows["arms"]["scratch_equal"]["mean"] == pytest.approx(0.76)  # the seed without a result left out
@@ -104,14 +104,15 @@ def test_the_paired_table_is_per_seed_then_mean_and_sample_std():
     assert diff["per_seed"] == pytest.approx({0: 0.10, 1: 0.15, 2: 0.05})  # paired by seed
     assert diff["mean"] == pytest.approx(0.10) and diff["std"] == pytest.approx(0.05)
     assert rows["differences"]["mpp - scratch_equal"]["per_seed"].keys() == {0, 1}  # only seeds both arms have
-    one = compare.table({"scratch": {0: 0.5}, "mpp": {0: 0.6}}, ["scratch", "mpp"], [0])
+    one = compare_report.table({"scratch": {0: 0.5}, "mpp": {0: 0.6}}, ["scratch", "mpp"], [0])
     assert one["differences"]["mpp - scratch"]["std"] is None  # one seed: no spread to show
-    assert compare.shown(0.1, None, signed=True) == "+0.100" and compare.shown(0.75, 0.05) == "0.750 ± 0.050"
+    assert compare_report.shown(0.1, None, signed=True) == "+0.100" and compare_report.shown(
+        0.75, 0.05) == "0.750 ± 0.050"
 
 
 def test_variants_are_compared_with_the_reference_and_every_baseline():
     arms = ["scratch", "mpp", "mpp-l2", "supervised", "probe", "probe-avg", "scratch_equal"]
-    assert compare.differences(arms) == [
+    assert compare_report.differences(arms) == [
         ("mpp", "scratch"), ("mpp", "supervised"), ("mpp", "probe"), ("mpp", "probe-avg"), ("mpp", "scratch_equal"),
         ("mpp-l2", "mpp"), ("mpp-l2", "scratch"), ("mpp-l2", "supervised"), ("mpp-l2", "scratch_equal")]
 
@@ -122,10 +123,10 @@ def test_variants_are_compared_with_the_reference_and_every_baseline():
 def test_equal_compute_epochs():
     # The digits recipe: 2,000 MPP steps x 128 + 1,200 fine-tuning steps x 50 = 316,000 images; 100 labelled
     # images at batch 50 are 2 steps (100 images) an epoch, so 3,160 epochs.
-    assert compare.equal_epochs(2000 * 128 + 1200 * 50, 2, 50) == 3160
-    assert compare.equal_epochs(256_000, 380, 50) == 13  # the supervised pretraining on 19,000 pool images
-    assert compare.equal_epochs(10, 4, 50) == 1  # at least one epoch
-    assert compare.equal_epochs(150, 1, 100) == 2  # halves round up
+    assert compare_arms.equal_epochs(2000 * 128 + 1200 * 50, 2, 50) == 3160
+    assert compare_arms.equal_epochs(256_000, 380, 50) == 13  # the supervised pretraining on 19,000 pool images
+    assert compare_arms.equal_epochs(10, 4, 50) == 1  # at least one epoch
+    assert compare_arms.equal_epochs(150, 1, 100) == 2  # halves round up
 
 
 def test_the_equal_compute_arms_get_the_mpp_arms_images(tmp_path, monkeypatch, shards):
@@ -139,9 +140,9 @@ def test_the_equal_compute_arms_get_the_mpp_arms_images(tmp_path, monkeypatch, s
     assert report["cost"]["supervised"]["images"] == 3 * 15 * FT_BATCH + 36
     assert report["cost"]["probe"]["images"] == mpp_images  # the MPP pretraining it reads, and its own run
     assert len(fake.launched) == 2 * 7
-    cmd = json.loads((tmp_path / "out/seed1/scratch_equal/finetune" / compare.SIDECAR).read_text())["command"]
+    cmd = json.loads((tmp_path / "out/seed1/scratch_equal/finetune" / run_scheduler.SIDECAR).read_text())["command"]
     assert cmd[-1] == "train.epochs=16" and "init.checkpoint=" in cmd and "train.seed=1" in cmd
-    probe = json.loads((tmp_path / "out/seed0/probe/finetune" / compare.SIDECAR).read_text())["command"]
+    probe = json.loads((tmp_path / "out/seed0/probe/finetune" / run_scheduler.SIDECAR).read_text())["command"]
     assert f"init.checkpoint={tmp_path / 'out/seed0/mpp/pretrain/export'}" in probe
     assert "train.mode=linear_probe" in probe and f"data.val_shards={shards['test']}" in probe
     assert "data.val_split=test" in probe  # the test set's own split, found in its manifest
@@ -155,13 +156,13 @@ def test_the_semi_arms_fine_tune_with_the_unlabelled_set_as_their_pool(tmp_path,
     # steps x 4 (not its own fine-tuning's 36 as configured)
     assert report["epochs"] == {"semi_scratch": 18} and len(fake.launched) == 4
     assert report["cost"]["semi"]["images"] == PRE_STEPS * PRE_BATCH + 60  # the pretraining it reads, and its own
-    semi = json.loads((tmp_path / "out/seed0/semi/finetune" / compare.SIDECAR).read_text())["command"]
+    semi = json.loads((tmp_path / "out/seed0/semi/finetune" / run_scheduler.SIDECAR).read_text())["command"]
     assert f"init.checkpoint={tmp_path / 'out/seed0/mpp/pretrain/export'}" in semi
     assert f"semi.pool={shards['pool']}" in semi and "train.ema_decay=0.99" in semi
-    scratch = json.loads((tmp_path / "out/seed0/semi_scratch/finetune" / compare.SIDECAR).read_text())["command"]
+    scratch = json.loads((tmp_path / "out/seed0/semi_scratch/finetune" / run_scheduler.SIDECAR).read_text())["command"]
     assert "init.checkpoint=" in scratch and f"semi.pool={shards['pool']}" in scratch
     assert scratch[-1] == "train.epochs=18"
-    assert compare.differences(["mpp", "semi", "semi_scratch", "supervised"]) == [
+    assert compare_report.differences(["mpp", "semi", "semi_scratch", "supervised"]) == [
         ("mpp", "semi"), ("mpp", "semi_scratch"), ("mpp", "supervised"), ("semi", "semi_scratch"),
         ("semi", "supervised")]
     code, _, err = in_process(compare.main, argv(shards, tmp_path / "o2", "--arms", "mpp,semi", "--set",
@@ -206,7 +207,7 @@ def test_a_torn_dry_run_cache_is_run_again_not_a_traceback(tmp_path, monkeypatch
     fake = FakeStages(monkeypatch)
     args = argv(shards, tmp_path / "out", "--seeds", "0", "--arms", "scratch,mpp")
     first = compare.main(args)
-    cache = tmp_path / "out" / compare.DRY_RUNS
+    cache = tmp_path / "out" / run_scheduler.DRY_RUNS
     whole = cache.read_text()
     cache.write_text(whole[: len(whole) // 2])
     fake.dry_runs.clear()
@@ -239,7 +240,7 @@ def test_overrides_reach_their_stage_in_order(tmp_path, monkeypatch, shards):
                       "probe.finetune:model.global_pool=avg", "probe-attentive.finetune:train.mode=attentive_probe"))
 
     def command(name: str) -> list[str]:
-        return json.loads((tmp_path / "out/seed0" / name / compare.SIDECAR).read_text())["command"]
+        return json.loads((tmp_path / "out/seed0" / name / run_scheduler.SIDECAR).read_text())["command"]
 
     assert "mpp.target=l2" in command("mpp-l2/pretrain") and "mpp.target=l2" not in command("mpp/pretrain")
     assert "train.steps=10" in command("mpp/pretrain") and "optim.lr=0.1" in command("scratch/finetune")
@@ -270,7 +271,7 @@ def test_a_label_sweep_shares_the_pretrainings_and_sizes_each_point(tmp_path, mo
           for p in ("k2", "all"))])
 
     def command(name: str) -> list[str]:
-        return json.loads((out / name / compare.SIDECAR).read_text())["command"]
+        return json.loads((out / name / run_scheduler.SIDECAR).read_text())["command"]
 
     for seed in (0, 1):
         subset = out / "labelled" / f"k2_s{seed}"
@@ -307,7 +308,7 @@ def test_a_sweep_without_finetune_steps_keeps_the_first_points_steps(tmp_path, m
     compare.main(argv(shards, out, "--seeds", "0", "--arms", "mpp", "--labels-per-class", "all", "1"))
 
     def command(name: str) -> list[str]:
-        return json.loads((out / name / compare.SIDECAR).read_text())["command"]
+        return json.loads((out / name / run_scheduler.SIDECAR).read_text())["command"]
 
     assert not command("seed0/mpp/finetune_all")[-1].startswith("train.epochs=")  # the config's 3 epochs, 9 steps
     assert command("seed0/mpp/finetune_k1")[-1] == "train.epochs=9"  # 3 images: 1 step an epoch
@@ -415,7 +416,7 @@ def test_a_stage_that_refuses_its_config_is_one_line_naming_the_arm(tmp_path, mo
             return subprocess.CompletedProcess(cmd, 2, "", "error: mpp.mask_ratio=7: must be in (0, 1)\n")
         return subprocess.CompletedProcess(cmd, 0, dry_run_text(cmd), "")
 
-    monkeypatch.setattr(compare, "dry_run", refuse)
+    monkeypatch.setattr(run_scheduler, "dry_run", refuse)
     code, _, err = in_process(compare.main, argv(shards, tmp_path / "out", "--set", "pretrain:mpp.mask_ratio=7"),
                               capsys)
     assert code == 2 and err == "error: mpp/pretrain: mpp.mask_ratio=7: must be in (0, 1)\n"
@@ -443,7 +444,7 @@ def test_a_failed_run_is_one_line_after_the_others_end(tmp_path, monkeypatch, sh
             return 2
         return ok(stage, log, threads)
 
-    monkeypatch.setattr(compare, "launch", launch)
+    monkeypatch.setattr(run_scheduler, "launch", launch)
     code, out, err = in_process(compare.main, argv(shards, tmp_path / "out", "--seeds", "0", "--arms",
                                                    "scratch,mpp"), capsys)
     assert code == 2 and err.count("\n") == 1
@@ -473,7 +474,7 @@ def test_a_stop_signal_reaches_the_stages_under_way_and_none_starts_after_it():
     # does once it saved, and a stage about to start does not
     stage = [sys.executable, "-c", "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(75));"
              " print('up', flush=True); time.sleep(120)"]
-    children, result = compare.Children(), {}
+    children, result = run_scheduler.Children(), {}
     with children.stop_signals():
         reader, writer = os.pipe()
         runner = threading.Thread(target=lambda: result.update(status=children.run(stage, stdout=writer)))
@@ -563,7 +564,7 @@ def test_a_signal_its_parent_ignores_stays_ignored():
     # `nohup compare ...`: the hang-up of the terminal must not stop a sweep of hours
     previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
     try:
-        with compare.Children().stop_signals():
+        with run_scheduler.Children().stop_signals():
             assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
             assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_IGN, signal.SIG_DFL)
     finally:
@@ -584,7 +585,7 @@ def test_a_tiny_real_comparison_runs_and_resumes(tmp_path, monkeypatch, shards):
     assert all(report["table"]["arms"][a]["per_seed"][0] is not None for a in ("scratch", "mpp"))
     assert report["test_samples"] == 9
     launched = []
-    monkeypatch.setattr(compare, "launch", lambda *a: launched.append(a) or 0)
+    monkeypatch.setattr(run_scheduler, "launch", lambda *a: launched.append(a) or 0)
     assert compare.main(args)["table"] == report["table"] and not launched
 
 

@@ -8,7 +8,7 @@ import json
 import pytest
 from scipy.stats import spearmanr
 
-from experiments import compare
+from experiments import compare, compare_arms, run_scheduler
 from experiments.monitor_ranks import monitor_table, ranks, spearman
 from tests.experiments.test_compare import FakeStages, argv, shards  # noqa: F401  (shards: the fixture)
 
@@ -57,8 +57,8 @@ def test_compare_tables_the_monitors_of_its_mpp_arms(tmp_path, monkeypatch, shar
                                     "knn_probe_attentive": attentive[stage.arm] + stage.seed_shift}) + "\n")
         return code
 
-    monkeypatch.setattr(compare.Stage, "seed_shift", property(lambda s: 0.01 * int(s.name[4])), raising=False)
-    monkeypatch.setattr(compare, "launch", with_monitors)
+    monkeypatch.setattr(compare_arms.Stage, "seed_shift", property(lambda s: 0.01 * int(s.name[4])), raising=False)
+    monkeypatch.setattr(run_scheduler, "launch", with_monitors)
     report = compare.main(argv(shards, tmp_path / "out", "--seeds", "0", "1", "--arms", "mpp,mpp-a,mpp-b,scratch"))
     monitors = report["monitors"]
     assert len(monitors["runs"]) == 6 and {r["arm"] for r in monitors["runs"]} == {"mpp", "mpp-a", "mpp-b"}

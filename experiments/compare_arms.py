@@ -1,0 +1,285 @@
+"""compare's arms: their kinds and stages, `--arms` and `--set` parsed, the checked command line (`Setup`), each
+arm's stages for each seed and point of the label sweep (the plan, `plan_runs`), and the equal-compute sizing from
+the lengths the stages' dry runs resolve (`set_lengths`). See docs/experiments.md#python--m-experimentscompare.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from experiments import label_sweep
+from vit_mpp.config.engine import ConfigError
+
+KINDS = ("scratch", "mpp", "scratch_equal", "supervised", "probe", "semi", "semi_scratch")
+STAGES = {"scratch": ("finetune",), "mpp": ("pretrain", "finetune"), "scratch_equal": ("finetune",),
+          "supervised": ("pretrain", "finetune"), "probe": ("finetune",), "semi": ("finetune",),
+          "semi_scratch": ("finetune",)}
+DEFAULT_ARMS = KINDS[:5]
+READS_REFERENCE = ("probe", "semi")  # fine-tune the reference MPP arm's export
+EQUAL_COMPUTE = (("scratch_equal", "finetune"), ("supervised", "pretrain"), ("semi_scratch", "finetune"))
+ARM_NAME = re.compile(r"^(" + "|".join(KINDS) + r")(-[A-Za-z0-9_]+)?$")
+KEY_VALUE = re.compile(r"^[A-Za-z_]\w*(\.\w+)*=")
+# Keys compare sets itself: a run's place, seed and data, and (fine-tuning) where it starts and what it is scored on.
+OWN_KEYS = {"pretrain": {"train.run_dir", "train.seed", "data.shards"},
+            "finetune": {"train.run_dir", "train.seed", "data.shards", "init.checkpoint", "data.val_shards",
+                         "data.val_split", "semi.pool"}}
+
+
+@dataclass
+class Setup:
+    """The checked command line: shard sets, arms, overrides, configs, where the runs go."""
+
+    unlabelled: str
+    labelled: str  # may hold {seed}
+    test: str
+    test_split: str
+    test_samples: int
+    pool_val: bool  # the unlabelled set has a 'val' split (the supervised pretraining's monitor)
+    arms: list[str]
+    seeds: list[int]
+    configs: dict[str, str]  # module -> config file
+    overrides: dict[str, list[str]]  # 'pretrain', 'finetune' (every run of that config), 'ARM.STAGE'
+    out: Path
+    notes: list[str] = field(default_factory=list)
+    fingerprint: str = ""  # of the configs' and manifests' contents: a dry run's lengths are kept under it
+    points: list[str] = field(default_factory=lambda: [""])  # the label sweep's points (k2, k20, all); "": none
+    finetune_steps: int | None = None  # a sweep's fine-tuning steps at every point (None: the first point's)
+
+    def runs(self, arm: str, point: str) -> bool:
+        """Whether `arm` runs at `point`: not a semi-supervised arm at point all when its pool is the labelled set."""
+        same = Path(self.unlabelled).resolve() == Path(self.labelled).resolve()
+        return not (point == "all" and same and kind(arm) in ("semi", "semi_scratch"))
+
+    def labelled_of(self, seed: int, point: str) -> str:
+        """The labelled set a fine-tuning of `seed` at `point` trains on: --labelled itself, or a subset of it."""
+        if point in ("", "all"):
+            return self.labelled.replace("{seed}", str(seed))
+        return str(label_sweep.subset_folder(self.out, point, seed))
+
+    @property
+    def reference(self) -> str:
+        """The MPP arm the equal-compute, supervised and probe arms are measured against: the first one."""
+        return next(a for a in self.arms if kind(a) == "mpp")
+
+
+@dataclass(eq=False)  # a stage is itself: compared by identity
+class Stage:
+    """One process of the plan: `python -m <module> --config <config> <overrides>` in `run_dir`."""
+
+    name: str  # seed0/mpp/pretrain; seed0/mpp/finetune_k20 at a point of a label sweep
+    module: str  # pretrain | finetune
+    config: str
+    run_dir: Path
+    overrides: list[str]
+    needs: Stage | None = None  # a stage whose export this one starts from
+    steps: int = 0  # planned optimizer steps (0: unknown)
+    batch: int = 0
+    point: str = ""  # the label sweep's point of a fine-tuning ("": none, or a pretraining shared by every point)
+
+    @property
+    def arm(self) -> str:
+        return self.name.split("/")[1]
+
+    @property
+    def stage(self) -> str:
+        """pretrain or finetune (the arm's stage, whatever its point)."""
+        return self.name.split("/")[2].split("_", 1)[0]
+
+    @property
+    def key(self) -> str:
+        """ARM/STAGE[_POINT]: the same for every seed (lengths are measured on the first)."""
+        return self.name.split("/", 1)[1]
+
+    @property
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", self.module, "--config", self.config, *self.overrides]
+
+    @property
+    def work(self) -> int:
+        """Planned training images (steps x batch)."""
+        return self.steps * self.batch
+
+
+@dataclass(frozen=True)
+class Lengths:
+    """What a dry run of a stage resolves: global batch, total optimizer steps, and epochs (fine-tuning)."""
+
+    batch: int
+    steps: int
+    epochs: int | None = None
+
+
+def kind(arm: str) -> str:
+    return arm.split("-", 1)[0]
+
+
+# ----------------------------------------------------------------------------------------------- --arms and --set
+
+
+def parse_overrides(items: list[str], arms: list[str]) -> dict[str, list[str]]:
+    """`TARGET:KEY=VALUE` items -> target -> ['KEY=VALUE', ...]; TARGET is pretrain, finetune, ARM.pretrain or
+    ARM.finetune (ARM one of --arms, with that stage)."""
+    found: dict[str, list[str]] = {}
+    for item in items:
+        target, sep, setting = item.partition(":")
+        if not sep or not KEY_VALUE.match(setting):
+            raise ConfigError(f"--set {item!r}: give TARGET:KEY=VALUE, TARGET one of pretrain, finetune, ARM.pretrain, "
+                              "ARM.finetune (e.g. mpp.pretrain:mpp.mask_ratio=0.15)")
+        arm, dot, stage = target.rpartition(".")
+        stage = stage if dot else target
+        if stage not in STAGES["mpp"] or (dot and arm not in arms):
+            raise ConfigError(f"--set {item!r}: unknown target {target!r} (pretrain, finetune, or ARM.STAGE for an "
+                              f"arm of --arms: {', '.join(arms)})")
+        if dot and stage not in STAGES[kind(arm)]:
+            raise ConfigError(f"--set {item!r}: arm {arm} has no {stage} stage (it has: "
+                              f"{', '.join(STAGES[kind(arm)])})")
+        key = setting.split("=", 1)[0]
+        config = "finetune" if stage == "finetune" or kind(arm) == "supervised" else "pretrain"
+        computed = dot and (kind(arm), stage) in EQUAL_COMPUTE
+        if key in OWN_KEYS[config] or (key == "train.epochs" and computed):
+            raise ConfigError(f"--set {item!r}: compare sets {key} itself (see python -m experiments.compare --help)")
+        found.setdefault(target, []).append(setting)
+    return found
+
+
+def parse_arms(values: list[str]) -> list[str]:
+    arms = [a for v in values for a in v.split(",") if a]
+    for arm in arms:
+        if not ARM_NAME.match(arm):
+            raise ConfigError(f"--arms: unknown arm {arm!r} (arms: {', '.join(KINDS)}, or one of them with a "
+                              "-suffix for a variant, e.g. mpp-l2)")
+    if len(set(arms)) != len(arms):
+        raise ConfigError(f"--arms names an arm twice: {', '.join(arms)}")
+    if not any(kind(a) == "mpp" for a in arms):
+        raise ConfigError("--arms has no mpp arm: the comparison is of MPP pretraining against its baselines")
+    return arms
+
+
+# ------------------------------------------------------------------------------------------------------- the plan
+
+
+def stage_overrides(setup: Setup, arm: str, stage: str, own: list[str]) -> list[str]:
+    """A stage's overrides in the order that decides (the last wins): compare's own settings (`own`: place, seed,
+    data), the user's for every run of the stage's config, the arm's defining ones (`own` too: probe's
+    train.mode=linear_probe), then the user's for this arm's stage. The equal-compute epochs are added last."""
+    config = "finetune" if stage == "finetune" or kind(arm) == "supervised" else "pretrain"
+    fixed = [o for o in own if o.split("=")[0] in OWN_KEYS[config]]
+    defining = [o for o in own if o.split("=")[0] not in OWN_KEYS[config]]
+    return [*fixed, *setup.overrides.get(config, []), *defining, *setup.overrides.get(f"{arm}.{stage}", [])]
+
+
+def finetune_stage(point: str) -> str:
+    """The fine-tuning stage's name at a point of the label sweep."""
+    return f"finetune_{point}" if point else "finetune"
+
+
+def arm_stages(setup: Setup, arm: str, seed: int, pretrained: dict[str, Stage], point: str = "") -> list[Stage]:
+    """The stages of one arm for one seed at one point of the label sweep; a pretraining is made at the first point
+    and shared by the others (`pretrained`: this seed's pretraining stage of each arm that has one). Returns the
+    stages new to the plan."""
+    base = setup.out / f"seed{seed}" / arm
+    k, name = kind(arm), f"seed{seed}/{arm}"
+    scored = [f"data.shards={setup.labelled_of(seed, point)}", f"train.seed={seed}",
+              f"data.val_shards={setup.test}", f"data.val_split={setup.test_split}"]
+    where = finetune_stage(point)
+
+    def finetune(init: Stage | None, extra: tuple[str, ...] = ()) -> Stage:
+        checkpoint = f"init.checkpoint={init.run_dir / 'export'}" if init else "init.checkpoint="
+        return Stage(f"{name}/{where}", "finetune", setup.configs["finetune"], base / where,
+                     [f"train.run_dir={base / where}", *stage_overrides(setup, arm, "finetune",
+                                                                        [*scored, checkpoint, *extra])], init,
+                     point=point)
+
+    if k in ("mpp", "supervised"):
+        pre, new = pretrained.get(arm), []
+        if pre is None and k == "mpp":
+            pre = Stage(f"{name}/pretrain", "pretrain", setup.configs["pretrain"], base / "pretrain",
+                        [f"train.run_dir={base / 'pretrain'}", *stage_overrides(
+                            setup, arm, "pretrain", [f"data.shards={setup.unlabelled}", f"train.seed={seed}"])])
+            new = [pre]
+        elif pre is None:
+            own = [f"data.shards={setup.unlabelled}", f"train.seed={seed}", "data.val_shards=",
+                   f"data.val_split={'val' if setup.pool_val else ''}", "init.checkpoint="]
+            pre = Stage(f"{name}/pretrain", "finetune", setup.configs["finetune"], base / "pretrain",
+                        [f"train.run_dir={base / 'pretrain'}", *stage_overrides(setup, arm, "pretrain", own)])
+            new = [pre]
+        pretrained[arm] = pre
+        return [*new, finetune(pre)]
+    if k == "probe":
+        return [finetune(pretrained[setup.reference], ("train.mode=linear_probe",))]
+    pool = (f"semi.pool={setup.unlabelled}",)  # semi-supervised: the unlabelled set is the pool
+    if k == "semi":
+        return [finetune(pretrained[setup.reference], pool)]
+    return [finetune(None, pool if k == "semi_scratch" else ())]
+
+
+def plan_runs(setup: Setup) -> tuple[list[Stage], dict[tuple[int, str, str], list[Stage]]]:
+    """Every stage of every seed and point (lengths not yet known), and (seed, arm, point) -> the stages its result
+    depends on."""
+    stages, of_arm = [], {}
+    for seed in setup.seeds:
+        pretrained: dict[str, Stage] = {}
+        for point in setup.points:
+            for arm in sorted(setup.arms, key=lambda a: kind(a) != "mpp"):  # mpp arms first: probe starts from one
+                if not setup.runs(arm, point):
+                    continue
+                new = arm_stages(setup, arm, seed, pretrained, point)
+                stages += new
+                before = pretrained[setup.reference] if kind(arm) in READS_REFERENCE else pretrained.get(arm)
+                of_arm[seed, arm, point] = ([before] if before is not None else []) + [new[-1]]
+    return stages, of_arm
+
+
+# -------------------------------------------------------------------------------------------------- equal compute
+
+
+def equal_epochs(images: int, steps_per_epoch: int, batch: int) -> int:
+    """Epochs of a run of `steps_per_epoch` steps of `batch` images each that sees about `images` images (at
+    least one epoch)."""
+    return max(1, int(images / (steps_per_epoch * batch) + 0.5))
+
+
+def set_lengths(setup: Setup, stages: list[Stage], lengths: dict[str, Lengths]) -> dict[str, int]:
+    """Give each stage its steps and batch, and the equal-compute arms their epochs: scratch_equal sees as many
+    images as the reference MPP arm's pretraining and fine-tuning together, the supervised pretraining as many as
+    the MPP pretraining, semi_scratch as many as the MPP pretraining and the first semi arm's fine-tuning (its own
+    fine-tuning as configured without one). In a label sweep every fine-tuning makes --finetune-steps at each point,
+    or as many as it makes at the first (`label_sweep.same_steps`), and the equal-compute arms are sized per point.
+    Returns arm -> epochs set ('arm@point' in a sweep)."""
+    ref = setup.reference
+    pre = lengths[f"{ref}/pretrain"]
+    semi = [a for a in setup.arms if kind(a) == "semi"]
+    epochs = {}
+    for point in setup.points:
+        here = [s for s in stages if s.point == point or (point == setup.points[0] and s.stage == "pretrain")]
+        got = {s.key: lengths[s.key] for s in here}
+        if point != setup.points[0] and not setup.finetune_steps:  # the other points: the first point's steps
+            first = {key: key.replace(f"_{point}", f"_{setup.points[0]}") for key in got}
+            got = {key: label_sweep.same_steps(lengths[first[key]].steps, length)
+                   if key.endswith(f"/finetune_{point}") and first[key] in lengths else length
+                   for key, length in got.items()}
+        if setup.finetune_steps:
+            got = {key: label_sweep.same_steps(setup.finetune_steps, length) if key.endswith(f"/finetune_{point}")
+                   else length for key, length in got.items()}
+        ft = got[f"{ref}/{finetune_stage(point)}"]
+        targets = {"scratch_equal": pre.batch * pre.steps + ft.batch * ft.steps, "supervised": pre.batch * pre.steps}
+        if semi and f"{semi[0]}/{finetune_stage(point)}" in got:
+            semi_ft = got[f"{semi[0]}/{finetune_stage(point)}"]
+            targets["semi_scratch"] = pre.batch * pre.steps + semi_ft.batch * semi_ft.steps
+        for s in here:
+            length = got[s.key]
+            if (kind(s.arm), s.stage) in EQUAL_COMPUTE:
+                per_epoch = length.steps // length.epochs
+                target = targets.get(kind(s.arm), pre.batch * pre.steps + length.batch * length.steps)
+                e = equal_epochs(target, per_epoch, length.batch)
+                epochs[f"{s.arm}@{point}" if point and s.stage == "finetune" else s.arm] = e
+                s.overrides.append(f"train.epochs={e}")
+                s.steps, s.batch = e * per_epoch, length.batch
+            else:
+                if length.epochs is not None and length != lengths[s.key]:  # a sweep's point: its own epochs
+                    s.overrides.append(f"train.epochs={length.epochs}")
+                s.steps, s.batch = length.steps, length.batch
+    return epochs
