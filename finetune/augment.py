@@ -6,6 +6,8 @@ docs/finetune.md#where-each-augmentation-runs-and-what-it-costs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 from PIL import Image
@@ -14,7 +16,7 @@ from timm.data.auto_augment import posterize, rand_augment_transform
 from timm.data.random_erasing import RandomErasing
 from torchvision.transforms.v2.functional import pil_to_tensor
 
-from finetune.config import AugmentConfig
+from finetune.config import AugmentConfig, SemiConfig
 from vit_mpp.config.engine import ConfigError
 from vit_mpp.config.sections import img_hw
 
@@ -86,3 +88,27 @@ def build_random_erasing(aug: AugmentConfig, device: torch.device) -> RandomEras
     if aug.reprob <= 0:
         return None
     return RandomErasing(probability=aug.reprob, mode=aug.remode, max_count=aug.recount, device=device)
+
+
+def unchanged(image: torch.Tensor) -> torch.Tensor:
+    """The crop as it is: the pool's strong view when it has erasing of its own but no RandAugment (a function of the
+    module, so that a loader worker started by pickling its stream can take it)."""
+    return image
+
+
+def pool_augment(semi: SemiConfig, img_size: int | list[int],
+                 mean: tuple[float, ...]) -> RandAugmentU8 | Callable[[torch.Tensor], torch.Tensor] | None:
+    """What the loader workers do to a pool image's crop for its strong view: `semi.strong`'s RandAugment, the crop
+    unchanged when the view is the pool's own without it (`semi.strong_erasing` only), or None when the pool's
+    student view is a labelled image's (`augment.*`)."""
+    if not semi.own_strong_view:
+        return None
+    return RandAugmentU8(semi.strong, img_size, mean) if semi.strong else unchanged
+
+
+def pool_erasing(semi: SemiConfig, device: torch.device) -> RandomErasing | None:
+    """timm's RandomErasing of the pool's strong view (`semi.strong_erasing`): one rectangle filled with 0 in
+    normalised units, the mean colour, as FixMatch's Cutout fills with grey; None when off."""
+    if semi.strong_erasing <= 0:
+        return None
+    return RandomErasing(probability=semi.strong_erasing, mode="const", max_count=1, device=device)

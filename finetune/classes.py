@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from finetune.config import FinetuneConfig
+from finetune.init_model import check_kept_head
 from vit_mpp.config.engine import ConfigError
 from vit_mpp.data.manifest import check_every_sample_labelled, manifest_classes
 from vit_mpp.data.training_data import TrainingData
@@ -44,4 +45,5 @@ def classes_of(cfg: FinetuneConfig, data: TrainingData) -> Classes:
             given = "" if cfg.num_classes else " (from the training sets' manifests)"
             raise ConfigError(f"num_classes={num_classes}{given} is below the {has} classes of {location} (labels "
                               f"up to {has - 1}): a classifier needs a class for every label")
+    check_kept_head(cfg.init, cfg.model, num_classes, names[0])  # init.keep_head: the checkpoint's head, these classes
     return Classes(num_classes, names[0])

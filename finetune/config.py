@@ -34,6 +34,9 @@ class InitConfig:
     grid: list[int] | None = opt(None, "the checkpoint's patch grid [rows, cols] for timm/npz checkpoints "
                                        "(default: inferred from pos_embed, assumed square)", items(at_least(1), 2))
     posemb_interp: Literal["bilinear", "bicubic"] = opt("bilinear", "position-embedding resize (paper: bilinear)")
+    keep_head: bool = opt(False, "keep the checkpoint's classifier (a fine-tuned export of this run's classes, its "
+                                 "head and pooling) instead of a zero head: a second fine-tuning that goes on from the "
+                                 "first, as Semi-ViT's semi-supervised stage starts from its supervised one")
     mean: list[float] | None = opt(None, "input normalisation mean [r, g, b] the checkpoint was trained with "
                                          "(default: the export's, else the timm model's)", items(between(0, 1), 3))
     std: list[float] | None = opt(None, "input normalisation std [r, g, b] (default: as for mean)",
@@ -62,15 +65,18 @@ def is_rand_augment(text: str) -> bool:
     return text == "" or (parts[0] == "rand" and all(RAND_SECTION.fullmatch(p) for p in parts[1:]))
 
 
+RAND_AUGMENT = Check(is_rand_augment, "'' or a timm RandAugment string: rand then -sections from m<int>, n<int>, "
+                                      "p<float>, mstd<float>, mmax<int>, inc<0|1>, t<weights|3a|3aw> (e.g. "
+                                      "rand-m9-mstd0.5-inc1)")
+
+
 @dataclass
 class AugmentConfig:
     """Training-only augmentations beyond the crops and flips of `data`: RandAugment in the data-loader workers;
     colour jitter, random erasing and mixup/cutmix on the device."""
 
     auto_augment: str = opt("", "RandAugment in timm's syntax, applied in the data-loader workers after crop and flip "
-                                "(MAE/DeiT: rand-m9-mstd0.5-inc1); '' = off", Check(
-        is_rand_augment, "'' or a timm RandAugment string: rand then -sections from m<int>, n<int>, p<float>, "
-                         "mstd<float>, mmax<int>, inc<0|1>, t<weights|3a|3aw> (e.g. rand-m9-mstd0.5-inc1)"))
+                                "(MAE/DeiT: rand-m9-mstd0.5-inc1); '' = off", RAND_AUGMENT)
     reprob: float = opt(0.0, "random erasing: probability per image (MAE/DeiT: 0.25; 0 = off), timm's "
                              "RandomErasing on the normalised batch", between(0, 1))
     remode: Literal["pixel", "rand", "const"] = opt(
@@ -118,6 +124,29 @@ class SemiConfig:
                                 "view reaches this (Semi-ViT: 0.7; 0.5-0.7 in its recipes)", between(0, 1))
     weight: float = opt(5.0, "weight of the pool's loss beside the labelled loss (Semi-ViT's lambda_u: 5)",
                         at_least(0))
+    strong: str = opt("", "the pool's own strong view, the one the student learns from: RandAugment in timm's syntax "
+                          "on a pool image's crop in the loader workers (FixMatch's: rand-n2-m10-mstd101, two ops at "
+                          "a uniform random magnitude), instead of augment.*, which then apply to labelled images "
+                          "only; '' (and strong_erasing 0) = the labelled images' augmentation", RAND_AUGMENT)
+    strong_erasing: float = opt(0.0, "random erasing of the pool's strong view, a probability per image (FixMatch's "
+                                     "Cutout: 1), one rectangle filled with the mean colour, on the device; with it "
+                                     "the strong view is the pool's own, as with semi.strong", between(0, 1))
+    threshold_mode: Literal["fixed", "freematch"] = opt(
+        "fixed", "fixed: a pool image passes when the teacher's top probability reaches semi.threshold; freematch: "
+                 "FreeMatch's self-adaptive thresholds (arXiv 2205.07246), a global one (the running mean of the "
+                 "teacher's top probability on the pool) scaled per class by the running mean of its probability of "
+                 "that class over its largest; semi.threshold is then unused")
+    align: bool = opt(False, "distribution alignment (ReMixMatch's): the teacher's probabilities on the pool, "
+                             "multiplied by the uniform distribution over their running mean and renormalised, before "
+                             "thresholding: a teacher that favours some classes labels the pool more evenly")
+    momentum: float = opt(0.999, "momentum of the running means of semi.threshold_mode=freematch and semi.align, per "
+                                 "micro-batch (FreeMatch: 0.999 over a million steps; a run of a few thousand steps "
+                                 "wants about 0.99)", between(0, 1, hi_open=True))
+
+    @property
+    def own_strong_view(self) -> bool:
+        """Whether the pool's student view has its own augmentation (semi.strong or semi.strong_erasing)."""
+        return bool(self.strong) or self.strong_erasing > 0
 
     def pool_sets(self) -> list[str]:
         """The pool's shard-set locations ([] when off)."""
@@ -130,7 +159,8 @@ class FinetuneConfig:
     # train.ema_decay > 0) have these shapes, and a checkpoint holds EMA weights only if the run had them.
     FIXED_ON_RESUME: ClassVar[tuple[str, ...]] = (*(f"model.{k}" for k in ARCH_KEYS), "model.img_size",
                                                   "model.global_pool", "num_classes", "optim.name", "train.mode",
-                                                  "init.checkpoint", "train.ema_decay", "semi.pool")
+                                                  "init.checkpoint", "train.ema_decay", "semi.pool",
+                                                  "semi.threshold_mode", "semi.align")
 
     LENGTH_KEY: ClassVar[str] = "train.epochs"
 
@@ -153,6 +183,10 @@ class FinetuneConfig:
         if self.train.mode == "linear_probe" and pool == "map":
             yield "model.global_pool", ("map is an attention pool that trains, and a linear probe trains the head "
                                         "alone: use train.mode=attentive_probe")
+        if self.init.keep_head and not self.init.checkpoint:
+            yield "init.keep_head", ("keeps the classifier of the export fine-tuning starts from, and init.checkpoint "
+                                     "is empty (from scratch): give a finetune run's export, or leave init.keep_head "
+                                     "out")
         yield from self._semi_problems()
 
     def _semi_problems(self) -> Iterator[tuple[str, str]]:

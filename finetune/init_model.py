@@ -14,7 +14,15 @@ from finetune.config import InitConfig
 from finetune.modes import freeze_encoder
 from vit_mpp.config.engine import ConfigError, given_keys, replaced
 from vit_mpp.config.sections import ARCH_KEYS, ModelConfig
-from vit_mpp.models.pretrained import build_model, describe_checkpoint, look_at_weights_file, read_pretrained
+from vit_mpp.models.export import read_export_head
+from vit_mpp.models.pretrained import (
+    LOCAL_DIR,
+    build_model,
+    checkpoint_kind,
+    describe_checkpoint,
+    look_at_weights_file,
+    read_pretrained,
+)
 from vit_mpp.models.vit import architecture, create_vit, norm_stats
 
 
@@ -39,16 +47,45 @@ def build_classifier(init: InitConfig, model_cfg: ModelConfig, num_classes: int,
         pre = read_pretrained(init.checkpoint, model_cfg, init.kind, init.grid)
         if pre.model is not None:
             model_cfg = _with_architecture(model_cfg, pre.model)
-        model = build_model(model_cfg, pre, interp=init.posemb_interp)  # headless: attach_zero_head adds it
+        if init.keep_head:  # its classes were checked against the data's before the run started (check_kept_head)
+            model = build_model(model_cfg, pre, num_classes, keep_head=True, interp=init.posemb_interp)
+        else:  # headless: attach_zero_head adds it
+            model = build_model(model_cfg, pre, interp=init.posemb_interp)
         mean, std = pre.mean, pre.std
     else:  # from scratch
         model = create_vit(model_cfg)
-    attach_zero_head(model, num_classes)
+    if not init.keep_head:
+        attach_zero_head(model, num_classes)
     if freeze:
         freeze_encoder(model)
     default_mean, default_std = norm_stats(model)
     mean, std = _chosen_stats(init, mean or default_mean, std or default_std)
     return model, mean, std, model_cfg
+
+
+def check_kept_head(init: InitConfig, model_cfg: ModelConfig, num_classes: int, names: list[str] | None) -> None:
+    """With `init.keep_head`, the checkpoint must be a classifier export of this run's classes (their number, and
+    their names where both say) that pools its tokens as this run does; else one line, before the run starts."""
+    if not init.keep_head:
+        return
+    if checkpoint_kind(init.checkpoint) != "export" or init.kind not in ("auto", "export"):
+        raise ConfigError(f"init.keep_head keeps the classifier of a fine-tuned export, and init.checkpoint "
+                          f"{init.checkpoint} is not an export folder: give a finetune run's export, or leave "
+                          "init.keep_head out for a zero head")
+    has, their_names, model = read_export_head(init.checkpoint.removeprefix(LOCAL_DIR))
+    if not has:
+        raise ConfigError(f"init.keep_head: {init.checkpoint} has no classifier head (an encoder export): leave "
+                          "init.keep_head out, and the classifier starts from a zero head")
+    if has != num_classes or (names and their_names and list(names) != list(their_names)):
+        theirs = f"{has} classes" + (f" ({', '.join(their_names[:5])}{', ...' if has > 5 else ''})"
+                                     if their_names else "")
+        raise ConfigError(f"init.keep_head: the head of {init.checkpoint} has {theirs}, this run's data "
+                          f"{num_classes}" + (f" ({', '.join(names[:5])}{', ...' if num_classes > 5 else ''})"
+                                              if names else "")
+                          + ": a kept head must name the same classes; leave init.keep_head out for a zero head")
+    if model.global_pool != model_cfg.global_pool:
+        raise ConfigError(f"init.keep_head: the head of {init.checkpoint} reads model.global_pool={model.global_pool}, "
+                          f"this run's is {model_cfg.global_pool}: set model.global_pool={model.global_pool}")
 
 
 def resolve_architecture(init: InitConfig, model_cfg: ModelConfig) -> ModelConfig:

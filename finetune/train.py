@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from finetune.augment import RandAugmentU8
+from finetune.augment import RandAugmentU8, pool_augment
 from finetune.classes import Classes, classes_of
 from finetune.classifier_export import ClassifierExporter, publish_exports
 from finetune.config import FinetuneConfig
@@ -62,7 +62,8 @@ def train(cfg: FinetuneConfig) -> None:
         supervised = ClassificationLoss(cfg, classes.count, run.gbatch.micro_batch, run.device, mean, std)
         loss: ClassificationLoss | PseudoLabelLoss = supervised
         if pool.locations and ema is not None:  # the pool's images learn the labels the EMA gives their weak view
-            loss = PseudoLabelLoss(cfg.semi, supervised, ema, run.accelerator, pool_labelled=pool_labelled(run.data))
+            loss = PseudoLabelLoss(cfg.semi, supervised, ema, run.accelerator, classes.count,
+                                   pool_labelled=pool_labelled(run.data))
             if (warning := loss.warning(classes.count)) and run.accelerator.is_main_process:
                 print(warning, file=sys.stderr, flush=True)
         about = summary(run, model, model_cfg, schedule.warmup, loss)
@@ -89,6 +90,8 @@ class Finetuning(Objective):
         self.num_classes = exporter.num_classes
         if cfg.augment.auto_augment:
             self.augment = RandAugmentU8(cfg.augment.auto_augment, cfg.model.img_size, exporter.mean)
+        if isinstance(loss, PseudoLabelLoss):  # the pool's own strong view, when it has one (semi.strong)
+            self.pool_augment = pool_augment(cfg.semi, cfg.model.img_size, exporter.mean)
 
     def forward(self, model: torch.nn.Module, batch: dict) -> dict:
         """Device-side augmentation, the classifier and its loss (finetune/loss.py)."""
@@ -102,7 +105,8 @@ class Finetuning(Objective):
             self.ema.update(self.run.accelerator.unwrap_model(model))
 
     def log_extra(self, step: int) -> dict[str, Any]:
-        return {"epoch": step / self.run.steps_per_epoch}
+        pool = self.loss.log_extra() if isinstance(self.loss, PseudoLabelLoss) else {}
+        return {"epoch": step / self.run.steps_per_epoch, **pool}
 
     def evaluate(self, model: torch.nn.Module, at: At) -> Evaluation:
         return self.keep_best(model, self.ema, at, label=f"epoch {plain_number(at.step / self.run.steps_per_epoch)}")

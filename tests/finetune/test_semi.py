@@ -106,6 +106,31 @@ def epochs_of_each_set(run_dir: Path) -> dict[str, int]:
     return whole
 
 
+def test_the_strong_view_and_adaptive_thresholds_resume_bit_identical_after_kill_9(labelled, pool, pretrained,
+                                                                                     tmp_path):
+    """FixMatch's strong view of the pool and FreeMatch's thresholds with alignment, through the real command: a run
+    killed -9 and run again logs the same losses at every step as one that was not (the thresholds' running means come
+    back from the checkpoint), and each log record has every class's threshold and share kept."""
+    extra = ("semi.strong=rand-n2-m10-mstd101", "semi.strong_erasing=1", "semi.threshold_mode=freematch",
+             "semi.align=true", "semi.momentum=0.9", "train.epochs=2")
+    whole = Background(command(labelled, pool, pretrained, tmp_path / "whole", *extra), tmp_path / "w.log", "strong")
+    whole.wait_gone(240)
+    assert whole.proc.returncode == 0, whole.output()[-3000:]
+    assert ("its own strong view (RandAugment rand-n2-m10-mstd101, erasing p=1), pseudo-labels from the EMA "
+            "FreeMatch's adaptive thresholds (momentum 0.9), aligned to the uniform distribution") in whole.output()
+    logged = [r for r in read_metrics(tmp_path / "whole") if "loss" in r]
+    killed = Background(command(labelled, pool, pretrained, tmp_path / "killed", *extra), tmp_path / "k1.log", "k")
+    killed.wait_for("step 11/")
+    killed.kill()
+    again = run_module(*command(labelled, pool, pretrained, tmp_path / "killed", *extra)[2:])
+    assert again.returncode == 0 and "resuming from" in again.stdout, again.stderr[-3000:]
+    assert [r["loss"] for r in read_metrics(tmp_path / "killed") if "loss" in r] == [r["loss"] for r in logged]
+    thresholds = [r["pseudo_class_threshold"] for r in logged]
+    assert all(len(t) == 3 and all(0 < x <= 1 for x in t) for t in thresholds)
+    assert thresholds[0] != thresholds[-1]  # they follow the teacher
+    assert all(len(r["pseudo_class_kept"]) == 3 and len(r["pseudo_class_share"]) == 3 for r in logged)
+
+
 @pytest.mark.slow
 def test_two_processes_preempted_then_resumed_on_one_read_both_sets_once_per_epoch(labelled, pool, pretrained,
                                                                                    tmp_path):
@@ -149,6 +174,48 @@ def test_the_pool_leaves_the_workers_with_its_weak_view_and_without_labels(label
         assert (batch["label"][in_pool] == -1).all() and (batch["label"][~in_pool] >= 0).all()
 
 
+def test_the_pools_own_strong_view_is_made_by_its_own_augmentation_in_the_workers(labelled, pool):
+    """With `semi.strong` the pool's images go through their own augmentation (here x // 2) and the labelled images
+    through theirs (255 - x): the pool's weak view is still the crop before it."""
+    decoder = ImageDecoder.for_training(DataConfig(shuffle_buffer=0, crop_scale=[0.5, 1.0]), 16,
+                                        augment=lambda x: 255 - x, pool_augment=lambda x: x // 2)
+    sets = [TrainSet("test", load_split(labelled, "train")[0], 1.0),
+            TrainSet("pool:test", load_split(pool, "train")[0], 5.0, labelled=False)]
+    stream = TrainStream(sets, decoder, first_generation(Layout(1, 1, 12, 1), [LABELLED, POOL], 0), rank=0,
+                         resume_step=0, read=ReadSettings(0, 0, 0.0, num_classes=3))
+    plain = ImageDecoder.for_training(DataConfig(shuffle_buffer=0, crop_scale=[0.5, 1.0]), 16)
+    unaugmented = next(iter(TrainStream(sets, plain, first_generation(Layout(1, 1, 12, 1), [LABELLED, POOL], 0),
+                                        rank=0, resume_step=0, read=ReadSettings(0, 0, 0.0, num_classes=3))))
+    batch = next(iter(stream))
+    in_pool = batch["pool"]
+    assert in_pool.any() and (~in_pool).any()
+    assert torch.equal(batch["image"][in_pool], batch["weak"][in_pool] // 2)
+    assert torch.equal(batch["weak"][in_pool], unaugmented["weak"][in_pool])  # the same crop, drawn alike
+    assert torch.equal(batch["image"][~in_pool], 255 - unaugmented["image"][~in_pool])
+
+
+def test_the_pools_strong_view_gets_its_erasing_and_none_of_the_labelled_augmentations():
+    """Colour jitter (augment.*) on the labelled rows only; the pool's rows normalised, then erased (semi.strong_erasing
+    1: every pool image has a rectangle at 0, the mean colour)."""
+    cfg = load_config_for_loss()
+    cfg.augment.color_jitter = 0.4
+    labelled = ClassificationLoss(cfg, 3, 4, torch.device("cpu"), (0.5,) * 3, (0.5,) * 3)
+    semi = SemiConfig(pool="x", strong_erasing=1.0)
+    loss = PseudoLabelLoss(semi, labelled, type("Ema", (), {"module": None})(), Accelerator(cpu=True), 3)
+    images = torch.randint(1, 255, (4, 3, 16, 16), dtype=torch.uint8)
+    pool = torch.tensor([False, True, True, False])
+    torch.manual_seed(0)
+    got = loss.inputs({"image": images, "pool": pool})
+    torch.manual_seed(0)
+    jittered = labelled.inputs(images)
+    plain = (images.float() / 255 - 0.5) / 0.5
+    assert torch.equal(got[~pool], jittered[~pool])
+    for row in (1, 2):
+        erased = got[row] != plain[row]
+        assert erased.any() and (got[row][erased] == 0).all()  # a rectangle of the mean colour, the rest as it was
+    assert "its own strong view (erasing p=1)" in loss.describe()
+
+
 def test_a_pool_with_labels_outside_the_classes_is_read_and_its_labels_dropped(labelled, tmp_path):
     """A labelled pool (a proxy experiment's) keeps the labels of the classes for the pseudo-label diagnostic; one
     outside them is no error there (it would be in data.shards)."""
@@ -172,7 +239,7 @@ def loss_of(threshold: float, teacher_logits: torch.Tensor, weight: float = 2.0)
 
     ema = type("Ema", (), {"module": Teacher()})()
     semi = SemiConfig(pool="x", threshold=threshold, weight=weight)
-    loss = PseudoLabelLoss(semi, labelled, ema, Accelerator(cpu=True), pool_labelled=True)
+    loss = PseudoLabelLoss(semi, labelled, ema, Accelerator(cpu=True), 3, pool_labelled=True)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 4 * 4, 3))
     batch = {"image": torch.randint(0, 256, (4, 3, 4, 4), dtype=torch.uint8),

@@ -45,7 +45,8 @@ class ImageDecoder:
     formats by PIL. The crop and resize then run on the uint8 tensor in channels-last layout, where torch's
     antialiased resize is several times faster than PIL's. `augment` (training only, e.g. fine-tuning's
     RandAugment) takes the uint8 crop (3, H, W), in any memory layout, and returns a uint8 tensor of the same shape;
-    it runs here, in the data-loader workers.
+    it runs here, in the data-loader workers. `pool_augment`, when given, does the same for the pool images of
+    semi-supervised fine-tuning instead (their strong view, `semi.strong`).
     """
 
     def __init__(self, img_size: int | tuple[int, int], train: bool, crop_scale: tuple[float, float] = (0.35, 1.0),
@@ -54,6 +55,7 @@ class ImageDecoder:
         h, w = img_hw(img_size)
         self.size = (h, w)
         self.augment = augment if train else None  # evaluation stays deterministic
+        self.pool_augment: Callable[[torch.Tensor], torch.Tensor] | None = None  # see `for_training`
         self.train, self.hflip = train, hflip
         self.on_device = False  # see `decoding_on_device`
         if train:
@@ -70,16 +72,19 @@ class ImageDecoder:
 
     @classmethod
     def for_training(cls, data: DataConfig, img_size: int | list[int],
-                     augment: Callable[[torch.Tensor], torch.Tensor] | None = None) -> ImageDecoder:
-        """The training decoder `data` describes (crop scale, flips), with `augment` after the crop."""
+                     augment: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                     pool_augment: Callable[[torch.Tensor], torch.Tensor] | None = None) -> ImageDecoder:
+        """The training decoder `data` describes (crop scale, flips), with `augment` after the crop (`pool_augment`
+        for a pool's images, when given)."""
         decoder = cls(img_size, train=True, crop_scale=tuple(data.crop_scale), hflip=data.hflip,
                       eval_crop_pct=data.eval_crop_pct, augment=augment)
+        decoder.pool_augment = pool_augment
         return decoder.decoding_on_device() if data.decode == "gpu" else decoder
 
     def decoding_on_device(self) -> ImageDecoder:
         """This decoder for data.decode=gpu: a training JPEG leaves the worker encoded, with the crop and flip drawn
         for it (vit_mpp/data/device_decode.py); crops and flips only, so no `augment`. Evaluation is unchanged."""
-        if self.train and self.augment is not None:
+        if self.train and (self.augment is not None or self.pool_augment is not None):
             raise ValueError("decoding on the device crops and flips there: an augment of the crop cannot run")
         self.on_device = self.train
         return self
@@ -114,7 +119,7 @@ class ImageDecoder:
         alone (torch's and Python's generators, restored after): a sample then gets the same augmentation whenever and
         by whichever worker it is read, so a resumed run sees what the uninterrupted run saw. With `weak` (a pool
         image of semi-supervised fine-tuning): the pair (input, weak view), the weak view being the crop and flip
-        before `augment`."""
+        before the augmentation (`pool_augment` when given, else `augment`)."""
         if seed is None:
             return self._prepare(data, weak)
         # The CPU generator alone (torch.manual_seed would also seed CUDA, 100x slower); Python's `random` and numpy's
@@ -122,7 +127,8 @@ class ImageDecoder:
         # seeding them costs more than the rest. Unseeded, numpy's state is the one a worker was forked with, which
         # differs in a resumed run.
         generator, torch_state = torch.default_generator, torch.default_generator.get_state()
-        states = (random.getstate(), np.random.get_state()) if self.augment is not None else None
+        augments = self.augment is not None or self.pool_augment is not None
+        states = (random.getstate(), np.random.get_state()) if augments else None
         generator.manual_seed(seed)
         if states is not None:
             random.seed(seed)
@@ -143,6 +149,7 @@ class ImageDecoder:
         x = self.decode(data).unsqueeze(0).contiguous(memory_format=torch.channels_last)  # (1, 3, h, w)
         x = self.transform(x)[0]  # (3, H, W) uint8, channels-last in memory
         crop = x.contiguous() if weak else None
-        if self.augment is not None:
-            x = self.augment(x)
+        augment = self.pool_augment if weak and self.pool_augment is not None else self.augment
+        if augment is not None:
+            x = augment(x)
         return x.contiguous() if crop is None else (x.contiguous(), crop)

@@ -247,6 +247,13 @@ def read_export_config(path: str | Path) -> tuple[ModelConfig, dict[str, Any]]:
     return ex.model, ex.record
 
 
+def read_export_head(path: str | Path) -> tuple[int, list[str] | None, ModelConfig]:
+    """(the classes of its head, 0 for an encoder; their names, when it has them; its model) of the export at `path`,
+    from its config alone."""
+    ex = _read(Path(path), weights=False)
+    return ex.num_classes, ex.class_names, ex.model
+
+
 def _read(path: Path, weights: bool) -> Export:
     """The export at `path`; its `state` is {} unless `weights`."""
     files = export_files(path)

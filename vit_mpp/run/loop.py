@@ -169,6 +169,7 @@ class Objective:
     eval_every: int | None = None  # evaluate every this many steps and at the last (0: at the last only; None: never)
     num_classes: int | None = None  # with a classifier's count, every training label must be one of its classes
     augment: Callable[[torch.Tensor], torch.Tensor] | None = None  # on each uint8 crop, in the loader workers
+    pool_augment: Callable[[torch.Tensor], torch.Tensor] | None = None  # instead, on a pool's (semi-supervised)
 
     def forward(self, model: torch.nn.Module, batch: dict[str, Any]) -> dict[str, Any]:
         """A micro-batch on the device -> {"loss": scalar tensor, "metrics": {name: tensor}} (no host read)."""
@@ -242,7 +243,7 @@ class Loop:
         self.run, self.model, self.optimizer, self.objective, self.schedule = run, model, optimizer, objective, schedule
         self.start = self.done = resumed.step  # where this process started; the last completed step
         self.generation = resumed.generation  # the data stream's position, saved in every checkpoint
-        self.batches = run.train_loader(resumed, objective.num_classes, objective.augment)
+        self.batches = run.train_loader(resumed, objective.num_classes, objective.augment, objective.pool_augment)
         self.gate = StopGate(accelerator, run.signals, tc.ckpt_every_minutes, tc.collective_timeout_s)
         self.checkpointer = Checkpointer(accelerator, tc.run_dir, tc.keep_last, resumed.step)
         workload = Workload(run.data.names, training_flops(accelerator.unwrap_model(model)))

@@ -113,14 +113,16 @@ class Run:
         return Resumed(step, state, own, generation, saved_world != accelerator.num_processes)
 
     def train_loader(self, resumed: Resumed, num_classes: int | None = None,
-                     augment: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Batches:
+                     augment: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                     pool_augment: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Batches:
         """This rank's endless training batches, from where `resumed` says (close them when the loop ends); with
-        `num_classes` every label must be one of the classes; `augment` runs in the workers after the crop. The
-        loader is not passed to `accelerate.prepare`: the stream splits itself across processes and workers
-        (accelerate would re-split it, or make rank 0 decode for everyone)."""
+        `num_classes` every label must be one of the classes; `augment` runs in the workers after the crop (and
+        `pool_augment` instead on a pool's images, when given). The loader is not passed to `accelerate.prepare`: the
+        stream splits itself across processes and workers (accelerate would re-split it, or make rank 0 decode for
+        everyone)."""
         cfg = self.cfg
-        stream = TrainStream(self.data.sets, ImageDecoder.for_training(cfg.data, cfg.model.img_size, augment),
-                             resumed.generation, rank=self.rank, resume_step=resumed.step,
+        decoder = ImageDecoder.for_training(cfg.data, cfg.model.img_size, augment, pool_augment)
+        stream = TrainStream(self.data.sets, decoder, resumed.generation, rank=self.rank, resume_step=resumed.step,
                              read=read_settings(cfg.data, cfg.train.seed, num_classes))
         return Batches(stream, make_loader(stream, cfg.data))
 
