@@ -3,7 +3,8 @@
 
 import sys
 
-from vit_mpp.cli import UsageError, run_main
+from vit_mpp.cli import UsageError
+from vit_mpp.processes.exits import run_main
 
 
 def moved(argv: list[str] | None) -> None:

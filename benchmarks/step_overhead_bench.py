@@ -30,8 +30,8 @@ from pretrain.config import PretrainConfig  # noqa: E402
 from pretrain.mpp import MaskedPatchPrediction  # noqa: E402
 from vit_mpp.config.engine import load_config  # noqa: E402
 from vit_mpp.models.vit import create_vit, norm_stats  # noqa: E402
-from vit_mpp.run.durability.preemption import StopSignals  # noqa: E402
-from vit_mpp.run.loop import StopGate  # noqa: E402
+from vit_mpp.processes.stop_agreement import StopGate  # noqa: E402
+from vit_mpp.processes.stop_signals import StopSignals  # noqa: E402
 from vit_mpp.run.metering.sample_audit import SampleAudit  # noqa: E402
 from vit_mpp.run.optimizer import build_optimizer  # noqa: E402
 from vit_mpp.run.start.accelerator import make_accelerator, prepare_model  # noqa: E402

@@ -29,10 +29,11 @@ from data_tools.indexer import index_tars as index_shards
 from data_tools.indexer.index_tars import IndexOptions
 from data_tools.stops import BuildStopped, Interrupted
 from data_tools.store import open_store
-from vit_mpp.cli import ArgumentParser, run_main
+from vit_mpp.cli import ArgumentParser
 from vit_mpp.data import urls
 from vit_mpp.data.image_prep import EncodeSettings
 from vit_mpp.data.urls import ReadPolicy
+from vit_mpp.processes.exits import run_main
 from vit_mpp.tools.args import check_out_file
 
 EXECUTORS = ("local", "ray")
@@ -315,9 +316,9 @@ def _terminate(signum: int, frame: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`build-shards`: user mistakes end in one line and exit status 2 (vit_mpp.cli.run_main); a build that stops
-    for another reason (a worker died, an upload kept failing: 1; Ctrl-C or SIGTERM: 130) in one line too, saying
-    that re-running the same command resumes it. Anything else is a bug and keeps its traceback."""
+    """`build-shards`: user mistakes end in one line and exit status 2 (vit_mpp/processes/exits.py `run_main`); a
+    build that stops for another reason (a worker died, an upload kept failing: 1; Ctrl-C or SIGTERM: 130) in one
+    line too, saying that re-running the same command resumes it. Anything else is a bug and keeps its traceback."""
     previous = signal.signal(signal.SIGTERM, _terminate) if _in_main_thread() else None
     try:
         run_main(_main, argv)

@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageFilter
 
-from vit_mpp.cli import ArgumentParser, run_main
+from vit_mpp.cli import ArgumentParser
+from vit_mpp.processes.exits import run_main
 
 CLASSES = ("checks", "dots", "horizontal", "vertical")
 

@@ -24,7 +24,8 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 from experiments.digits import build_shards, digits_split, load_digits
-from vit_mpp.cli import ArgumentParser, run_main
+from vit_mpp.cli import ArgumentParser
+from vit_mpp.processes.exits import run_main
 
 TEST_FRACTION = 0.2
 VAL_FRACTION = 0.05  # of the pool, for the MPP validation loss and the k-NN monitor

@@ -40,12 +40,13 @@ from experiments.run_scheduler import (
     measure,
     stopped_before_the_runs,
 )
-from vit_mpp.cli import ArgumentParser, run_main
+from vit_mpp.cli import ArgumentParser
 from vit_mpp.config.engine import ConfigError
 from vit_mpp.data.manifest import check_manifest, manifest_classes, manifest_file, read_manifest
 from vit_mpp.errors import UserError
+from vit_mpp.processes.exits import run_main
+from vit_mpp.processes.run_dir_lock import lock_run_dir
 from vit_mpp.progress import format_duration
-from vit_mpp.run.start.run_dir import lock_run_dir
 from vit_mpp.tools.args import check_out_folder, make_out_folder
 
 

@@ -35,7 +35,8 @@ from pathlib import Path
 
 from experiments import compare
 from experiments.digits import labelled_subset, load_digits, make_data, write_digits
-from vit_mpp.cli import ArgumentParser, run_main
+from vit_mpp.cli import ArgumentParser
+from vit_mpp.processes.exits import run_main
 
 REPO = Path(__file__).resolve().parents[1]
 PRETRAIN_CONFIG = "configs/pretrain/digits.yaml"

@@ -3,13 +3,13 @@
 The config is read and checked before torch is imported, so a bad config fails in a fraction of a second.
 """
 
-from vit_mpp.launcher import die_with_launcher
+from vit_mpp.processes.rank_lifecycle import die_with_launcher
 
 die_with_launcher()  # first of all: a launcher killed while this rank starts must not leave it running
 
 from finetune.config import DESCRIPTION, FinetuneConfig  # noqa: E402
-from vit_mpp.cli import one_line_errors  # noqa: E402
 from vit_mpp.models.export_folder import check_checkpoint_path  # noqa: E402
+from vit_mpp.processes.exits import one_line_errors  # noqa: E402
 from vit_mpp.run.start.entry import check_data_locations, read_run_config  # noqa: E402
 
 

@@ -8,7 +8,7 @@ See docs/finetune.md, "Evaluate an export".
 
 from __future__ import annotations
 
-from vit_mpp.launcher import die_with_launcher
+from vit_mpp.processes.rank_lifecycle import die_with_launcher
 
 die_with_launcher()  # first of all, under `accelerate launch -m finetune.evaluate`: before the heavy imports
 
@@ -18,7 +18,7 @@ from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 from finetune.scoring import evaluate, per_class_accuracy, write_confusion  # noqa: E402
-from vit_mpp.cli import ArgumentParser, run_main  # noqa: E402
+from vit_mpp.cli import ArgumentParser  # noqa: E402
 from vit_mpp.config.engine import ConfigError  # noqa: E402
 from vit_mpp.config.sections import DataConfig  # noqa: E402
 from vit_mpp.data.image_decoder import ImageDecoder  # noqa: E402
@@ -26,6 +26,7 @@ from vit_mpp.data.manifest import check_every_sample_labelled, load_split, manif
 from vit_mpp.data.stream import eval_split_loader, loader_layout  # noqa: E402
 from vit_mpp.durable import write_atomic  # noqa: E402
 from vit_mpp.models.pretrained import Pretrained, load_classifier, results_folder  # noqa: E402
+from vit_mpp.processes.exits import run_main  # noqa: E402
 from vit_mpp.run.metering.eval_progress import with_progress  # noqa: E402
 from vit_mpp.run.metering.step_meter import with_unread  # noqa: E402
 from vit_mpp.run.start.accelerator import make_eval_accelerator  # noqa: E402

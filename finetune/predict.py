@@ -16,13 +16,14 @@ from pathlib import Path
 
 import torch
 
-from vit_mpp.cli import ArgumentParser, run_main
+from vit_mpp.cli import ArgumentParser
 from vit_mpp.config.engine import ConfigError
 from vit_mpp.data.image_decoder import ImageDecoder
 from vit_mpp.data.image_formats import IMAGE_EXTENSIONS, is_image_file
 from vit_mpp.data.image_prep import BadImage, EncodeSettings, prepare_image
 from vit_mpp.data.stream import normalize
 from vit_mpp.models.pretrained import Pretrained, load_classifier
+from vit_mpp.processes.exits import run_main
 from vit_mpp.progress import progress
 from vit_mpp.tools.args import check_device, check_out_file, open_out_file
 

@@ -31,7 +31,7 @@ from vit_mpp.config.sections import ModelConfig
 from vit_mpp.data.manifest import ManifestError, check_every_sample_labelled
 from vit_mpp.data.training_data import Pool, TrainingData
 from vit_mpp.models.vit import count_params
-from vit_mpp.run.durability.preemption import StopSignals
+from vit_mpp.processes.stop_signals import StopSignals
 from vit_mpp.run.loop import At, Finished, Objective, Schedule, describe_lr, fit
 from vit_mpp.run.metering.metrics_log import MetricsLog
 from vit_mpp.run.metering.step_meter import Evaluation, plain_number

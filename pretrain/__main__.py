@@ -3,12 +3,12 @@
 The config is read and checked before torch is imported, so a bad config fails in a fraction of a second.
 """
 
-from vit_mpp.launcher import die_with_launcher
+from vit_mpp.processes.rank_lifecycle import die_with_launcher
 
 die_with_launcher()  # first of all: a launcher killed while this rank starts must not leave it running
 
 from pretrain.config import DESCRIPTION, PretrainConfig  # noqa: E402
-from vit_mpp.cli import one_line_errors  # noqa: E402
+from vit_mpp.processes.exits import one_line_errors  # noqa: E402
 from vit_mpp.run.start.entry import check_data_locations, read_run_config  # noqa: E402
 
 
@@ -21,5 +21,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    with one_line_errors():  # a user error is one line and exit status 2, a preemption status 75 (vit_mpp/cli.py)
+    with one_line_errors():  # a user error is one line and exit status 2, a preemption 75 (vit_mpp/processes/exits.py)
         main()

@@ -21,7 +21,7 @@ from pretrain.validation import Validation
 from vit_mpp.models.export import Export, strip_prefix, write_export
 from vit_mpp.models.hub import publish
 from vit_mpp.models.vit import count_params, create_vit, norm_stats, patch_size
-from vit_mpp.run.durability.preemption import StopSignals
+from vit_mpp.processes.stop_signals import StopSignals
 from vit_mpp.run.loop import At, Finished, Objective, Schedule, describe_lr, fit
 from vit_mpp.run.metering.curves import CURVES_NAME
 from vit_mpp.run.metering.step_meter import Evaluation

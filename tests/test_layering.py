@@ -1,7 +1,9 @@
 """The house's rules (docs/architecture.md): no import cycle among the project's modules, package `__init__`s
-included; the wings of vit_mpp/ import only wings below them; no stage imports another, and vit_mpp/ imports no
-stage; no function of the product over 100 lines or over 6 parameters; a package's `__init__.py` holds only its
-docstring; each command has one `main`, in the module that runs it.
+included; the wings of vit_mpp/ import only wings below them; the config engine loads nothing of the process
+lifecycle (vit_mpp/processes/), and the core walk of a step imports from it only the named calls the document lists;
+no stage imports another, and vit_mpp/ imports no stage; no function of the product over 100 lines or over 6
+parameters; a package's `__init__.py` holds only its docstring, which names every module and folder it holds; each
+command has one `main`, in the module that runs it.
 
 Every `import` and `from ... import` counts, at any depth (inside a function too), when it names a module of the
 packages checked; `from package import name` counts as an import of `package.name` when that is a module, and an
@@ -11,16 +13,20 @@ import of `a.b.c` also imports the packages `a.b` and `a` (Python runs their `__
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
+
+from tests.helpers.step_path import DOC, walk_files
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("data_tools", "vit_mpp", "pretrain", "finetune", "analysis", "experiments")
 MAX_FUNCTION_LINES = 100
 MAX_PARAMETERS = 6  # beside self/cls: what a function needs beyond that travels as one object (a Run, a dataclass)
 # vit_mpp/'s floors, lowest first: a module imports only modules of its own floor or of floors below it
-WINGS = (("vit_mpp.errors", "vit_mpp.durable", "vit_mpp.launcher", "vit_mpp.launch", "vit_mpp.progress", "vit_mpp.cli",
-          "vit_mpp"),
-         ("vit_mpp.config",), ("vit_mpp.data",), ("vit_mpp.models",), ("vit_mpp.tools",), ("vit_mpp.run",))
+WINGS = (("vit_mpp.errors", "vit_mpp.durable", "vit_mpp.progress", "vit_mpp.cli", "vit_mpp"),
+         ("vit_mpp.config",), ("vit_mpp.processes",), ("vit_mpp.data",), ("vit_mpp.models",), ("vit_mpp.tools",),
+         ("vit_mpp.run",))
+WING = "vit_mpp.processes"  # the process lifecycle: a wing the core walk reaches through named calls only
 STAGES = ("data_tools", "pretrain", "finetune", "analysis", "experiments")
 
 
@@ -210,3 +216,83 @@ def test_each_command_has_one_main_in_the_module_that_runs_it():
         if len(mains) != 1 or len(top) != 1 or not (path.name == "__main__.py" or runs_itself or name in dispatched):
             wrong.append(str(path.relative_to(REPO)))
     assert not wrong, wrong
+
+
+def import_closure(start: str, graph: dict[str, set[str]]) -> set[str]:
+    """Every module that importing `start` may load (its imports, theirs, ...)."""
+    seen, todo = set(), [start]
+    while todo:
+        module = todo.pop()
+        if module not in seen:
+            seen.add(module)
+            todo.extend(graph[module])
+    return seen
+
+
+def test_the_config_engine_loads_nothing_of_the_process_lifecycle():
+    """Reading a config (every tool does, before torch) must not load the rank's lifecycle and its exit hooks."""
+    known = module_files(PACKAGES)
+    graph = {name: imported_modules(name, path, known) for name, path in known.items()}
+    reached = import_closure("vit_mpp.config.engine", graph)
+    assert "vit_mpp.cli" in reached  # the closure is followed: the engine's parser
+    assert not {m for m in reached if m == WING or m.startswith(WING + ".")}, sorted(reached)
+
+
+def named_calls() -> dict[str, set[str]]:
+    """The wing's named calls, from docs/architecture.md's table after "**The named calls**": module -> names."""
+    text = DOC.read_text()
+    calls: dict[str, set[str]] = {}
+    for line in text[text.index("**The named calls**"):].splitlines()[1:]:
+        if line.startswith("| `"):
+            names, where = line.split("|")[1:3]
+            module = where.strip().strip("`").removesuffix(".py").replace("/", ".")
+            calls.setdefault(module, set()).update(re.findall(r"`(\w+)`", names.split("(")[0]))
+        elif calls and not line.startswith("|"):
+            break
+    return calls
+
+
+def wing_imports(path: Path) -> list[tuple[str, str | None]]:
+    """(module, name) for every import of the wing in a file; name None for an import of a module itself."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found += [(a.name, None) for a in node.names if a.name == WING or a.name.startswith(WING + ".")]
+        elif isinstance(node, ast.ImportFrom) and node.module and (node.module + ".").startswith(WING + "."):
+            found += [(node.module, a.name) if node.module != WING else (f"{WING}.{a.name}", None)
+                      for a in node.names]
+    return found
+
+
+def test_the_core_walk_reaches_the_process_lifecycle_only_through_its_named_calls():
+    calls = named_calls()
+    assert calls and all(m.startswith(WING + ".") for m in calls), calls
+    known = module_files(PACKAGES)
+    for module, names in calls.items():  # each named call is a definition of the module the table names
+        defined = {n.name for n in ast.parse(known[module].read_text()).body
+                   if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+        assert names <= defined, (module, names - defined)
+    walk = walk_files()
+    assert len(walk) <= 8 and not [f for f in walk if f.startswith(WING.replace(".", "/"))], walk
+    stray = [f"{file} imports {module}" + (f".{name}" if name else "") for file in walk
+             for module, name in wing_imports(REPO / file) if name not in calls.get(module, set())]
+    assert not stray, stray
+
+
+def test_a_package_docstring_names_every_module_and_folder_it_holds():
+    """`name.py` for a module, `name/` for a sub-package (`__main__.py` is the package's command, `python -m
+    PACKAGE`). finetune/ is left to the fine-tuning engineers, whose package it is (issue 50): named here."""
+    unnamed = []
+    for name, path in module_files(PACKAGES).items():
+        if path.name != "__init__.py" or name.split(".")[0] == "finetune":
+            continue
+        doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or ""
+        for child in sorted(path.parent.iterdir()):
+            if child.name in ("__init__.py", "__main__.py") or not (
+                    child.suffix == ".py" or (child / "__init__.py").is_file()):
+                continue
+            named = child.name if child.suffix == ".py" else f"{child.name}/"
+            if not re.search(rf"(?<![\w.]){re.escape(named)}", doc):
+                unnamed.append(f"{path.relative_to(REPO)}: {child.name}")
+    assert not unnamed, unnamed
+

@@ -1,8 +1,10 @@
-"""The one base class of user errors: a mistake in what the user gave (a config value, a path, a file, the data).
+"""The one base class of user errors: a mistake in what the user gave (a config value, a path, a file, the data);
+and a stop's outcome (`Stopped` and its kinds: its line and its exit status).
 
-Every stage's entry point (`vit_mpp.cli.run_main`) turns a `UserError` into one line, `error: ...`, and exit status 2.
-Anything else is a bug and keeps its traceback. Subclasses live beside the code that raises them (ConfigError in
-vit_mpp/config/engine.py, ManifestError in vit_mpp/data/manifest.py, ...), so a module never needs the CLI to raise one.
+Every entry point (`vit_mpp.processes.exits.run_main`) turns a `UserError` into one line, `error: ...`, and exit
+status 2. Anything else is a bug and keeps its traceback. Subclasses live beside the code that raises them
+(ConfigError in vit_mpp/config/engine.py, ManifestError in vit_mpp/data/manifest.py, ...), so a module never needs
+the CLI to raise one.
 """
 
 from __future__ import annotations
@@ -48,16 +50,3 @@ class StoppedUnsaved(Stopped):
     def __init__(self, signum: int, name: str) -> None:
         super().__init__(f"preempted ({name}) before the first step: nothing was saved; run the same command to "
                          "start", 128 + signum)
-
-
-def start_up_stop(signum: int, step: int | None) -> tuple[str, int]:
-    """(line, exit status) of a run stopped by signal `signum` during its start-up, when nothing new can be saved:
-    75 when its run directory holds a checkpoint (of `step`), else 128 + the signal's number."""
-    import signal
-
-    name = signal.Signals(signum).name
-    if step is None:
-        return (f"preempted ({name}) during start-up: nothing was saved; run the same command to start",
-                128 + signum)
-    return (f"preempted ({name}) during start-up: nothing new to save; the checkpoint of step {step} is kept; run the "
-            "same command to resume", EXIT_PREEMPTED)

@@ -25,7 +25,7 @@ from data_tools.builder.writer import ShardWriter
 from vit_mpp.data import urls
 from vit_mpp.data.image_prep import BadImage, EncodeSettings, clean_detail, prepare_image
 from vit_mpp.durable import write_failed
-from vit_mpp.launcher import die_with_parent
+from vit_mpp.processes.rank_lifecycle import die_with_parent
 
 # PIL frees every image's memory by default, and glibc may give it back to the kernel (munmap, or a trim of the heap)
 # only for the next image to fault it in again: 148 page faults an image and 20-25% of a worker's CPU with the

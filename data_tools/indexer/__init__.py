@@ -1,2 +1,2 @@
-"""`build-shards index LOCATION`: a manifest for tars that already exist, counted shard by shard.
-docs/build_shards.md."""
+"""`build-shards index LOCATION` (index_tars.py): a manifest for tars that already exist (which ones, and where the
+manifest goes: find_tars.py), counted shard by shard in workers (count_shard.py). docs/build_shards.md."""

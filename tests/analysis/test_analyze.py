@@ -18,9 +18,9 @@ from analysis.analyze import main as analyze_main
 from data_tools.cli import main as build_main
 from tests.helpers.models import write_encoder_export
 from tests.helpers.shards import img2dataset_folder
-from vit_mpp.cli import run_main
 from vit_mpp.config.sections import ModelConfig
 from vit_mpp.models.vit import create_vit
+from vit_mpp.processes.exits import run_main
 
 TINY = ModelConfig(name="vit_tiny_patch16_224", img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2)
 

@@ -16,8 +16,8 @@ from finetune.config import FinetuneConfig
 from pretrain.__main__ import main as pretrain_main
 from pretrain.config import PretrainConfig
 from tests.helpers.processes import run_module
-from vit_mpp.cli import run_main
 from vit_mpp.config.engine import load_config, save_config
+from vit_mpp.processes.exits import run_main
 from vit_mpp.run.metering.metrics_log import read_metrics
 from vit_mpp.run.metering.summary import wall_time_s
 

@@ -24,9 +24,9 @@ from pretrain.__main__ import main as pretrain_main
 from tests.helpers.processes import REPO, ctrl_c_enabled, interrupt_paused, subprocess_env
 from tests.helpers.servers import FaultyHandler, serve_directory, serve_faulty
 from tests.helpers.shards import add, img2dataset_folder, jpeg, timm_style_folder
-from vit_mpp.cli import run_main
 from vit_mpp.data.labels import MAX_CLASSES, sample_label
 from vit_mpp.data.manifest import load_split
+from vit_mpp.processes.exits import run_main
 
 LENGTHS = [7, 12, 5]  # uneven shards
 

@@ -24,7 +24,6 @@ import os
 import random
 import re
 import signal
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +31,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.disks import small_disk
-from tests.helpers.processes import REPO, Background, describe
+from tests.helpers.processes import JOB_LAUNCHER, REPO, Background, describe
 from tests.helpers.runs import epochs_in_audit
 from tests.helpers.shards import write_shard_set
 from tests.vit_mpp.test_full_disk_writers import fill
@@ -68,9 +67,8 @@ class Layout:
     def launch(self) -> list[str]:
         common = ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
         if self.processes == 1:
-            return [sys.executable, "-m", "vit_mpp.launch", "--num_processes", "1", *common]
-        return [sys.executable, "-m", "vit_mpp.launch", "--multi_gpu", "--num_processes", "2", "--main_process_port",
-                "0", *common]
+            return [*JOB_LAUNCHER, "--num_processes", "1", *common]
+        return [*JOB_LAUNCHER, "--multi_gpu", "--num_processes", "2", "--main_process_port", "0", *common]
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +80,7 @@ def command(stage: str, layout: Layout, shards: Path, run_dir: Path) -> list[str
     return [*layout.launch(), *STAGES[stage][1], f"data.shards={shards}", f"train.run_dir={run_dir}",
             "train.ckpt_every=4", "train.log_every=1", "train.record_samples=true",
             # a loader worker stuck (on a read, or hung in its fork in every try: CPython gh-112275 on Pythons before
-            # 3.11.10) is one line after a wait derived from this (vit_mpp/data/loader_workers.py loader_timeout_s:
+            # 3.11.10) is one line after a wait derived from this (vit_mpp/processes/loader_workers.py loader_timeout_s:
             # 80 s), inside the soak's patience
             "data.read_timeout_s=5", f"data.num_workers={layout.workers}"]
 

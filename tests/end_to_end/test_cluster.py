@@ -20,7 +20,7 @@ from tests.helpers.processes import JOB_LAUNCH, LAUNCH, Background, run_module, 
 from tests.helpers.runs import assert_each_sample_once_per_epoch
 from tests.helpers.servers import FaultyHandler, serve_faulty
 from tests.helpers.shards import write_shard_set
-from vit_mpp.launcher import STORE_WATCH_S
+from vit_mpp.processes.rank_lifecycle import STORE_WATCH_S
 
 TRAIN = {"train": [30, 18, 24, 24], "val": [8]}  # 96 training samples in uneven shards; an epoch is 12 steps of 8
 

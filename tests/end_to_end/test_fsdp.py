@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers.processes import LAUNCH, REPO, Background, subprocess_env, wait_all_gone
+from tests.helpers.processes import JOB_LAUNCHER, LAUNCH, REPO, Background, subprocess_env, wait_all_gone
 from tests.helpers.runs import assert_each_sample_once_per_epoch, read_metrics
 from tests.helpers.shards import write_shard_set
 
@@ -139,7 +139,7 @@ def test_fine_tuning_sharded_from_a_sharded_export_trains_as_data_parallel_and_i
 
 def job(processes: int, *machine: str) -> list[str]:
     """vit-mpp-launch (the launcher a scheduler starts) with the FSDP config."""
-    return [sys.executable, "-m", "vit_mpp.launch", *FSDP[3:], "--num_processes", str(processes), *machine]
+    return [*JOB_LAUNCHER, *FSDP[3:], "--num_processes", str(processes), *machine]
 
 
 def endless(shards: Path, run_dir: Path, *overrides: str) -> list[str]:

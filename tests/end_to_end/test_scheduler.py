@@ -1,9 +1,9 @@
-"""What a scheduler sees (vit-mpp-launch, vit_mpp/launch.py; docs/cluster.md): SIGTERM, SIGUSR1 or SIGINT, sent to the
-launcher alone (Kubernetes) or to every process of the job once or twice (SLURM), during the steps or the start-up,
-ends the job with status 75 from the process the scheduler started when a checkpoint of the step named exists, with
-one line and no traceback or stack dump from any process; and the SLURM and Kubernetes recipes of docs/cluster.md,
-run as written under a stand-in of each scheduler (tests/helpers/schedulers.py): the status the scheduler gets, the
-requeue, and the requeued job resuming to the end."""
+"""What a scheduler sees (vit-mpp-launch, vit_mpp/processes/job_launcher.py; docs/cluster.md): SIGTERM, SIGUSR1 or
+SIGINT, sent to the launcher alone (Kubernetes) or to every process of the job once or twice (SLURM), during the
+steps or the start-up, ends the job with status 75 from the process the scheduler started when a checkpoint of the
+step named exists, with one line and no traceback or stack dump from any process; and the SLURM and Kubernetes
+recipes of docs/cluster.md, run as written under a stand-in of each scheduler (tests/helpers/schedulers.py): the
+status the scheduler gets, the requeue, and the requeued job resuming to the end."""
 
 from __future__ import annotations
 

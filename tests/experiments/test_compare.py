@@ -494,7 +494,7 @@ def test_a_second_compare_on_a_busy_out_is_one_line(tmp_path, shards):
     out = tmp_path / "out"
     out.mkdir()
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
-                               "from vit_mpp.run.start.run_dir import lock_run_dir; "
+                               "from vit_mpp.processes.run_dir_lock import lock_run_dir; "
                                f"lock_run_dir(Path({str(out)!r})); print('held', flush=True); time.sleep(120)"],
                               stdout=subprocess.PIPE, text=True, env=subprocess_env(), cwd=REPO)
     try:

@@ -14,10 +14,10 @@ from finetune.init_model import resolve_architecture
 from tests.helpers.models import write_encoder_export
 from tests.helpers.runs import run_tiny_finetune
 from tests.helpers.shards import write_shard_set
-from vit_mpp.cli import run_main
 from vit_mpp.config.engine import ConfigError, load_config
 from vit_mpp.config.sections import ModelConfig
 from vit_mpp.models.vit import create_vit
+from vit_mpp.processes.exits import run_main
 
 TINY = ModelConfig(name="vit_tiny_patch16_224", img_size=16, patch_size=4, embed_dim=32, depth=1, num_heads=2)
 

@@ -12,10 +12,10 @@ import pytest
 from finetune import evaluate
 from tests.helpers.models import SMALL, write_encoder_export
 from tests.helpers.processes import launch, run_module
-from vit_mpp.cli import run_main
 from vit_mpp.config.sections import ModelConfig
 from vit_mpp.models.export import Export, write_export
 from vit_mpp.models.vit import create_vit
+from vit_mpp.processes.exits import run_main
 
 N_VAL = 13  # the validation images of the `shards` fixture (tests/finetune/conftest.py)
 

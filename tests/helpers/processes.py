@@ -15,8 +15,9 @@ REPO = Path(__file__).resolve().parents[2]
 # `--multi_gpu` on a machine without GPUs starts N CPU processes with gloo; `--cpu --num_processes 2` starts one.
 LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0"]
-# vit-mpp-launch (vit_mpp/launch.py), the launcher a scheduler starts: accelerate launch's flags
-JOB_LAUNCH = [sys.executable, "-m", "vit_mpp.launch", *LAUNCH[3:]]
+# vit-mpp-launch (vit_mpp/processes/job_launcher.py), the launcher a scheduler starts: accelerate launch's flags
+JOB_LAUNCHER = [sys.executable, "-m", "vit_mpp.processes.job_launcher"]
+JOB_LAUNCH = [*JOB_LAUNCHER, *LAUNCH[3:]]
 
 
 def subprocess_env() -> dict[str, str]:
@@ -43,7 +44,7 @@ def launch(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
 def in_process(main: Callable[[list[str] | None], object], argv: list[str], capsys) -> tuple[int, str, str]:
     """Run an entry point in this process as `python -m` runs it (a user error becomes one `error:` line and exit
     status 2): returns (exit status, stdout, stderr). Use it where the child process is not what is tested."""
-    from vit_mpp.cli import run_main
+    from vit_mpp.processes.exits import run_main
 
     capsys.readouterr()  # only this run's output
     try:
@@ -193,7 +194,7 @@ def _parent_is_launcher(pid: int) -> bool:
     """Whether the parent of `pid` is a launcher (accelerate's, torch's, vit-mpp-launch), whose child is a rank, not
     a rank (whose child is a data-loader worker)."""
     parent = Path(f"/proc/{parent_pid}/cmdline").read_bytes() if (parent_pid := _parent(pid)) else b""
-    return b"accelerate" in parent or b"vit_mpp.launch" in parent or b"vit-mpp-launch" in parent
+    return b"accelerate" in parent or b"vit_mpp.processes.job_launcher" in parent or b"vit-mpp-launch" in parent
 
 
 def _parent(pid: int) -> int:

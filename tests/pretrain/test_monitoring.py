@@ -17,8 +17,8 @@ from tests.helpers.disks import small_disk
 from tests.helpers.processes import in_process
 from tests.helpers.runs import read_metrics, run_tiny_pretrain
 from tests.helpers.shards import write_shard_set
-from vit_mpp.cli import run_main
 from vit_mpp.durable import WriteFailed
+from vit_mpp.processes.exits import run_main
 from vit_mpp.tools.figures import plt, save_figure
 
 

@@ -1,7 +1,7 @@
 """No host synchronisation inside a pretraining step outside log steps: the step (pretrain/mpp.py,
 pretrain/targets.py, vit_mpp/run/metering/step_meter.py, vit_mpp/data/stream.py `to_device`, the loop) never reads a
-tensor back to the host, so a GPU runs ahead of Python; the stop agreement (vit_mpp/run/loop.py `StopGate.agree`) reads
-one, which lives on the CPU by design.
+tensor back to the host, so a GPU runs ahead of Python; the stop agreement (vit_mpp/processes/stop_agreement.py
+`StopGate.agree`) reads one, which lives on the CPU by design.
 
 On the CPU, every Python-level read of a tensor's value (`.item()`, `.tolist()`, `.cpu()`, `.numpy()`, `bool()`,
 `float()`, `int()`, `__index__`) is counted and attributed to the first frame of the repository's own code; on a
@@ -22,7 +22,8 @@ import torch
 
 from tests.helpers.runs import read_metrics, run_tiny_pretrain
 from tests.helpers.shards import write_shard_set
-from vit_mpp.run.loop import Loop, StopGate, itstime
+from vit_mpp.processes.stop_agreement import StopGate
+from vit_mpp.run.loop import Loop, itstime
 
 REPO = Path(__file__).resolve().parents[2]
 OWN = tuple(f"{REPO / folder}/" for folder in ("pretrain", "finetune", "vit_mpp"))
@@ -176,7 +177,7 @@ def test_no_step_reads_a_tensor_back_outside_log_steps(shards, tmp_path, monkeyp
     # While the step's batches are taken: the loader's decoding (a worker process's work; here, with
     # data.num_workers=0, in this one) and the stop agreement, once a step, each on CPU tensors only.
     taking = [r for r in plain if r.phase == "data"]
-    agreements = [r for r in taking if r.where == "vit_mpp/run/loop.py:StopGate.agree"]
+    agreements = [r for r in taking if r.where == "vit_mpp/processes/stop_agreement.py:StopGate.agree"]
     assert {r.step for r in agreements} == set(range(1, STEPS)), "the agreement is made before every step"
     assert {r.device for r in agreements} == {"cpu"}
     assert all(r.where.startswith("vit_mpp/data/") and r.device == "cpu" for r in taking if r not in agreements)

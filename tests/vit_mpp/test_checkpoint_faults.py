@@ -20,8 +20,8 @@ from pretrain.__main__ import main as pretrain_main
 from tests.helpers.models import SMALL_MODEL
 from tests.helpers.runs import read_metrics
 from tests.helpers.shards import write_shard_set
-from vit_mpp.cli import run_main
 from vit_mpp.models.vit import create_vit
+from vit_mpp.processes.exits import run_main
 
 
 def broken(tmp_path: Path, good: Path, kind: str) -> Path:

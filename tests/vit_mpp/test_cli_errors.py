@@ -35,18 +35,18 @@ def test_under_a_launcher_the_main_rank_prints_and_a_silent_rank_speaks_only_if_
         rank, expected, monkeypatch, capsys):
     # A rank other than the main one waits: the launcher normally ends it once the main one has printed. If it was
     # not ended (the main one did not meet the error), it prints the line itself, so a line always appears.
-    from vit_mpp import cli
     from vit_mpp.config.engine import ConfigError
+    from vit_mpp.processes import exits
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", rank)
-    monkeypatch.setattr(cli, "QUIET_WAIT_S", 0.01)
+    monkeypatch.setattr(exits, "QUIET_WAIT_S", 0.01)
 
     def main(argv):
         raise ConfigError("bad value")
 
     with pytest.raises(SystemExit) as e:
-        cli.run_main(main, [])
+        exits.run_main(main, [])
     assert e.value.code == 2 and capsys.readouterr().err.strip() == expected
 
 
@@ -71,7 +71,7 @@ def _entry_points():
 def test_a_bad_command_line_is_one_line_in_every_tool(prog, capsys):
     # argparse printed its usage block and `PROG: error: ...` (and under a launcher, once per rank); build-shards
     # alone said it in one line
-    from vit_mpp.cli import run_main
+    from vit_mpp.processes.exits import run_main
 
     for argv in (["--bogus", "x"], ["--batch-size", "many"]):  # an unknown flag, a bad value or a missing one
         capsys.readouterr()
@@ -83,7 +83,7 @@ def test_a_bad_command_line_is_one_line_in_every_tool(prog, capsys):
 
 
 def test_help_still_prints_and_exits_0(capsys):
-    from vit_mpp.cli import run_main
+    from vit_mpp.processes.exits import run_main
 
     with pytest.raises(SystemExit) as e:
         run_main(_entry_points()["python -m analysis summary"], ["--help"])
@@ -92,7 +92,7 @@ def test_help_still_prints_and_exits_0(capsys):
 
 # A local path in the config that does not exist is found with the config, before torch is imported (seconds).
 PROBE = """import sys
-from vit_mpp.cli import run_main
+from vit_mpp.processes.exits import run_main
 from {stage}.__main__ import main
 try:
     run_main(main, sys.argv[1:])

@@ -14,7 +14,7 @@ import torch
 from finetune.__main__ import main as finetune_main
 from pretrain.__main__ import main as pretrain_main
 from tests.helpers.processes import launch, run_module
-from vit_mpp.cli import run_main
+from vit_mpp.processes.exits import run_main
 
 # Settings that need a device are refused in words that depend on the machine's (tests/vit_mpp/test_device_checks.py
 # checks each case): these rows expect this machine's.

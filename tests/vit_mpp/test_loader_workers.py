@@ -1,6 +1,8 @@
-"""A rank's loader workers that hang in their fork (CPython gh-112275 before 3.11.10) are forked again: first as a
-fork hook makes them hang (deterministic), then as the bug itself does, under a thread of C that enters Python as
-torch's C++ threads do (a rank on Python 3.11.7 waited 300 s for its validation batch in the cluster tests)."""
+"""A rank's loader workers (vit_mpp/processes/loader_workers.py): those that hang in their fork (CPython gh-112275
+before 3.11.10) are forked again, first as a fork hook makes them hang (deterministic), then as the bug itself does,
+under a thread of C that enters Python as torch's C++ threads do (a rank on Python 3.11.7 waited 300 s for its
+validation batch in the cluster tests); they know their rank from before the fork, and live on when signalled as
+they start."""
 
 from __future__ import annotations
 
@@ -13,16 +15,19 @@ import sys
 import time
 
 import pytest
+import torch
 
 from tests.helpers.processes import REPO, alive, subprocess_env
+from vit_mpp.config.sections import DataConfig
+from vit_mpp.data.stream import make_loader
 
 # The first HANGS children this process forks hang as a worker caught by gh-112275 does: before the worker's first
 # line, their stop signals blocked. Each loader iterates EPOCHS times; one line of JSON per epoch.
 _CHILD = """
 import json, os, signal, sys, time
 import torch
-from vit_mpp.data import loader_workers
-from vit_mpp.launcher import worker_died
+from vit_mpp.processes import loader_workers
+from vit_mpp.processes.failures import worker_died
 
 hangs, marks, persistent, epochs = int(sys.argv[1]), sys.argv[2], sys.argv[3] == "1", int(sys.argv[4])
 loader_workers.START_WAIT_S = 1.0
@@ -116,7 +121,7 @@ def test_workers_that_hang_in_every_try_are_the_ranks_one_line_after_the_loaders
 _DROPPED = """
 import gc, sys, time
 import torch
-from vit_mpp.data.loader_workers import Loader
+from vit_mpp.processes.loader_workers import Loader
 
 class Numbers(torch.utils.data.IterableDataset):
     def __iter__(self):
@@ -148,8 +153,8 @@ def test_a_loader_dropped_half_read_in_a_reference_cycle_ends_its_workers_withou
 _ENDED_NOW = """
 import sys, time
 import torch
-from vit_mpp import launcher
-from vit_mpp.data.loader_workers import Loader
+from vit_mpp.processes import rank_lifecycle
+from vit_mpp.processes.loader_workers import Loader
 
 class Numbers(torch.utils.data.IterableDataset):
     def __iter__(self):
@@ -157,13 +162,13 @@ class Numbers(torch.utils.data.IterableDataset):
 
 held = iter(Loader(Numbers(), batch_size=None, num_workers=2, timeout=30))
 next(held)
-real, launcher.os._exit = launcher.os._exit, lambda status: (_ for _ in ()).throw(SystemExit(status))
+real, rank_lifecycle.os._exit = rank_lifecycle.os._exit, lambda status: (_ for _ in ()).throw(SystemExit(status))
 try:
-    launcher.exit_now(75)  # its clean-ups kill every worker of the process; the exit stood in for, as tests do
+    rank_lifecycle.exit_now(75)  # its clean-ups kill every worker of the process; the exit stood in for, as tests do
 except SystemExit:
     pass
 finally:
-    launcher.os._exit = real
+    rank_lifecycle.os._exit = real
 time.sleep(0.5)
 print(len(list(iter(Loader(Numbers(), batch_size=None, num_workers=2, timeout=30)))), flush=True)
 """
@@ -185,8 +190,8 @@ def test_the_workers_killed_as_a_rank_ends_at_once_are_out_of_torchs_watch_first
 _CHURN = """
 import ctypes, sys, threading, time
 import torch
-from vit_mpp.data import loader_workers
-from vit_mpp.launcher import worker_died
+from vit_mpp.processes import loader_workers
+from vit_mpp.processes.failures import worker_died
 
 loader_workers.START_WAIT_S = 2.0
 libc = ctypes.CDLL(None)
@@ -238,3 +243,30 @@ def test_loaders_forked_beside_a_c_thread_entering_python_all_serve_their_batche
     assert proc.returncode == 0 and "Traceback" not in out, out[-3000:]
     if buggy:  # the bug is there: the run met it, and went on
         assert "hung in the fork" in out and "forked again" in out and " 0 forked again" not in out, out[-3000:]
+
+
+def test_loader_workers_know_their_rank_from_before_the_fork():
+    loader = make_loader(range(4), DataConfig(num_workers=1))  # type: ignore[arg-type]
+    assert loader.worker_init_fn.keywords == {"parent": os.getpid()}
+
+
+class _Slow(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        for i in range(3):
+            time.sleep(0.05)
+            yield torch.tensor([i])
+
+
+def test_loader_workers_signalled_as_they_start_live_on():
+    # SIGTERM at the start of an evaluation killed the run: its loader started new workers, and a worker signalled
+    # before its init (a launcher stops a rank's whole process group) was ended by torch's own handler. Workers now
+    # start with the stop signals blocked.
+    loader = make_loader(_Slow(), DataConfig(num_workers=2, persistent_workers=False))  # type: ignore[arg-type]
+    init = loader.worker_init_fn
+    loader.worker_init_fn = lambda worker: (time.sleep(1.0), init(worker))  # a slow start: the signal comes in it
+    it = iter(loader)
+    time.sleep(0.3)
+    workers = [w.pid for w in it._workers]
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP):
+        subprocess.run(["kill", f"-{sig.name[3:]}", *map(str, workers)], check=True)  # not from their parent
+    assert sorted(int(b) for b in it) == [0, 0, 1, 1, 2, 2]  # both workers read on

@@ -13,11 +13,11 @@ from finetune.__main__ import main as finetune_main
 from finetune.classes import Classes, classes_of
 from finetune.config import FinetuneConfig
 from pretrain.__main__ import main as pretrain_main
-from vit_mpp.cli import run_main
 from vit_mpp.config.engine import ConfigError, load_config
 from vit_mpp.config.sections import DataConfig
 from vit_mpp.data.manifest import ManifestError, load_split
 from vit_mpp.data.training_data import load_training_data
+from vit_mpp.processes.exits import run_main
 
 
 def good() -> dict:

@@ -1,7 +1,8 @@
 """A stop is agreed at the start of a step or of an evaluation batch, once every rank holds its data, and it saves
-the last completed step (vit_mpp/run/loop.py `Loop`, `StopGate`): whatever the periodic checkpoints around it do,
-during an evaluation, before the first step, and when a rank waits for data that does not come. One process here: the
-agreement over ranks is the sum of their flags, tested under a launcher in tests/end_to_end/."""
+the last completed step (vit_mpp/run/loop.py `Loop`, vit_mpp/processes/stop_agreement.py `StopGate`): whatever the
+periodic checkpoints around it do, during an evaluation, before the first step, and when a rank waits for data that
+does not come. One process here: the agreement over ranks is the sum of their flags, tested under a launcher in
+tests/end_to_end/."""
 
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ from types import SimpleNamespace
 import pytest
 
 from vit_mpp.errors import Preempted, StoppedUnsaved
+from vit_mpp.processes.stop_agreement import StopGate
+from vit_mpp.processes.stop_signals import StopSignals
 from vit_mpp.run.durability.checkpoint import Checkpointer
-from vit_mpp.run.durability.preemption import StopSignals
-from vit_mpp.run.loop import Loop, Objective, StopGate
+from vit_mpp.run.loop import Loop, Objective
 
 
 class Meter:
@@ -35,7 +37,7 @@ class Meter:
 def loop(monkeypatch, ckpt_every: int, steps: int, start: int = 0, signals=None) -> tuple[Loop, list]:
     """The loop of one process, its steps' work left out, whose saves are recorded, not written; returns it and the
     saved steps."""
-    signals = signals or SimpleNamespace(received=None, waiting=False)
+    signals = signals or StopSignals([])
     accelerator = SimpleNamespace(num_processes=1, is_main_process=True, device="cpu", end_training=lambda: None)
     saves: list[int] = []
     checkpointer = Checkpointer(accelerator, "run", keep_last=3, start_step=start)
@@ -56,7 +58,7 @@ def loop(monkeypatch, ckpt_every: int, steps: int, start: int = 0, signals=None)
 
 def step(it: Loop, batches, count: int = 2) -> None:
     """A step as `Loop.step` takes it, with nothing trained: the batches, the agreement, the step done, what is due."""
-    got = it._take(batches, count)
+    got = it.run.signals.take(batches, count)
     it._agree(stuck=got is None)
     it.done += 1
     it._when_due(lr=0.0)
@@ -66,7 +68,7 @@ def train(it: Loop, steps: int, signal_at: int, evaluate_every: int = 0) -> None
     """The loop; the signal comes during step `signal_at + 1`; evaluations of 5 batches every `evaluate_every`."""
     batches = iter(range(10**6))
     for s in range(it.done, steps):
-        got = it._take(batches, 2)
+        got = it.run.signals.take(batches, 2)
         it._agree(stuck=got is None)
         if s == signal_at:
             it.gate.signals.received = signal.SIGTERM

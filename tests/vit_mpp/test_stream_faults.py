@@ -235,8 +235,8 @@ class _HungWorker(torch.utils.data.IterableDataset):
 
 
 def test_a_hung_loader_worker_is_its_ranks_one_line_after_the_wait_and_does_not_outlive_its_loader():
-    from vit_mpp.data.loader_workers import Loader, end_workers
-    from vit_mpp.launcher import worker_died
+    from vit_mpp.processes.failures import worker_died
+    from vit_mpp.processes.loader_workers import Loader, end_workers
 
     batches = iter(Loader(_HungWorker(), batch_size=None, num_workers=1, timeout=1))
     worker = batches._workers[0]
@@ -253,14 +253,14 @@ def test_a_rank_takes_its_hung_loader_worker_with_it_however_it_ends(tmp_path, h
     # The chaos soak found a worker hung in its fork alive minutes after its rank had been preempted (the rank ended
     # at once: a signal after its outcome, a broken group), and a rank that never exited: the k-NN monitor had
     # dropped its loader half-read, and multiprocessing's exit waited for the worker torch's end had left alive.
-    ending = {"exit_now": "launcher.exit_now(75)",
+    ending = {"exit_now": "rank_lifecycle.exit_now(75)",
               "exit": "sys.exit(75)",
               "exit after dropping the loader half-read": "del batches; gc.collect(); time.sleep(0.5); sys.exit(75)"}
     child = (
         "import gc, sys, time\n"
         "from tests.vit_mpp.test_stream_faults import _HungWorker\n"
-        "from vit_mpp import launcher\n"
-        "from vit_mpp.data.loader_workers import Loader\n"
+        "from vit_mpp.processes import rank_lifecycle\n"
+        "from vit_mpp.processes.loader_workers import Loader\n"
         "batches = iter(Loader(_HungWorker(), batch_size=None, num_workers=1, timeout=60))\n"
         "print(batches._workers[0].pid, flush=True)\n"
         "time.sleep(1)\n"
@@ -293,7 +293,7 @@ def test_a_worker_whose_rank_stops_reading_mid_hand_over_adds_no_traceback(capsy
     # server (multiprocessing's resource_sharer) a ConnectionResetError traceback above the rank's one line.
     import multiprocessing.resource_sharer as resource_sharer
 
-    from vit_mpp.data.loader_workers import _quiet_fd_server
+    from vit_mpp.processes.loader_workers import _quiet_fd_server
 
     seen: list[type] = []
     hook = _quiet_fd_server(lambda kind, error, tb: seen.append(kind))

@@ -13,11 +13,11 @@ import pytest
 from tests.helpers.loaders import split_loader
 from tests.helpers.servers import FaultyHandler, serve_directory, serve_faulty
 from tests.helpers.shards import add, bad_shard_set, jpeg, write_shard_set
-from vit_mpp.cli import run_main
 from vit_mpp.config.sections import DataConfig
 from vit_mpp.data import shard_reader
 from vit_mpp.data.manifest import ManifestError, load_split
 from vit_mpp.data.shard_reader import DataError
+from vit_mpp.processes.exits import run_main
 
 
 @pytest.fixture

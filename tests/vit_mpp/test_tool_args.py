@@ -79,7 +79,7 @@ def test_what_the_checks_cannot_foresee_is_one_line_too():
 
 def test_summary_checks_its_csv_before_reading_the_runs(tmp_path, capsys):
     from analysis.run_table import main as summary
-    from vit_mpp.cli import run_main
+    from vit_mpp.processes.exits import run_main
 
     (tmp_path / "file").write_text("x")
     with pytest.raises(SystemExit) as e:

@@ -26,7 +26,6 @@ from vit_mpp.data import urls
 from vit_mpp.data.device_decode import collate_images, decode_on_device
 from vit_mpp.data.image_decoder import ImageDecoder, image_bytes
 from vit_mpp.data.labels import sample_label
-from vit_mpp.data.loader_workers import Loader, end_workers, init_worker, loader_timeout_s
 from vit_mpp.data.manifest import Split
 from vit_mpp.data.shard_reader import DataError, ShardError, range_segments, read_segment, shuffled
 from vit_mpp.data.stream_plan import (
@@ -42,6 +41,7 @@ from vit_mpp.data.stream_plan import (
     samples_per_epoch,
     share,
 )
+from vit_mpp.processes.loader_workers import Loader, end_workers, init_worker, loader_timeout_s
 
 
 @dataclass(frozen=True)

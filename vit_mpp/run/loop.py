@@ -1,23 +1,23 @@
 """The training loop both stages run (`fit`), one step of it and what it asks before each, in the order it runs:
 
-    the step's micro-batches (`next(batches)`: a wait a stop signal cuts short) -> the stop agreement of every rank
-    (`StopGate`: stop and save the last step, or save for time) -> the learning rate (`Schedule`) -> per micro-batch
-    the stage's forward pass (its `Objective`), backward, and on the last one clipping and the update
-    (`optimizer_step`) -> the step meter, the sample audit, and when due the log, an evaluation and a checkpoint.
+    the step's micro-batches (`next(batches)`, through the run's `StopSignals.take`: a wait a stop signal cuts short)
+    -> the stop agreement of every rank (`StopGate`: stop and save the last step, or save for time) -> the learning
+    rate (`Schedule`) -> per micro-batch the stage's forward pass (its `Objective`), backward, and on the last one
+    clipping and the update (`optimizer_step`) -> the step meter, the sample audit, and when due the log, an
+    evaluation and a checkpoint.
 
 A stage builds its model and its `Objective` and hands them to `fit`; the loop owns the order, the checkpointer only
-saves, the data stream only hands out batches. docs/architecture.md follows one step through it.
+saves, the data stream only hands out batches; the signals and the agreement are vit_mpp/processes/'s.
+docs/architecture.md follows one step through it.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 import signal
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -29,8 +29,8 @@ from vit_mpp.config.sections import OptimConfig
 from vit_mpp.data.stream import to_device
 from vit_mpp.errors import Preempted, StoppedUnsaved
 from vit_mpp.models.flops import training_flops
+from vit_mpp.processes.stop_agreement import StopGate
 from vit_mpp.run.durability.checkpoint import Checkpointer
-from vit_mpp.run.durability.preemption import StopSignals, WaitInterrupted
 from vit_mpp.run.metering.step_meter import Evaluation, StepMeter, Workload
 from vit_mpp.run.metering.tracking import finish_trackers, start_trackers
 from vit_mpp.run.start.run import Resumed, Run
@@ -99,44 +99,6 @@ def evaluations_due(step: int, every: int | None, total: int) -> int:
         return 0
     periodic = total // every - (step - 1) // every if every > 0 else 0
     return periodic + (0 if every > 0 and total % every == 0 else int(step <= total))
-
-
-# ---------------------------------------------------------------- whether to go on: the stop agreement
-
-class StopGate:
-    """Before every step and every evaluation batch, once each rank holds its data (or was cut short waiting for
-    it), every rank takes the same decision: stop now (a signal reached some rank) and save now
-    (`every_minutes` passed since the last checkpoint, on the main rank's clock).
-
-    One all-reduce of two numbers on the host, over a gloo group of its own: no device synchronisation, about a
-    tenth of a millisecond, and no rank commits to a step (its gradient all-reduce) that another cannot take. A
-    signal is acted upon within one step or evaluation batch, whatever their length (docs/cluster.md)."""
-
-    def __init__(self, accelerator: Any, signals: StopSignals, every_minutes: float, timeout_s: float = 600.0) -> None:
-        self.accelerator, self.signals, self.every_s = accelerator, signals, every_minutes * 60.0
-        self.last_save = time.monotonic()
-        self.group = None
-        if accelerator.num_processes > 1:
-            import torch.distributed as dist
-
-            self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-
-    def agree(self, stuck: bool = False) -> tuple[bool, bool]:
-        """(stop, save for time), the same on every rank; `stuck`: this rank's wait for data was cut short."""
-        time_due = self.every_s > 0 and time.monotonic() - self.last_save >= self.every_s
-        flags = [float(stuck or self.signals.received is not None),
-                 float(time_due and self.accelerator.is_main_process)]
-        if self.group is None:
-            return flags[0] > 0, flags[1] > 0
-        import torch.distributed as dist
-
-        tensor = torch.tensor(flags)
-        dist.all_reduce(tensor, group=self.group)
-        return bool(tensor[0] > 0), bool(tensor[1] > 0)
-
-    def saved(self) -> None:
-        """A checkpoint was just written: the clock of time-based saves starts again."""
-        self.last_save = time.monotonic()
 
 
 # ---------------------------------------------------------------- what: the stage's part, and one update
@@ -261,7 +223,7 @@ class Loop:
 
     def step(self, step: int) -> None:
         """One optimizer step, then what is due after it."""
-        micro_batches = self._take(self.batches, self.run.gbatch.accum_steps)  # None: a stop signal cut the wait
+        micro_batches = self.run.signals.take(self.batches, self.run.gbatch.accum_steps)  # None: a signal cut it
         waited = self._lap()
         self._agree(stuck=micro_batches is None)  # stops the run here, before any rank commits to the step
         lr = self.schedule.lr(step)
@@ -289,20 +251,6 @@ class Loop:
         if itstime(done, tc.ckpt_every, total) and self.checkpointer.saved != done:
             self._save()
 
-    def _take(self, batches: Iterator[T], count: int) -> list[T] | None:
-        """Up to `count` batches (fewer at the end of an evaluation), or None when a stop signal came before or
-        during the wait (the signal's handler raises WaitInterrupted in it while `waiting`)."""
-        signals = self.run.signals
-        if signals.received is not None:
-            return None
-        signals.waiting = True
-        try:
-            return list(itertools.islice(batches, count))
-        except WaitInterrupted:
-            return None
-        finally:
-            signals.waiting = False
-
     def _agree(self, stuck: bool) -> None:
         """The stop agreement (`StopGate`): a save due for time, or a stop, saves the last completed step first (if
         it is not saved yet); a stop then ends the run with Preempted (or StoppedUnsaved before anything exists)."""
@@ -321,7 +269,7 @@ class Loop:
         """An evaluation's batches, each passing the stop agreement; every rank gets as many batches."""
         it = iter(batches)
         while True:
-            got = self._take(it, 1)
+            got = self.run.signals.take(it, 1)
             self._agree(stuck=got is None)
             if not got:
                 return

@@ -15,7 +15,7 @@ from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration
 from vit_mpp.config.engine import ConfigError
 from vit_mpp.config.fsdp_settings import FsdpSettings, accelerate_fsdp_off
 from vit_mpp.config.sections import TrainConfig
-from vit_mpp.launcher import process_group_kwargs
+from vit_mpp.processes.rank_lifecycle import process_group_kwargs
 from vit_mpp.run.metering.tracking import check_trackers
 
 

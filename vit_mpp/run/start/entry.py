@@ -10,7 +10,7 @@ from typing import Any
 from vit_mpp.config.device_checks import check_device_settings
 from vit_mpp.config.engine import parse_args
 from vit_mpp.data.manifest import check_location
-from vit_mpp.launcher import start_up_resumes_from, stop_during_start_up
+from vit_mpp.processes.stop_signals import start_up_resumes_from, stop_during_start_up
 from vit_mpp.run.durability.checkpoint_files import saved_step
 from vit_mpp.run.metering.run_clock import mark_start
 

@@ -24,9 +24,9 @@ from vit_mpp.data.stream_plan import Generation, Layout, resume_generation
 from vit_mpp.data.training_data import Pool, TrainingData, load_training_data
 from vit_mpp.models.hub import check_hub
 from vit_mpp.models.vit import architecture
+from vit_mpp.processes.stop_signals import StopSignals
 from vit_mpp.run.durability.checkpoint import resume_latest
 from vit_mpp.run.durability.checkpoint_files import check_sharding
-from vit_mpp.run.durability.preemption import StopSignals
 from vit_mpp.run.metering.metrics_log import MetricsLog
 from vit_mpp.run.metering.sample_audit import SampleAudit
 from vit_mpp.run.start.accelerator import GlobalBatch, make_accelerator, prepare_model

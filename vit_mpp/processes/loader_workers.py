@@ -24,7 +24,8 @@ from torch.utils.data import DataLoader
 from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
 from vit_mpp.config.sections import DataConfig
-from vit_mpp.launcher import FORK_HANGS, before_exit_now, die_with_parent
+from vit_mpp.processes.failures import FORK_HANGS
+from vit_mpp.processes.rank_lifecycle import before_exit_now, die_with_parent
 
 # The signals a rank's loader workers leave to the rank. A worker is forked with them blocked (`Loader`), so that one
 # sent before its first line of Python (a launcher stops a rank's whole process group; a scheduler every process)

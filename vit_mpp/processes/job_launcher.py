@@ -1,11 +1,11 @@
-"""`vit-mpp-launch` (`python -m vit_mpp.launch`): `accelerate launch`, with the same flags, as the process a scheduler
-starts. Accelerate's launcher (torch elastic's agent, for several processes) runs inside this process; a preemption
-signal (SIGTERM, SIGUSR1 or SIGINT: Kubernetes signals the container's first process, SLURM every process of a step)
-is passed on to the ranks, which agree, save and stop; this process then exits as they did: 75 when a checkpoint of
-the step their line names exists, with their one line and nothing of its own. `--max_restarts N` restarts the ranks
-after a crash, never after a preemption. docs/cluster.md.
+"""`vit-mpp-launch` (`python -m vit_mpp.processes.job_launcher`): `accelerate launch`, with the same flags, as the
+process a scheduler starts. Accelerate's launcher (torch elastic's agent, for several processes) runs inside this
+process; a preemption signal (SIGTERM, SIGUSR1 or SIGINT: Kubernetes signals the container's first process, SLURM
+every process of a step) is passed on to the ranks, which agree, save and stop; this process then exits as they did:
+75 when a checkpoint of the step their line names exists, with their one line and nothing of its own.
+`--max_restarts N` restarts the ranks after a crash, never after a preemption. docs/cluster.md.
 
-(vit_mpp/launcher.py is the other side: being one rank of a launched group.)
+(vit_mpp/processes/rank_lifecycle.py is the other side: being one rank of a launched group.)
 """
 
 from __future__ import annotations
@@ -23,9 +23,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vit_mpp.cli import UsageError, one_line_errors
+from vit_mpp.cli import UsageError
 from vit_mpp.errors import EXIT_PREEMPTED
-from vit_mpp.launcher import START_UP_LINES, START_UP_SIGNALS, UNDER_LAUNCH
+from vit_mpp.processes.exits import one_line_errors
+from vit_mpp.processes.rank_lifecycle import START_UP_LINES, START_UP_SIGNALS, UNDER_LAUNCH
 
 SIGNALS = tuple(getattr(signal, name) for name in START_UP_SIGNALS)  # what a scheduler sends, what the ranks catch
 POLL_S = 0.1
@@ -61,7 +62,8 @@ def children() -> Iterator[int]:
 
 def _launch(args: object, attempt: Attempt) -> None:
     """Accelerate's launcher, in this thread: the ranks it starts inherit the preemption signals blocked (a signal
-    that comes while a rank imports waits until the rank catches it: vit_mpp/launcher.py `stop_during_start_up`)."""
+    that comes while a rank imports waits until the rank catches it: vit_mpp/processes/stop_signals.py
+    `stop_during_start_up`)."""
     from accelerate.commands.launch import launch_command
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
@@ -86,7 +88,7 @@ class Job:
         self.args: object = None
         self.received: int | None = None
         self.signalled: set[int] = set()  # ranks already sent the signal
-        self.lines = Path(tempfile.mkdtemp(prefix="vit-mpp-launch-"))  # the ranks' start-up lines (launcher.py)
+        self.lines = Path(tempfile.mkdtemp(prefix="vit-mpp-launch-"))  # the ranks' start-up lines (stop_signals.py)
         os.environ[START_UP_LINES] = str(self.lines)
 
     def catch_signals(self) -> None:
