@@ -108,6 +108,41 @@ def test_a_signal_during_start_up_says_what_a_rerun_resumes_from(shards, tmp_pat
     clean(again.output())
 
 
+ENDINGS = [("finished", "exported encoder to", "launcher", signal.SIGUSR1, 0),
+           ("finished", "exported encoder to", "every process", signal.SIGINT, 0),
+           ("preempted", "preempted at step", "launcher", signal.SIGUSR1, 75)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ending, line, how, sig, status", ENDINGS, ids=[f"{e[0]}-{e[2]}" for e in ENDINGS])
+def test_a_job_ends_with_its_status_whatever_signal_comes_as_it_ends(shards, tmp_path, ending, line, how, sig, status):
+    # A SLURM job whose --signal=USR1@60 came as its run ended was recorded FAILED and requeued: SIGUSR1 to
+    # vit-mpp-launch in its teardown, after the export, gave 138 (a rank, its outcome decided, died of it as Python
+    # ended), SIGINT to every process just as the run finished 130 with the run complete, and the launcher itself
+    # took a signal after its ranks' 75 as a finished run's and exited 0. A signal every 20 ms from the line on,
+    # until the launcher is gone, lands in every moment of the ending.
+    run_dir = tmp_path / "run"
+    steps = "train.steps=6" if ending == "finished" else "train.steps=400"
+    job = Background([*JOB_LAUNCH, *pretrain_args(shards, run_dir, steps)], tmp_path / "log", f"end{ending}{how}")
+    if ending == "preempted":
+        job.wait_for("step 3/")
+        os.kill(job.proc.pid, signal.SIGTERM)
+    job.wait_for(line)
+    while job.proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(job.proc.pid, sig) if how == "launcher" else job.signal_all(sig)
+        time.sleep(0.02)
+    job.wait_gone(60)
+    out = job.output()
+    assert job.proc.returncode == status, out[-4000:]
+    clean(out)
+    if ending == "finished":
+        assert "preempted" not in out and (run_dir / "summary.json").is_file(), out[-4000:]
+        assert (run_dir / "export" / "model.safetensors").is_file()
+    else:
+        preempted_step(out, run_dir)
+
+
 @pytest.mark.slow
 def test_a_rank_killed_during_start_up_is_named_by_the_launcher_and_no_rank_says_preempted(shards, tmp_path):
     # The chaos soak: rank 1 killed while the ranks imported; torch elastic stopped rank 0 with SIGTERM, and rank 0

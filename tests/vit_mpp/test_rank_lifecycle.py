@@ -125,3 +125,53 @@ def test_a_rank_on_node_0_ends_when_its_launchers_store_goes_away_during_its_sta
                                f"127.0.0.1:{port}); this rank stops"), err
     else:  # a launcher that serves is never taken for gone, and the watch ends
         assert rank.returncode == 0 and out.strip() == "alive" and not err, (out, err)
+
+
+RANK_ENDING = """
+import os, signal, sys, threading, time
+from vit_mpp.processes.rank_lifecycle import quiet_after_the_outcome
+
+class AsPythonEnds:  # a signal after Python gave the signals their default action back, as its modules are cleared
+    def __del__(self, kill=os.kill, pid=os.getpid(), sleep=time.sleep, sig=signal.{sig}):
+        kill(pid, sig)
+        sleep(0.3)
+
+at_the_end = AsPythonEnds()
+threading.Thread(target=time.sleep, args=(60,), daemon=True).start()  # one of torch's threads, say
+quiet_after_the_outcome({status})
+sys.exit({status})
+"""
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGUSR1", "SIGINT"])
+@pytest.mark.parametrize("status", [0, 75])
+def test_a_rank_ends_with_its_decided_outcome_whatever_signal_comes_as_python_ends(sig, status):
+    # SIGINT to every process just as a run finished gave 130 with the run complete, and SIGUSR1 to the launcher in
+    # its teardown 138: a rank kept the signals blocked in its main thread only as Python ended, and a thread of
+    # torch's took one once Python had given it its default action back
+    result = subprocess.run([sys.executable, "-c", RANK_ENDING.format(sig=sig, status=status)], cwd=REPO,
+                            env={**subprocess_env(), "VIT_MPP_LAUNCH": "1"}, capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == status and not result.stderr, result.stderr[-3000:]
+
+
+DONE = """
+import os, signal, time
+from vit_mpp.processes.stop_signals import StopSignals, start_up_resumes_from, stop_during_start_up
+
+stop_during_start_up()
+start_up_resumes_from(lambda: 6)  # the run directory holds the checkpoint of step 6
+with StopSignals(["SIGTERM", "SIGUSR1", "SIGINT"]):
+    pass  # the run, to its end
+os.kill(os.getpid(), signal.SIGUSR1)  # before its entry point has said it is done
+time.sleep(0.3)
+print("the signal was not acted on", flush=True)
+"""
+
+
+def test_a_run_done_is_status_0_to_a_signal_that_comes_before_its_process_ends():
+    # The run's own handlers gave the start-up's back as the run ended: a signal then said "preempted during
+    # start-up: the checkpoint of step 6 is kept" and exited 75, the run complete
+    result = subprocess.run([sys.executable, "-c", DONE], cwd=REPO, env={**subprocess_env(), "VIT_MPP_LAUNCH": "1"},
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and not result.stdout and not result.stderr, result.stdout + result.stderr

@@ -3,6 +3,7 @@ directory's lock, the stop signals' pipe) are closed in it, by one handler that 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 
@@ -21,19 +22,12 @@ def closed(*fds: int) -> None:
 
 
 def _close_in_child() -> None:
-    if not _parent_only:
-        return
-    try:
-        wakeup = signal.set_wakeup_fd(-1)  # the C-level handler writes each signal there: not into a closed pipe
-        if wakeup not in _parent_only | {-1}:
-            signal.set_wakeup_fd(wakeup)  # another's (asyncio's): kept
-    except ValueError:  # forked from a thread other than the main one: no wakeup descriptor to reset
-        pass
+    if _parent_only:
+        with contextlib.suppress(ValueError):  # forked from a thread other than the main one: none to reset
+            signal.set_wakeup_fd(-1)  # the C-level handler writes each signal there: never into a pipe closed here
     for fd in _parent_only:
-        try:
+        with contextlib.suppress(OSError):
             os.close(fd)
-        except OSError:
-            pass
     _parent_only.clear()
 
 

@@ -25,10 +25,8 @@ from pathlib import Path
 
 from vit_mpp.cli import UsageError
 from vit_mpp.errors import EXIT_PREEMPTED
-from vit_mpp.processes.exits import one_line_errors
-from vit_mpp.processes.rank_lifecycle import START_UP_LINES, START_UP_SIGNALS, UNDER_LAUNCH
+from vit_mpp.processes.rank_lifecycle import START_UP_LINES, STOP_SIGNALS, UNDER_LAUNCH
 
-SIGNALS = tuple(getattr(signal, name) for name in START_UP_SIGNALS)  # what a scheduler sends, what the ranks catch
 POLL_S = 0.1
 START_GRACE_S = 15.0  # after a signal, how long to wait for ranks that have not started yet, to pass it on
 EXIT_FAILED = 2  # a rank failed, or was killed: one line says which (the ranks' own lines are above it)
@@ -67,7 +65,7 @@ def _launch(args: object, attempt: Attempt) -> None:
     from accelerate.commands.launch import launch_command
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
         launch_command(args)
     except ChildFailedError as e:
@@ -92,7 +90,7 @@ class Job:
         os.environ[START_UP_LINES] = str(self.lines)
 
     def catch_signals(self) -> None:
-        for sig in SIGNALS:
+        for sig in STOP_SIGNALS:
             signal.signal(sig, self.on_signal)
 
     def run(self) -> Attempt:
@@ -119,6 +117,23 @@ class Job:
             attempt.start_up_lines[int(line.name.removeprefix("rank_"))] = line.read_text()
         return attempt
 
+    def run_all(self) -> int:
+        """The launcher's runs: one, and one per restart after a crash (`--max_restarts`), never after a preemption;
+        returns the exit status, with the line of this process's own (`outcome`) printed."""
+        restarts, self.args.max_restarts = self.args.max_restarts, 0  # this process restarts, never after a signal
+        os.environ[UNDER_LAUNCH] = "1"
+        for name in ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)  # its reports repeat the ranks' lines, as tracebacks
+        for number in range(restarts + 1):
+            status, line = outcome(self.run())
+            if self.received is not None or status in (0, EXIT_PREEMPTED) or number == restarts:
+                break
+            print(f"note: the ranks stopped with status {status}; restart {number + 1} of {restarts}, from the newest "
+                  "checkpoint", file=sys.stderr, flush=True)
+        if line:
+            print(line, file=sys.stderr, flush=True)
+        return status
+
     def clean_up(self) -> None:
         shutil.rmtree(self.lines, ignore_errors=True)
 
@@ -139,7 +154,7 @@ class Job:
                 pass
 
 
-STOPPED = {128 + s for s in SIGNALS} | {-s for s in SIGNALS}  # ended by a stop signal: on its own, or by the launcher
+STOPPED = {128 + s for s in STOP_SIGNALS} | {-s for s in STOP_SIGNALS}  # ended by a stop signal, its own or ours
 
 
 def outcome(attempt: Attempt) -> tuple[int, str | None]:
@@ -176,17 +191,26 @@ def outcome(attempt: Attempt) -> tuple[int, str | None]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The command: Accelerate's launcher, run again after a crash (`--max_restarts`); returns the exit status."""
+    """The command: Accelerate's launcher, run again after a crash (`--max_restarts`); returns the exit status, the
+    ranks' (a bad command line: one `error:` line and 2, before any rank starts)."""
     job = Job()
     job.catch_signals()  # first: a signal during the seconds of imports must not end this process unheard
     try:
-        with one_line_errors():
-            return _main(job, argv)
+        job.args = parse_args(argv)
+        status = job.run_all()
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        status = EXIT_FAILED
     finally:
         job.clean_up()
+    for sig in STOP_SIGNALS:  # decided: a later signal (a scheduler's as the job ends) changes nothing, also once
+        signal.signal(sig, signal.SIG_IGN)  # Python has given a handled signal its default action back as it ends
+    return status
 
 
-def _main(job: Job, argv: list[str] | None) -> int:
+def parse_args(argv: list[str] | None) -> object:
+    """Accelerate's launch flags, checked for what its launcher would take without a word (`--num_processes 0` ran
+    one process) or report once its ranks ran (a missing `--config_file`, a module that is not there)."""
     from accelerate.commands.launch import launch_command_parser
 
     parser = launch_command_parser()
@@ -197,21 +221,32 @@ def _main(job: Job, argv: list[str] | None) -> int:
 
     parser.error = error  # type: ignore[method-assign]
     args = parser.parse_args(argv)
-    restarts, args.max_restarts = args.max_restarts, 0  # restarts are this process's: never after a preemption
-    os.environ[UNDER_LAUNCH] = "1"
-    for name in ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher"):
-        logging.getLogger(name).setLevel(logging.CRITICAL)  # its reports repeat what the ranks said, as tracebacks
-    job.args = args
-    for number in range(restarts + 1):
-        attempt = job.run()
-        status, line = outcome(attempt)
-        if job.received is not None or status in (0, EXIT_PREEMPTED) or number == restarts:
-            break
-        print(f"note: the ranks stopped with status {status}; restart {number + 1} of {restarts}, from the newest "
-              "checkpoint", file=sys.stderr, flush=True)
-    if line:
-        print(line, file=sys.stderr, flush=True)
-    return status
+    if args.num_processes is not None and args.num_processes < 1:
+        error(f"--num_processes {args.num_processes}: a launch needs at least one process")
+    if args.config_file is not None and not os.path.isfile(args.config_file):
+        error(f"--config_file {args.config_file}: no such file")
+    if args.module and not module_found(args.training_script):
+        error(f"-m {args.training_script}: no such module here (no rank could run it)")
+    if not (args.module or args.no_python or os.path.exists(args.training_script)):  # a folder runs its __main__
+        error(f"{args.training_script}: no such script")
+    return args
+
+
+def module_found(name: str) -> bool:
+    """Whether `python -m name` finds the module from this directory, as the ranks will (an installed package too),
+    importing nothing: a package's submodules are looked for in its folders."""
+    from importlib.machinery import PathFinder
+    from importlib.util import find_spec
+
+    top, *rest = name.split(".")
+    sys.path.insert(0, os.getcwd())
+    try:
+        spec = find_spec(top) if top.isidentifier() else None
+    finally:
+        sys.path.pop(0)
+    for part in rest:
+        spec = spec and spec.submodule_search_locations and PathFinder.find_spec(part, spec.submodule_search_locations)
+    return bool(spec)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from typing import NoReturn
 from vit_mpp.processes.stderr import say
 
 LAUNCHER_POLL_S = 1.0
-START_UP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")  # train.preempt_signals' default: the config is not read yet
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)  # what a scheduler sends; train.preempt_signals' default
 UNDER_LAUNCH = "VIT_MPP_LAUNCH"  # set by vit-mpp-launch (job_launcher.py) for the ranks it starts
 START_UP_LINES = "VIT_MPP_START_UP_LINES"  # vit-mpp-launch's folder for its ranks' start-up lines (stop_signals.py)
 
@@ -177,18 +177,20 @@ def quiet_after_the_outcome(status: int) -> None:
     global _outcome
     if under_a_launch():
         _outcome = status
-        for name in START_UP_SIGNALS:
-            signal.signal(getattr(signal, name), lambda signum, frame: exit_now(status))
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, lambda signum, frame: exit_now(status))
 
 
 @atexit.register  # registered as this module is imported, first thing in a rank: it runs after every other one
 def _keep_the_outcome() -> None:
     """Python gives the signals back their default action as it finishes, after the exit handlers: a stop signal
-    then (torch elastic stopping the other ranks once one has ended) ended a rank whose outcome was decided with
-    128 + its number, and the launcher saw no rank's 75. Blocked from here, it waits unheard while the process
-    ends with its own status."""
+    then (torch elastic stopping the other ranks once one has ended, a scheduler's as the job ends) ended a rank
+    whose outcome was decided with 128 + its number, and the launcher saw no rank's 0 or 75. Ignored from here, in
+    every thread (blocked in this one alone, it went to a thread of torch's), it changes nothing as the process ends
+    with its own status."""
     if _outcome is not None:
-        signal.pthread_sigmask(signal.SIG_BLOCK, [getattr(signal, name) for name in START_UP_SIGNALS])
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
 
 
 def process_group_kwargs(timeout_s: float) -> dict:

@@ -23,9 +23,10 @@ from vit_mpp.processes.after_fork import close_in_children, closed
 from vit_mpp.processes.failures import stop_if_peer_failed, stopping
 from vit_mpp.processes.rank_lifecycle import (
     START_UP_LINES,
-    START_UP_SIGNALS,
+    STOP_SIGNALS,
     exit_now,
     process_rank,
+    quiet_after_the_outcome,
     under_a_launch,
 )
 from vit_mpp.processes.stderr import say
@@ -42,11 +43,10 @@ def stop_during_start_up() -> None:
     is known (`start_up_resumes_from`): 75 when a checkpoint exists, 128 + the signal's number when none does.
     vit-mpp-launch starts its ranks with these signals blocked, so that one sent before this call waits for it;
     they are unblocked here."""
-    signals = [getattr(signal, name) for name in START_UP_SIGNALS]
     if under_a_launch():
-        for sig in signals:
+        for sig in STOP_SIGNALS:
             signal.signal(sig, _stop_during_start_up)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
 def start_up_resumes_from(saved_step: Callable[[], int | None]) -> None:
@@ -159,12 +159,16 @@ class StopSignals:
         threading.Thread(target=self._watch, name="preemption-watch", daemon=True).start()
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
         if self._pipe is None:
             return
         signal.set_wakeup_fd(self._old_wakeup)
+        done = kind is None and under_a_launch()  # the run is done: a later signal ends the rank with 0, no line
         for sig, previous in self._previous.items():
-            signal.signal(sig, previous)
+            if not (done and sig in STOP_SIGNALS):  # kept until the line below: no start-up handler between them
+                signal.signal(sig, previous)
+        if done:
+            quiet_after_the_outcome(0)
         closed(self._pipe[1])
         os.close(self._pipe[1])  # ends the watcher
         self._pipe = None
