@@ -22,8 +22,10 @@ from typing import Any
 from experiments import label_sweep
 from experiments.compare_arms import (
     DEFAULT_ARMS,
+    EQUAL_COMPUTE,
     KINDS,
     Setup,
+    Stage,
     kind,
     parse_arms,
     parse_overrides,
@@ -38,14 +40,16 @@ from experiments.run_scheduler import (
     execute,
     finished,
     measure,
+    read_cache,
     stopped_before_the_runs,
+    write_cache,
 )
 from vit_mpp.cli import ArgumentParser
 from vit_mpp.config.engine import ConfigError
 from vit_mpp.data.manifest import check_manifest, manifest_classes, manifest_file, read_manifest
 from vit_mpp.errors import UserError
 from vit_mpp.processes.exits import run_main
-from vit_mpp.processes.run_dir_lock import lock_run_dir
+from vit_mpp.processes.run_dir_lock import check_not_locked, lock_run_dir
 from vit_mpp.progress import format_duration
 from vit_mpp.tools.args import check_out_folder, make_out_folder
 
@@ -103,9 +107,10 @@ def build_parser() -> ArgumentParser:
                    "labelled images of each class drawn per seed from --labelled (build-shards subset) or on all "
                    "of it, as many steps at each point (--finetune-steps); the pretrainings are shared by the points, "
                    "the equal-compute arms sized per point; one table per point, the curve, and labels.png")
-    p.add_argument("--finetune-steps", type=int, default=None, metavar="N",
+    p.add_argument("--finetune-steps", nargs="+", default=None, metavar="N|ARM=N",
                    help="with --labels-per-class: each fine-tuning makes about N steps at every point (its epochs "
-                   "set per point); default: as many as the fine-tuning config makes at the first point")
+                   "set per point), and ARM=N gives one arm its own (mpp-long=4800: plain fine-tuning given the steps "
+                   "of a longer recipe); default: as many as the fine-tuning config makes at the first point")
     p.add_argument("--out", required=True, type=Path, metavar="DIR",
                    help="where the run directories (DIR/seedS/ARM/STAGE), logs and tables go")
     p.add_argument("--jobs", type=int, default=1, help="runs at a time (default: %(default)s)")
@@ -119,8 +124,10 @@ def build_parser() -> ArgumentParser:
 def check_args(argv: list[str] | None) -> tuple[Setup, Any]:
     """The command line checked, shard sets included, before anything runs: (setup, parsed flags)."""
     args = build_parser().parse_args(argv)
-    if args.jobs < 1 or (args.threads is not None and args.threads < 1):
-        raise ConfigError(f"--jobs and --threads must be at least 1, got {args.jobs} and {args.threads}")
+    for flag, value in (("--jobs", args.jobs), ("--threads", args.threads)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag} {value}: give at least 1 "
+                              f"({'runs at a time' if flag == '--jobs' else 'threads per run'})")
     if len(set(args.seeds)) != len(args.seeds) or min(args.seeds) < 0:
         raise ConfigError(f"--seeds must be distinct and >= 0, got {' '.join(map(str, args.seeds))}")
     arms = parse_arms(args.arms)
@@ -150,10 +157,7 @@ def check_args(argv: list[str] | None) -> tuple[Setup, Any]:
     contents = [Path(args.pretrain_config).read_text(), Path(args.finetune_config).read_text(), *read, test_info]
     setup.fingerprint = hashlib.sha256(json.dumps(contents, sort_keys=True).encode()).hexdigest()
     setup.points = label_sweep.parse_points(args.labels_per_class, args.labelled)
-    if args.finetune_steps is not None and (args.finetune_steps < 1 or setup.points == [""]):
-        raise ConfigError(f"--finetune-steps {args.finetune_steps}: give a count >= 1, with --labels-per-class (a "
-                          "single comparison's fine-tuning length is its config's train.epochs)")
-    setup.finetune_steps = args.finetune_steps
+    setup.finetune_steps, setup.arm_steps = parse_finetune_steps(args.finetune_steps, setup)
     if "all" in setup.points and not all(setup.runs(a, "all") for a in setup.arms):
         setup.notes.append("semi-supervised arms not run at point all: their pool, --unlabelled, is the labelled set "
                            "itself there")
@@ -164,6 +168,67 @@ def check_args(argv: list[str] | None) -> tuple[Setup, Any]:
     return setup, args
 
 
+def parse_finetune_steps(values: list[str] | None, setup: Setup) -> tuple[int | None, dict[str, int]]:
+    """`--finetune-steps N ARM=N ...` -> (every fine-tuning's steps, or None; arm -> its own)."""
+    if not values:
+        return None, {}
+    if setup.points == [""]:
+        raise ConfigError(f"--finetune-steps {' '.join(values)}: it sets the fine-tuning length of a label sweep "
+                          "(--labels-per-class); a single comparison's is its config's train.epochs (--set "
+                          "finetune:train.epochs=N)")
+    every, own = None, {}
+    for value in (v for item in values for v in item.split(",") if v):
+        arm, sep, count = value.rpartition("=")
+        if not count.isdigit() or int(count) < 1:
+            raise ConfigError(f"--finetune-steps {value}: give a number of optimizer steps >= 1, alone or as ARM=N")
+        if not sep:
+            every = int(count)
+        elif arm not in setup.arms:
+            raise ConfigError(f"--finetune-steps {value}: {arm} is not an arm of --arms ({', '.join(setup.arms)})")
+        elif (kind(arm), "finetune") in EQUAL_COMPUTE:
+            raise ConfigError(f"--finetune-steps {value}: compare gives {arm} its length itself (equal compute)")
+        else:
+            own[arm] = int(count)
+    return every, own
+
+
+def run_plan(setup: Setup, args: Any, stages: list[Stage]) -> dict[str, int]:
+    """Check every run (the first seed's subsets drawn into a temporary folder, each stage's own --dry-run, the run
+    directories), and only then write under --out: take it (one compare at a time; the runs lock their own too),
+    draw the subsets, keep the dry runs' lengths, and run what is not finished; with --dry-run print the runs
+    instead. Returns the equal-compute epochs."""
+    started, sweep, cache = time.monotonic(), setup.points != [""], setup.out / DRY_RUNS
+    if not args.dry_run:
+        check_not_locked(setup.out, "--out")  # a second compare on DIR: its line now, not after a minute of checks
+    with stopped_before_the_runs():
+        moved, draft = label_sweep.draft_subsets(setup.labelled, setup.points, setup.seeds[0], setup.out) if sweep \
+            else ({}, None)
+        try:
+            points = f" x {len(setup.points)} points" if sweep else ""
+            print(f"checking {len(stages)} runs ({len(setup.arms)} arms x {len(setup.seeds)} seeds{points}) with the "
+                  "stages' own --dry-run ...", flush=True)
+            known = read_cache(cache)
+            epochs = set_lengths(setup, stages, measure(stages, args.jobs, setup.fingerprint, known, moved))
+            check_run_dirs(stages)
+        finally:
+            if draft is not None:
+                draft.cleanup()
+        print(f"checked in {format_duration(time.monotonic() - started)}"
+              + "".join(f"; {arm}: {e} epochs (equal compute)" for arm, e in epochs.items()), flush=True)
+        if args.dry_run:
+            for s in stages:
+                print(f"{s.name}: {s.steps} steps x {s.batch}{' (finished)' if finished(s) else ''}\n  "
+                      f"{shlex.join(s.command)}")
+            return epochs
+        lock_run_dir(make_out_folder(setup.out), "--out")  # a table of what is there so far may be made meanwhile
+        write_cache(cache, known)
+        if sweep:
+            label_sweep.make_subsets(setup.labelled, setup.points, setup.seeds, setup.out)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    execute(stages, setup.out, args.jobs, args.threads or max(1, cores // args.jobs))
+    return epochs
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Check, plan, run what is not finished, and print and write the table; returns the report."""
     setup, args = check_args(argv)
@@ -172,34 +237,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     stages, of_arm = plan_runs(setup)
     epochs: dict[str, int] = {}
     sweep = setup.points != [""]
-    if not (args.dry_run or args.report_only):  # one compare at a time runs in DIR (the runs lock their own too);
-        lock_run_dir(make_out_folder(setup.out), "--out")  # a table of what is there so far may be made meanwhile
     if not args.report_only:
-        started = time.monotonic()
-        moved, keep = {}, None
-        with stopped_before_the_runs():
-            if sweep and args.dry_run:  # the first seed's subsets, for the stages' dry runs; nothing under --out
-                moved, keep = label_sweep.draft_subsets(setup.labelled, setup.points, setup.seeds[0], setup.out)
-            elif sweep:
-                label_sweep.make_subsets(setup.labelled, setup.points, setup.seeds, setup.out)
-            points = f" x {len(setup.points)} points" if sweep else ""
-            print(f"checking {len(stages)} runs ({len(setup.arms)} arms x {len(setup.seeds)} seeds{points}) with the "
-                  "stages' own --dry-run ...", flush=True)
-            lengths = measure(stages, args.jobs, setup.fingerprint, None if args.dry_run else setup.out / DRY_RUNS,
-                              moved)
-            epochs = set_lengths(setup, stages, lengths)
-            check_run_dirs(stages)
-        print(f"checked in {format_duration(time.monotonic() - started)}"
-              + "".join(f"; {arm}: {e} epochs (equal compute)" for arm, e in epochs.items()), flush=True)
+        epochs = run_plan(setup, args, stages)
         if args.dry_run:
-            for s in stages:
-                print(f"{s.name}: {s.steps} steps x {s.batch}{' (finished)' if finished(s) else ''}\n  "
-                      f"{shlex.join(s.command)}")
-            if keep is not None:
-                keep.cleanup()
             return {}
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        execute(stages, setup.out, args.jobs, args.threads or max(1, cores // args.jobs))
     report = sweep_report(setup, of_arm, epochs) if sweep else make_report(setup, of_arm, epochs)
     if not any(has_result(r) for r in (report["points"].values() if sweep else [report])):
         raise ConfigError(f"no run in {setup.out} has a test result yet: run the same command without --report-only")

@@ -9,16 +9,18 @@ import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from experiments import label_sweep
 from vit_mpp.config.engine import ConfigError
 
-KINDS = ("scratch", "mpp", "scratch_equal", "supervised", "probe", "semi", "semi_scratch")
+KINDS = ("scratch", "mpp", "scratch_equal", "supervised", "probe", "semi", "semi_scratch", "semi2")
 STAGES = {"scratch": ("finetune",), "mpp": ("pretrain", "finetune"), "scratch_equal": ("finetune",),
           "supervised": ("pretrain", "finetune"), "probe": ("finetune",), "semi": ("finetune",),
-          "semi_scratch": ("finetune",)}
+          "semi_scratch": ("finetune",), "semi2": ("finetune",)}
 DEFAULT_ARMS = KINDS[:5]
-READS_REFERENCE = ("probe", "semi")  # fine-tune the reference MPP arm's export
+READS_REFERENCE = ("probe", "semi", "semi2")  # fine-tune the reference MPP arm's export (semi2: its fine-tuning's)
+POOL_KINDS = ("semi", "semi2")  # MPP with the pool at fine-tuning: semi from the pretraining, semi2 after fine-tuning
 EQUAL_COMPUTE = (("scratch_equal", "finetune"), ("supervised", "pretrain"), ("semi_scratch", "finetune"))
 ARM_NAME = re.compile(r"^(" + "|".join(KINDS) + r")(-[A-Za-z0-9_]+)?$")
 KEY_VALUE = re.compile(r"^[A-Za-z_]\w*(\.\w+)*=")
@@ -47,11 +49,16 @@ class Setup:
     fingerprint: str = ""  # of the configs' and manifests' contents: a dry run's lengths are kept under it
     points: list[str] = field(default_factory=lambda: [""])  # the label sweep's points (k2, k20, all); "": none
     finetune_steps: int | None = None  # a sweep's fine-tuning steps at every point (None: the first point's)
+    arm_steps: dict[str, int] = field(default_factory=dict)  # an arm's own fine-tuning steps in a sweep
+
+    def steps_of(self, arm: str) -> int | None:
+        """The fine-tuning steps of `arm` at every point of a sweep (None: as many as at the first point)."""
+        return self.arm_steps.get(arm, self.finetune_steps)
 
     def runs(self, arm: str, point: str) -> bool:
         """Whether `arm` runs at `point`: not a semi-supervised arm at point all when its pool is the labelled set."""
         same = Path(self.unlabelled).resolve() == Path(self.labelled).resolve()
-        return not (point == "all" and same and kind(arm) in ("semi", "semi_scratch"))
+        return not (point == "all" and same and kind(arm) in (*POOL_KINDS, "semi_scratch"))
 
     def labelled_of(self, seed: int, point: str) -> str:
         """The labelled set a fine-tuning of `seed` at `point` trains on: --labelled itself, or a subset of it."""
@@ -63,6 +70,13 @@ class Setup:
     def reference(self) -> str:
         """The MPP arm the equal-compute, supervised and probe arms are measured against: the first one."""
         return next(a for a in self.arms if kind(a) == "mpp")
+
+    def pool_twin(self, arm: str) -> str | None:
+        """The arm with the pool whose compute a semi_scratch arm is given: the semi or semi2 arm of the same suffix
+        (semi_scratch-strong: semi-strong), else the first one; None without any."""
+        pools = [a for a in self.arms if kind(a) in POOL_KINDS]
+        suffix = arm.partition("-")[2]
+        return next((a for a in pools if a.partition("-")[2] == suffix), pools[0] if pools else None)
 
 
 @dataclass(eq=False)  # a stage is itself: compared by identity
@@ -176,60 +190,73 @@ def finetune_stage(point: str) -> str:
     return f"finetune_{point}" if point else "finetune"
 
 
-def arm_stages(setup: Setup, arm: str, seed: int, pretrained: dict[str, Stage], point: str = "") -> list[Stage]:
-    """The stages of one arm for one seed at one point of the label sweep; a pretraining is made at the first point
-    and shared by the others (`pretrained`: this seed's pretraining stage of each arm that has one). Returns the
-    stages new to the plan."""
+def arm_stages(setup: Setup, arm: str, seed: int, made: dict[Any, Stage], point: str = "") -> list[Stage]:
+    """The stages of one arm for one seed at one point of the label sweep. `made` holds this seed's stages so far:
+    (arm, "pretrain") and (arm, point) -> the arm's pretraining and fine-tuning, and each MPP pretraining's command
+    (without its run directory) -> its stage. A pretraining is made at the first point and shared by the others, and
+    an MPP pretraining whose command another arm's already runs is that one (a variant that changes only fine-tuning
+    settings reads the reference's pretraining). Only those are shared: the length of a fine-tuning or of an
+    equal-compute run is not in its command until `set_lengths`. Returns the stages new to the plan."""
     base = setup.out / f"seed{seed}" / arm
     k, name = kind(arm), f"seed{seed}/{arm}"
     scored = [f"data.shards={setup.labelled_of(seed, point)}", f"train.seed={seed}",
               f"data.val_shards={setup.test}", f"data.val_split={setup.test_split}"]
     where = finetune_stage(point)
+    new: list[Stage] = []
 
-    def finetune(init: Stage | None, extra: tuple[str, ...] = ()) -> Stage:
+    def finetune(init: Stage | None, extra: tuple[str, ...] = ()) -> None:
         checkpoint = f"init.checkpoint={init.run_dir / 'export'}" if init else "init.checkpoint="
-        return Stage(f"{name}/{where}", "finetune", setup.configs["finetune"], base / where,
-                     [f"train.run_dir={base / where}", *stage_overrides(setup, arm, "finetune",
-                                                                        [*scored, checkpoint, *extra])], init,
-                     point=point)
+        made[arm, point] = Stage(f"{name}/{where}", "finetune", setup.configs["finetune"], base / where,
+                                 [f"train.run_dir={base / where}", *stage_overrides(
+                                     setup, arm, "finetune", [*scored, checkpoint, *extra])], init, point=point)
+        new.append(made[arm, point])
 
-    if k in ("mpp", "supervised"):
-        pre, new = pretrained.get(arm), []
-        if pre is None and k == "mpp":
+    if k in ("mpp", "supervised") and (arm, "pretrain") not in made:
+        if k == "mpp":
+            own = [f"data.shards={setup.unlabelled}", f"train.seed={seed}"]
             pre = Stage(f"{name}/pretrain", "pretrain", setup.configs["pretrain"], base / "pretrain",
-                        [f"train.run_dir={base / 'pretrain'}", *stage_overrides(
-                            setup, arm, "pretrain", [f"data.shards={setup.unlabelled}", f"train.seed={seed}"])])
-            new = [pre]
-        elif pre is None:
+                        [f"train.run_dir={base / 'pretrain'}", *stage_overrides(setup, arm, "pretrain", own)])
+            command = ("pretrain", *pre.overrides[1:])  # its run directory, first, left out
+            pre = made.setdefault(command, pre)
+        else:
             own = [f"data.shards={setup.unlabelled}", f"train.seed={seed}", "data.val_shards=",
                    f"data.val_split={'val' if setup.pool_val else ''}", "init.checkpoint="]
             pre = Stage(f"{name}/pretrain", "finetune", setup.configs["finetune"], base / "pretrain",
                         [f"train.run_dir={base / 'pretrain'}", *stage_overrides(setup, arm, "pretrain", own)])
-            new = [pre]
-        pretrained[arm] = pre
-        return [*new, finetune(pre)]
-    if k == "probe":
-        return [finetune(pretrained[setup.reference], ("train.mode=linear_probe",))]
+        if pre.arm == arm:  # not another arm's, shared
+            new.append(pre)
+        made[arm, "pretrain"] = pre
     pool = (f"semi.pool={setup.unlabelled}",)  # semi-supervised: the unlabelled set is the pool
-    if k == "semi":
-        return [finetune(pretrained[setup.reference], pool)]
-    return [finetune(None, pool if k == "semi_scratch" else ())]
+    if k in ("mpp", "supervised"):
+        finetune(made[arm, "pretrain"])
+    elif k == "probe":
+        finetune(made[setup.reference, "pretrain"], ("train.mode=linear_probe",))
+    elif k == "semi":
+        finetune(made[setup.reference, "pretrain"], pool)
+    elif k == "semi2":  # Semi-ViT's two stages: the reference's fine-tuning, then the pool from its export, head kept
+        finetune(made[setup.reference, point], (*pool, "init.keep_head=true"))
+    else:
+        finetune(None, pool if k == "semi_scratch" else ())
+    return new
 
 
 def plan_runs(setup: Setup) -> tuple[list[Stage], dict[tuple[int, str, str], list[Stage]]]:
-    """Every stage of every seed and point (lengths not yet known), and (seed, arm, point) -> the stages its result
-    depends on."""
+    """Every stage of every seed and point (lengths not yet known), each command once, and (seed, arm, point) -> the
+    stages its result depends on."""
     stages, of_arm = [], {}
     for seed in setup.seeds:
-        pretrained: dict[str, Stage] = {}
+        made: dict[Any, Stage] = {}
         for point in setup.points:
-            for arm in sorted(setup.arms, key=lambda a: kind(a) != "mpp"):  # mpp arms first: probe starts from one
+            for arm in sorted(setup.arms, key=lambda a: kind(a) != "mpp"):  # mpp arms first: the others read one
                 if not setup.runs(arm, point):
                     continue
-                new = arm_stages(setup, arm, seed, pretrained, point)
-                stages += new
-                before = pretrained[setup.reference] if kind(arm) in READS_REFERENCE else pretrained.get(arm)
-                of_arm[seed, arm, point] = ([before] if before is not None else []) + [new[-1]]
+                stages += arm_stages(setup, arm, seed, made, point)
+                reads = {"semi2": [made[setup.reference, "pretrain"], made[setup.reference, point]]}.get(kind(arm))
+                if reads is None:
+                    before = made[setup.reference, "pretrain"] if kind(arm) in READS_REFERENCE else made.get(
+                        (arm, "pretrain"))
+                    reads = [before] if before is not None else []
+                of_arm[seed, arm, point] = [*reads, made[arm, point]]
     return stages, of_arm
 
 
@@ -242,38 +269,51 @@ def equal_epochs(images: int, steps_per_epoch: int, batch: int) -> int:
     return max(1, int(images / (steps_per_epoch * batch) + 0.5))
 
 
+def point_lengths(setup: Setup, point: str, here: list[Stage], lengths: dict[str, Lengths]) -> dict[str, Lengths]:
+    """The lengths of the stages `here` at one point of a sweep, each fine-tuning with its arm's steps (its own,
+    --finetune-steps, or as many as at the first point) in whole epochs of the point's labelled set."""
+    got = {}
+    for s in here:
+        length = lengths[s.key]
+        if s.key.endswith(f"/finetune_{point}"):
+            steps, first = setup.steps_of(s.arm), s.key.replace(f"_{point}", f"_{setup.points[0]}")
+            if steps is None and point != setup.points[0] and first in lengths:
+                steps = lengths[first].steps
+            if steps is not None:
+                length = label_sweep.same_steps(steps, length)
+        got[s.key] = length
+    return got
+
+
 def set_lengths(setup: Setup, stages: list[Stage], lengths: dict[str, Lengths]) -> dict[str, int]:
     """Give each stage its steps and batch, and the equal-compute arms their epochs: scratch_equal sees as many
     images as the reference MPP arm's pretraining and fine-tuning together, the supervised pretraining as many as
-    the MPP pretraining, semi_scratch as many as the MPP pretraining and the first semi arm's fine-tuning (its own
-    fine-tuning as configured without one). In a label sweep every fine-tuning makes --finetune-steps at each point,
-    or as many as it makes at the first (`label_sweep.same_steps`), and the equal-compute arms are sized per point.
+    the MPP pretraining, semi_scratch as many as its pool twin's stages (`Setup.pool_twin`: the MPP pretraining, the
+    twin's fine-tuning, and for semi2 the reference's fine-tuning too; its own fine-tuning as configured without
+    one). In a label sweep every fine-tuning makes its arm's --finetune-steps at each point, or as many as it makes
+    at the first (`label_sweep.same_steps`), and the equal-compute arms are sized per point.
     Returns arm -> epochs set ('arm@point' in a sweep)."""
     ref = setup.reference
     pre = lengths[f"{ref}/pretrain"]
-    semi = [a for a in setup.arms if kind(a) == "semi"]
     epochs = {}
     for point in setup.points:
         here = [s for s in stages if s.point == point or (point == setup.points[0] and s.stage == "pretrain")]
-        got = {s.key: lengths[s.key] for s in here}
-        if point != setup.points[0] and not setup.finetune_steps:  # the other points: the first point's steps
-            first = {key: key.replace(f"_{point}", f"_{setup.points[0]}") for key in got}
-            got = {key: label_sweep.same_steps(lengths[first[key]].steps, length)
-                   if key.endswith(f"/finetune_{point}") and first[key] in lengths else length
-                   for key, length in got.items()}
-        if setup.finetune_steps:
-            got = {key: label_sweep.same_steps(setup.finetune_steps, length) if key.endswith(f"/finetune_{point}")
-                   else length for key, length in got.items()}
-        ft = got[f"{ref}/{finetune_stage(point)}"]
-        targets = {"scratch_equal": pre.batch * pre.steps + ft.batch * ft.steps, "supervised": pre.batch * pre.steps}
-        if semi and f"{semi[0]}/{finetune_stage(point)}" in got:
-            semi_ft = got[f"{semi[0]}/{finetune_stage(point)}"]
-            targets["semi_scratch"] = pre.batch * pre.steps + semi_ft.batch * semi_ft.steps
+        got = point_lengths(setup, point, here, lengths)
+
+        def images(arm: str, got: dict[str, Lengths] = got, point: str = point) -> int:
+            """Training images of `arm`'s fine-tuning at this point (0 when it has none here)."""
+            length = got.get(f"{arm}/{finetune_stage(point)}")
+            return length.batch * length.steps if length else 0
+
+        targets = {"scratch_equal": pre.batch * pre.steps + images(ref), "supervised": pre.batch * pre.steps}
         for s in here:
             length = got[s.key]
             if (kind(s.arm), s.stage) in EQUAL_COMPUTE:
                 per_epoch = length.steps // length.epochs
                 target = targets.get(kind(s.arm), pre.batch * pre.steps + length.batch * length.steps)
+                twin = setup.pool_twin(s.arm) if kind(s.arm) == "semi_scratch" else None
+                if twin is not None and images(twin):  # the pool's arm it is the baseline of, its stages together
+                    target = pre.batch * pre.steps + images(twin) + (images(ref) if kind(twin) == "semi2" else 0)
                 e = equal_epochs(target, per_epoch, length.batch)
                 epochs[f"{s.arm}@{point}" if point and s.stage == "finetune" else s.arm] = e
                 s.overrides.append(f"train.epochs={e}")

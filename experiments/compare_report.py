@@ -14,7 +14,7 @@ from typing import Any
 import yaml
 
 from experiments import label_sweep, monitor_ranks
-from experiments.compare_arms import Setup, Stage, kind
+from experiments.compare_arms import POOL_KINDS, Setup, Stage, kind
 from vit_mpp.run.metering.metrics_log import read_metrics
 from vit_mpp.run.metering.summary import wall_time_s
 from vit_mpp.tools.args import make_out_folder, open_out_file
@@ -42,16 +42,20 @@ def mean_std(values: list[float]) -> tuple[float | None, float | None]:
 
 
 def differences(arms: list[str]) -> list[tuple[str, str]]:
-    """(a, b) pairs shown as a - b: the reference MPP arm against every other arm that is not MPP, and every other MPP
-    arm against the reference and every baseline (scratch, equal compute, supervised; not the probes, which read
-    the reference's pretraining)."""
+    """(a, b) pairs shown as a - b: the reference MPP arm against every other arm that is neither MPP nor MPP with the
+    pool; every other MPP arm against the reference and every baseline (scratch, equal compute, supervised; not the
+    probes, which read the reference's pretraining); and every arm with the pool (semi, semi2) against every MPP arm
+    (its gain over plain fine-tuning), the pool's arms before it (a lever against the recipe it changes), and the
+    baselines given the pool or more (semi_scratch, supervised, scratch_equal)."""
     mpp = [a for a in arms if kind(a) == "mpp"]
     ref = mpp[0]
-    baselines = [b for b in arms if kind(b) not in ("mpp", "probe", "semi")]
-    pairs = [(ref, b) for b in arms if kind(b) != "mpp"]
+    pools = [a for a in arms if kind(a) in POOL_KINDS]
+    baselines = [b for b in arms if kind(b) not in ("mpp", "probe", *POOL_KINDS)]
+    pairs = [(ref, b) for b in arms if kind(b) not in ("mpp", *POOL_KINDS)]
     for variant in mpp[1:]:
         pairs += [(variant, ref)] + [(variant, b) for b in baselines]
-    for semi in [a for a in arms if kind(a) == "semi"]:  # MPP with the pool against the baselines given it or more
+    for i, semi in enumerate(pools):
+        pairs += [(semi, m) for m in mpp] + [(semi, p) for p in pools[:i]]
         pairs += [(semi, b) for b in arms if kind(b) in ("semi_scratch", "supervised", "scratch_equal")]
     return pairs
 
@@ -102,6 +106,8 @@ def markdown(report: dict[str, Any]) -> str:
     if report["epochs"]:
         lines.append("Equal-compute epochs: " + ", ".join(f"{a} {e}" for a, e in report["epochs"].items()) + ".")
     lines += [f"Note: {n}" for n in report["notes"]]
+    if "pool" in report:
+        lines += pool_markdown(report["pool"], seeds)
     if "monitors" in report:
         lines += ["", monitor_ranks.monitor_markdown(report["monitors"]).rstrip("\n")]
     return "\n".join(lines) + "\n"
@@ -146,9 +152,51 @@ def make_report(setup: Setup, of_arm: dict[tuple[int, str, str], list[Stage]], e
     mpp = [(arm, seed, of_arm[seed, arm, point][0].run_dir, top1[arm][seed]) for arm in setup.arms
            if kind(arm) == "mpp" for seed in setup.seeds if (seed, arm, point) in of_arm]
     monitors = monitor_ranks.monitor_table(mpp)
+    pool = pool_table(setup, of_arm, point)
     return {"test": setup.test, "test_split": setup.test_split, "test_samples": setup.test_samples,
             "seeds": setup.seeds, "table": table(top1, setup.arms, setup.seeds), "cost": cost, "epochs": here,
-            "notes": notes, "runs": runs, **({"monitors": monitors} if monitors["spearman"] else {})}
+            "notes": notes, "runs": runs, **({"pool": pool} if pool else {}),
+            **({"monitors": monitors} if monitors["spearman"] else {})}
+
+
+def pool_at_end(run_dir: Path) -> dict[str, float] | None:
+    """What the pool did in a run with one, at its last log: the share of pool images kept (`pseudo_kept`) and, for
+    a pool with labels (a proxy experiment's), how many of those pseudo-labels were right (`pseudo_acc`); None for a
+    run without a pool."""
+    last = next((r for r in reversed(read_metrics(run_dir)) if "pseudo_kept" in r), None)
+    if last is None:
+        return None
+    return {k: float(last[k]) for k in ("pseudo_kept", "pseudo_acc") if isinstance(last.get(k), (int, float))}
+
+
+def pool_table(setup: Setup, of_arm: dict[tuple[int, str, str], list[Stage]], point: str) -> dict[str, Any]:
+    """Per arm with a pool: its last `pseudo_kept` and `pseudo_acc` per seed, and their means: why a pool paid or
+    did not."""
+    rows = {}
+    for arm in setup.arms:
+        seen = {seed: pool_at_end(of_arm[seed, arm, point][-1].run_dir) for seed in setup.seeds
+                if (seed, arm, point) in of_arm}
+        seen = {seed: v for seed, v in seen.items() if v is not None}
+        if seen:
+            rows[arm] = {"per_seed": seen, **{k: mean_std([v[k] for v in seen.values() if k in v])[0]
+                                              for k in ("pseudo_kept", "pseudo_acc")}}
+    return rows
+
+
+def pool_markdown(pool: dict[str, Any], seeds: list[int]) -> list[str]:
+    """The pool table's lines: per arm, kept and right at the last log, mean and per seed."""
+    def cell(v: dict[str, float] | None) -> str:
+        if v is None:
+            return "–"
+        return f"{v['pseudo_kept']:.2f}" + (f" / {v['pseudo_acc']:.2f}" if "pseudo_acc" in v else "")
+
+    lines = ["", "The pool at the last log: share of pool images kept / share of those pseudo-labels right (a "
+             "labelled pool only)", "", f"| arm | mean | {' | '.join(f'seed {s}' for s in seeds)} |",
+             "|" + " --- |" * (len(seeds) + 2)]
+    for arm, row in pool.items():
+        mean = {k: row[k] for k in ("pseudo_kept", "pseudo_acc") if row.get(k) is not None}
+        lines.append(f"| {arm} | {cell(mean)} | {' | '.join(cell(row['per_seed'].get(s)) for s in seeds)} |")
+    return lines
 
 
 def has_result(report: dict[str, Any]) -> bool:

@@ -14,6 +14,7 @@ from typing import Any
 from experiments.digits import run_build_shards
 from vit_mpp.config.engine import ConfigError
 from vit_mpp.data.manifest import MANIFEST_NAME, manifest_classes, read_manifest
+from vit_mpp.errors import UserError
 
 SUBSETS = "labelled"  # in --out: the subsets, labelled/k<K>_s<seed>
 
@@ -66,9 +67,13 @@ def make_subsets(labelled: str, points: list[str], seeds: list[int], root: Path)
 
 def draw_subset(labelled: str, folder: Path, count: int, seed: int) -> None:
     """`build-shards subset` into `folder` (the product's command, in a child process); its error is this
-    command's one line."""
-    run_build_shards(["subset", labelled, str(folder), "--per-class", str(count), "--seed", str(seed),
-                      "--overwrite"], f"build-shards subset {labelled}")
+    command's one line, in compare's words: the count is compare's --labels-per-class."""
+    try:
+        run_build_shards(["subset", labelled, str(folder), "--per-class", str(count), "--seed", str(seed),
+                          "--overwrite"], f"build-shards subset {labelled}")
+    except UserError as e:
+        raise ConfigError(f"--labels-per-class {count}: " + str(e).replace("--per-class", "--labels-per-class")
+                          .replace(f"--labels-per-class {count}: ", "")) from None
 
 
 def draft_subsets(labelled: str, points: list[str], seed: int, out: Path) -> tuple[dict[str, str], Any]:

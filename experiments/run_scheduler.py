@@ -28,6 +28,7 @@ import yaml
 
 from experiments.compare_arms import Lengths, Stage
 from vit_mpp.config.engine import ConfigError
+from vit_mpp.config.sections import ARCH_KEYS
 from vit_mpp.durable import write_atomic
 from vit_mpp.errors import EXIT_PREEMPTED, Stopped, UserError
 from vit_mpp.models.export_folder import is_export
@@ -138,14 +139,15 @@ def dry_run(cmd: list[str]) -> subprocess.CompletedProcess:
     return children.capture([*cmd, "--dry-run"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
-def parse_dry_run(text: str) -> Lengths:
-    """Batch, steps and epochs from a dry run's output (its resolved config, then `would ... N steps`)."""
+def parse_dry_run(text: str) -> tuple[Lengths, dict[str, Any]]:
+    """(batch, steps and epochs; the model section) from a dry run's output (its resolved config, then `would ... N
+    steps`)."""
     lines = text.splitlines()
     start = lines.index(DRY_RUN_HEAD) + 1
     end = next(i for i in range(start, len(lines)) if not re.match(r"^(\s|- |[\w]+:( |$))", lines[i]))
     cfg = yaml.safe_load("\n".join(lines[start:end]))
     steps = next(int(m.group(1)) for line in reversed(lines) if (m := re.match(r"^would start .*, (\d+) steps$", line)))
-    return Lengths(int(cfg["train"]["batch_size"]), steps, cfg["train"].get("epochs"))
+    return Lengths(int(cfg["train"]["batch_size"]), steps, cfg["train"].get("epochs")), dict(cfg.get("model") or {})
 
 
 def error_of(text: str) -> str:
@@ -165,38 +167,58 @@ def read_cache(cache: Path | None) -> dict[str, Any]:
     return known if isinstance(known, dict) else {}
 
 
-def measure(stages: list[Stage], jobs: int, fingerprint: str, cache: Path | None,
+def measure(stages: list[Stage], jobs: int, fingerprint: str, known: dict[str, Any],
             shards: dict[str, str] | None = None) -> dict[str, Lengths]:
-    """Dry-run each distinct stage command of the first seed (from scratch for fine-tunings: the export it starts
-    from does not exist yet); a failing one is this command's one error line. A command already dry-run on the same
-    configs and manifests (`fingerprint`) is not run again: its lengths are kept in `cache` (None: not kept).
-    `shards` reads a data.shards elsewhere (a --dry-run's labelled subsets, drawn into a temporary folder).
-    Returns 'ARM/STAGE' -> lengths."""
+    """Dry-run each distinct stage command of the first seed; a failing one is this command's one error line. A
+    fine-tuning that starts from another stage's export is dry-run from scratch with the architecture that export
+    will have (its stage's resolved `model.*` keys), since the export does not exist yet. A command already dry-run
+    on the same configs and manifests (`fingerprint`) is not run again: `known`, the cache (dry_runs.json), holds its
+    lengths, and gets the new ones. `shards` reads a data.shards elsewhere (the first seed's labelled subsets, drawn
+    into a temporary folder). Returns 'ARM/STAGE' -> lengths."""
     first, nowhere = stages[0].name.split("/")[0], stages[0].run_dir.parents[2] / ".dry-run"  # never written
     moved = {f"data.shards={a}": f"data.shards={b}" for a, b in (shards or {}).items()}
-    checks: dict[tuple[str, ...], list[Stage]] = {}
-    for s in stages:
-        if s.name.startswith(first + "/"):
-            cmd = ["init.checkpoint=" if c.startswith("init.checkpoint=") else f"train.run_dir={nowhere}"
-                   if c.startswith("train.run_dir=") else moved.get(c, c) for c in s.command[1:]]  # no interpreter
-            checks.setdefault(tuple(cmd), []).append(s)
-    known = read_cache(cache)
-    keys = {cmd: hashlib.sha256(json.dumps([cmd, fingerprint]).encode()).hexdigest() for cmd in checks}
+    resolved: dict[int, list[Any]] = {}  # id(stage) -> [batch, steps, epochs, model]
+    todo = [s for s in stages if s.name.startswith(first + "/")]
     pool = ThreadPoolExecutor(jobs)
     try:
-        results = {cmd: pool.submit(dry_run, [sys.executable, *cmd]) for cmd in checks if keys[cmd] not in known}
-        for cmd, future in results.items():
-            result = future.result()
-            if result.returncode != 0:
-                which = checks[cmd][0].name.split("/", 1)[1]
-                raise ConfigError(f"{which}: {error_of(result.stderr + result.stdout)}")
-            known[keys[cmd]] = list(dataclasses.astuple(parse_dry_run(result.stdout)))
+        while todo:  # in waves: a stage once the stage whose export it starts from is resolved
+            ready = [s for s in todo if s.needs is None or id(s.needs) in resolved]
+            checks: dict[tuple[str, ...], list[Stage]] = {}
+            for s in ready:
+                checks.setdefault(dry_run_command(s, nowhere, moved, resolved), []).append(s)
+            keys = {cmd: hashlib.sha256(json.dumps([cmd, fingerprint, 2]).encode()).hexdigest() for cmd in checks}
+            results = {cmd: pool.submit(dry_run, [sys.executable, *cmd]) for cmd in checks if keys[cmd] not in known}
+            for cmd, future in results.items():
+                result = future.result()
+                if result.returncode != 0:
+                    which = checks[cmd][0].name.split("/", 1)[1]
+                    raise ConfigError(f"{which}: {error_of(result.stderr + result.stdout)}")
+                lengths, model = parse_dry_run(result.stdout)
+                known[keys[cmd]] = [*dataclasses.astuple(lengths), model]
+            resolved.update({id(s): known[keys[cmd]] for cmd, group in checks.items() for s in group})
+            todo = [s for s in todo if id(s) not in resolved]
     finally:  # on an error or Ctrl-C the dry runs not started yet are not waited for
         pool.shutdown(wait=False, cancel_futures=True)
-    if results and cache is not None:
-        make_out_folder(cache.parent)
-        write_atomic(cache, json.dumps(known, indent=1) + "\n")  # a compare killed here leaves the old one whole
-    return {s.key: Lengths(*known[keys[cmd]]) for cmd, group in checks.items() for s in group}
+    return {s.key: Lengths(*resolved[id(s)][:3]) for s in stages if id(s) in resolved}
+
+
+def dry_run_command(stage: Stage, nowhere: Path, moved: dict[str, str], resolved: dict[int, list[Any]],
+                    ) -> tuple[str, ...]:
+    """The stage's command for its dry run (without the interpreter): its run directory nowhere, its data where
+    `moved` says, from scratch, and for a stage that starts from another's export that stage's architecture."""
+    cmd = [f"train.run_dir={nowhere}" if c.startswith("train.run_dir=") else "init.checkpoint="
+           if c.startswith("init.checkpoint=") else moved.get(c, c)
+           for c in stage.command[1:] if not c.startswith("init.keep_head=")]  # the export it starts from is to come
+    if stage.needs is not None:
+        model = resolved[id(stage.needs)][3]
+        cmd += [f"model.{k}={model[k]}" for k in ARCH_KEYS if model.get(k) is not None]
+    return tuple(cmd)
+
+
+def write_cache(cache: Path, known: dict[str, Any]) -> None:
+    """The dry runs' lengths kept in `cache`, atomically: a compare killed here leaves the old one whole."""
+    make_out_folder(cache.parent)
+    write_atomic(cache, json.dumps(known, indent=1) + "\n")
 
 
 # ------------------------------------------------------------------------------------------------------- the runs

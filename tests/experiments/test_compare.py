@@ -61,7 +61,9 @@ class FakeStages:
     def launch(self, stage, log, threads):
         self.launched.append(stage.name)
         run_dir = stage.run_dir
-        records = [{"step": s, "loss": 1.0, "elapsed_s": 6.0 * s} for s in range(1, stage.steps + 1)]
+        pool = {"pseudo_kept": 0.5, "pseudo_acc": 0.75} if any(o.startswith("semi.pool=") for o in stage.overrides) \
+            else {}
+        records = [{"step": s, "loss": 1.0, "elapsed_s": 6.0 * s, **pool} for s in range(1, stage.steps + 1)]
         records.append({"step": stage.steps, "val_top1": self.top1(stage), "elapsed_s": 6.0 * stage.steps})
         (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
         (run_dir / "config.yaml").write_text(f"train:\n  batch_size: {stage.batch}\n")
@@ -163,8 +165,8 @@ def test_the_semi_arms_fine_tune_with_the_unlabelled_set_as_their_pool(tmp_path,
     assert "init.checkpoint=" in scratch and f"semi.pool={shards['pool']}" in scratch
     assert scratch[-1] == "train.epochs=18"
     assert compare_report.differences(["mpp", "semi", "semi_scratch", "supervised"]) == [
-        ("mpp", "semi"), ("mpp", "semi_scratch"), ("mpp", "supervised"), ("semi", "semi_scratch"),
-        ("semi", "supervised")]
+        ("mpp", "semi_scratch"), ("mpp", "supervised"), ("semi", "mpp"), ("semi", "semi_scratch"),
+        ("semi", "supervised")]  # the pool's arm shows its gain over plain fine-tuning (semi - mpp)
     code, _, err = in_process(compare.main, argv(shards, tmp_path / "o2", "--arms", "mpp,semi", "--set",
                                                  "semi.finetune:semi.pool=elsewhere"), capsys)
     assert code == 2 and "compare sets semi.pool itself" in err
@@ -179,7 +181,10 @@ def test_a_finished_run_is_reused_and_a_half_finished_one_resumed(tmp_path, monk
     first = compare.main(args)
     assert sorted(fake.launched) == ["seed0/mpp/finetune", "seed0/mpp/pretrain", "seed0/scratch/finetune"]
     assert fake.launched.index("seed0/mpp/pretrain") < fake.launched.index("seed0/mpp/finetune")
-    assert len(fake.dry_runs) == 2  # mpp's and scratch's fine-tunings are one command before init.checkpoint
+    # the pretraining, mpp's fine-tuning (with the pretraining's architecture: its export is to come) and scratch's
+    assert len(fake.dry_runs) == 3
+    given = [run for run in fake.dry_runs if "model.patch_size=4" in run]
+    assert len(given) == 1 and "finetune" in given[0] and "init.checkpoint=" in given[0]
     out = capsys.readouterr().out
     assert "[1/3] " in out and "3/3 done" in out and "eta" in out
     assert first["table"]["differences"]["mpp - scratch"]["mean"] == pytest.approx(0.3)
@@ -189,7 +194,7 @@ def test_a_finished_run_is_reused_and_a_half_finished_one_resumed(tmp_path, monk
     lines = (half / "metrics.jsonl").read_text().splitlines()
     (half / "metrics.jsonl").write_text("\n".join(lines[:2]) + "\n")  # stopped at step 2
     second = compare.main(args)
-    assert fake.launched == ["seed0/scratch/finetune"] and len(fake.dry_runs) == 2  # lengths kept from the first
+    assert fake.launched == ["seed0/scratch/finetune"] and len(fake.dry_runs) == 3  # lengths kept from the first
     assert second["table"] == first["table"]
     fake.launched.clear()
     compare.main(args)
@@ -211,7 +216,7 @@ def test_a_torn_dry_run_cache_is_run_again_not_a_traceback(tmp_path, monkeypatch
     whole = cache.read_text()
     cache.write_text(whole[: len(whole) // 2])
     fake.dry_runs.clear()
-    assert compare.main(args)["table"] == first["table"] and len(fake.dry_runs) == 2
+    assert compare.main(args)["table"] == first["table"] and len(fake.dry_runs) == 3
     assert cache.read_text() == whole and not list(cache.parent.glob("*.tmp*"))
 
 
@@ -314,6 +319,51 @@ def test_a_sweep_without_finetune_steps_keeps_the_first_points_steps(tmp_path, m
     assert command("seed0/mpp/finetune_k1")[-1] == "train.epochs=9"  # 3 images: 1 step an epoch
 
 
+def test_semi2_goes_on_from_the_references_fine_tuning_with_its_head_and_the_pool(tmp_path, monkeypatch, shards):
+    fake = FakeStages(monkeypatch)
+    out = tmp_path / "out"
+    report = compare.main(argv(shards, out, "--seeds", "0", "--arms", "mpp,semi2,semi_scratch", "--labels-per-class",
+                               "2", "--finetune-steps", "9", "--set", "finetune:train.ema_decay=0.99"))
+    assert sorted(fake.launched) == ["seed0/mpp/finetune_k2", "seed0/mpp/pretrain", "seed0/semi2/finetune_k2",
+                                     "seed0/semi_scratch/finetune_k2"]
+    assert fake.launched.index("seed0/mpp/finetune_k2") < fake.launched.index("seed0/semi2/finetune_k2")
+    semi2 = json.loads((out / "seed0/semi2/finetune_k2" / run_scheduler.SIDECAR).read_text())["command"]
+    assert f"init.checkpoint={out / 'seed0/mpp/finetune_k2/export'}" in semi2 and "init.keep_head=true" in semi2
+    assert f"semi.pool={shards['pool']}" in semi2
+    dry = next(cmd for cmd in fake.dry_runs if "semi.pool=" in " ".join(cmd) and "model.patch_size=4" in cmd)
+    assert "init.checkpoint=" in dry and not any(c.startswith("init.keep_head") for c in dry)  # its export is to come
+    # its cost: the pretraining, the reference's fine-tuning and its own; semi_scratch is given as many images
+    assert report["points"]["k2"]["cost"]["semi2"]["images"] == PRE_STEPS * PRE_BATCH + 9 * 4 + 9 * 4
+    assert report["points"]["k2"]["epochs"] == {"semi_scratch@k2": 58}  # 232 images in 4 an epoch
+    assert "semi2 - mpp" in report["points"]["k2"]["table"]["differences"]
+    # why a pool paid or did not: the share kept and the pseudo-labels right, at the last log
+    assert report["points"]["k2"]["pool"]["semi2"] == {"per_seed": {0: {"pseudo_kept": 0.5, "pseudo_acc": 0.75}},
+                                                       "pseudo_kept": 0.5, "pseudo_acc": 0.75}
+    assert "mpp" not in report["points"]["k2"]["pool"]
+    assert "| semi2 | 0.50 / 0.75 | 0.50 / 0.75 |" in (out / "compare.md").read_text()
+
+
+def test_a_variant_that_changes_only_fine_tuning_reads_the_references_pretraining(tmp_path, monkeypatch, shards):
+    fake = FakeStages(monkeypatch)
+    out = tmp_path / "out"
+    report = compare.main(argv(shards, out, "--seeds", "0", "--arms", "mpp,mpp-long,mpp-l2", "--labels-per-class",
+                               "2", "--finetune-steps", "6", "mpp-long=12", "--set",
+                               "mpp-long.finetune:augment.color_jitter=0.4", "mpp-l2.pretrain:mpp.target=l2"))
+    assert sorted(fake.launched) == ["seed0/mpp-l2/finetune_k2", "seed0/mpp-l2/pretrain", "seed0/mpp-long/finetune_k2",
+                                     "seed0/mpp/finetune_k2", "seed0/mpp/pretrain"]  # no pretraining of its own
+
+    def command(name: str) -> list[str]:
+        return json.loads((out / name / run_scheduler.SIDECAR).read_text())["command"]
+
+    assert f"init.checkpoint={out / 'seed0/mpp/pretrain/export'}" in command("seed0/mpp-long/finetune_k2")
+    assert f"init.checkpoint={out / 'seed0/mpp-l2/pretrain/export'}" in command("seed0/mpp-l2/finetune_k2")
+    assert command("seed0/mpp/finetune_k2")[-1] == "train.epochs=6" and command(
+        "seed0/mpp-long/finetune_k2")[-1] == "train.epochs=12"  # its own steps (1 an epoch at 2 per class)
+    cost = report["points"]["k2"]["cost"]
+    assert cost["mpp-long"]["images"] == PRE_STEPS * PRE_BATCH + 12 * 4 and cost["mpp"]["images"] == (
+        PRE_STEPS * PRE_BATCH + 6 * 4)
+
+
 def test_semi_arms_skip_point_all_when_their_pool_is_the_labelled_set(tmp_path, monkeypatch, shards, capsys):
     fake = FakeStages(monkeypatch)
     args = argv(shards, tmp_path / "out", "--seeds", "0", "--arms", "mpp,semi,semi_scratch", "--labels-per-class",
@@ -342,15 +392,20 @@ def test_a_sweeps_dry_run_writes_nothing(tmp_path, monkeypatch, shards, capsys):
     (["--labels-per-class", "two"], "--labels-per-class 'two': give counts"),
     (["--labels-per-class", "2", "2"], "names a point twice"),
     (["--labels-per-class", "0"], "--labels-per-class '0'"),
-    (["--finetune-steps", "100"], "with --labels-per-class"),
-    (["--labels-per-class", "2", "--finetune-steps", "0"], "give a count >= 1"),
-    (["--labels-per-class", "5"], "--per-class 5: "),  # 4 of each class in the labelled set
+    (["--finetune-steps", "100"], "--finetune-steps 100: it sets the fine-tuning length of a label sweep "
+                                  "(--labels-per-class); a single comparison's is its config's train.epochs"),
+    (["--labels-per-class", "2", "--finetune-steps", "0"], "--finetune-steps 0: give a number of optimizer steps >= 1"),
+    (["--labels-per-class", "2", "--finetune-steps", "10", "nope=20"], "nope is not an arm of --arms"),
+    (["--labels-per-class", "2", "--finetune-steps", "scratch_equal=20"], "gives scratch_equal its length itself"),
+    (["--labels-per-class", "5"], "--labels-per-class 5: "),  # 4 of each class in the labelled set
+    (["--labels-per-class", "2", "5"], "--labels-per-class 5: "),  # the subsets of point 2 are not drawn either
 ])
 def test_a_bad_sweep_is_one_line_before_anything_runs(tmp_path, monkeypatch, shards, capsys, more, says):
     fake = FakeStages(monkeypatch)
     code, _, err = in_process(compare.main, argv(shards, tmp_path / "out", *more), capsys)
     assert code == 2 and err.startswith("error: ") and err.count("\n") == 1 and says in err, err
-    assert not fake.dry_runs and not fake.launched and not (tmp_path / "out" / "seed0").exists()
+    assert " --per-class" not in err  # compare's flag, not the subset command's
+    assert not fake.launched and not (tmp_path / "out").exists()  # nothing under --out: no lock, no subset
 
 
 def test_a_subset_drawn_from_another_set_is_not_reused(tmp_path, monkeypatch, shards, capsys):
@@ -384,7 +439,8 @@ def test_a_sweep_needs_one_labelled_set(tmp_path, monkeypatch, shards, capsys):
     (["--set", "finetune:train.seed=3"], "compare sets train.seed itself"),
     (["--set", "scratch_equal.finetune:train.epochs=3"], "compare sets train.epochs itself"),
     (["--seeds", "0", "0"], "--seeds must be distinct"),
-    (["--jobs", "0"], "--jobs and --threads must be at least 1"),
+    (["--jobs", "0"], "--jobs 0: give at least 1 (runs at a time)"),
+    (["--threads", "-1"], "--threads -1: give at least 1 (threads per run)"),
     (["--bogus"], "unrecognized arguments: --bogus"),
 ])
 def test_a_bad_flag_is_one_line_before_anything_runs(tmp_path, monkeypatch, shards, capsys, more, says):
@@ -420,7 +476,10 @@ def test_a_stage_that_refuses_its_config_is_one_line_naming_the_arm(tmp_path, mo
     code, _, err = in_process(compare.main, argv(shards, tmp_path / "out", "--set", "pretrain:mpp.mask_ratio=7"),
                               capsys)
     assert code == 2 and err == "error: mpp/pretrain: mpp.mask_ratio=7: must be in (0, 1)\n"
-    assert not fake.launched
+    assert not fake.launched and not (tmp_path / "out").exists()  # found before anything is written under --out
+    code, _, err = in_process(compare.main, argv(shards, tmp_path / "out", "--labels-per-class", "2", "--set",
+                                                 "pretrain:mpp.mask_ratio=7"), capsys)
+    assert code == 2 and err.count("\n") == 1 and not (tmp_path / "out").exists()  # no subset drawn there either
 
 
 def test_changed_settings_under_a_run_are_refused(tmp_path, monkeypatch, shards, capsys):

@@ -59,7 +59,9 @@ def test_compare_tables_the_monitors_of_its_mpp_arms(tmp_path, monkeypatch, shar
 
     monkeypatch.setattr(compare_arms.Stage, "seed_shift", property(lambda s: 0.01 * int(s.name[4])), raising=False)
     monkeypatch.setattr(run_scheduler, "launch", with_monitors)
-    report = compare.main(argv(shards, tmp_path / "out", "--seeds", "0", "1", "--arms", "mpp,mpp-a,mpp-b,scratch"))
+    # pretrainings of their own (arms that change nothing of it would read the reference's)
+    report = compare.main(argv(shards, tmp_path / "out", "--seeds", "0", "1", "--arms", "mpp,mpp-a,mpp-b,scratch",
+                               "--set", "mpp-a.pretrain:mpp.mask_ratio=0.4", "mpp-b.pretrain:mpp.mask_ratio=0.3"))
     monitors = report["monitors"]
     assert len(monitors["runs"]) == 6 and {r["arm"] for r in monitors["runs"]} == {"mpp", "mpp-a", "mpp-b"}
     assert monitors["spearman"]["knn_probe_attentive"]["spearman"] == pytest.approx(

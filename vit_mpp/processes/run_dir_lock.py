@@ -69,9 +69,9 @@ def _describe(holder: str) -> str:
         return holder[:200]
 
 
-def check_not_locked(run_dir: Path) -> None:
-    """RunDirBusy naming the holder when a live run (not this process) holds `run_dir`'s lock. Creates nothing (for
-    dry runs)."""
+def check_not_locked(run_dir: Path, flag: str = "train.run_dir") -> None:
+    """RunDirBusy naming the holder (and `flag`, the setting that chooses another) when a live run (not this process)
+    holds `run_dir`'s lock. Creates nothing (for dry runs, and checks before anything is written)."""
     if str(run_dir.resolve()) in _held:
         return
     try:
@@ -88,5 +88,4 @@ def check_not_locked(run_dir: Path) -> None:
         return
     finally:
         os.close(fd)
-    raise RunDirBusy(f"{run_dir} is in use by another run ({holder}): wait for it to end, or use another "
-                     "train.run_dir")
+    raise RunDirBusy(f"{run_dir} is in use by another run ({holder}): wait for it to end, or use another {flag}")
