@@ -22,7 +22,7 @@ DEFAULT_ARMS = KINDS[:5]
 READS_REFERENCE = ("probe", "semi", "semi2")  # fine-tune the reference MPP arm's export (semi2: its fine-tuning's)
 POOL_KINDS = ("semi", "semi2")  # MPP with the pool at fine-tuning: semi from the pretraining, semi2 after fine-tuning
 EQUAL_COMPUTE = (("scratch_equal", "finetune"), ("supervised", "pretrain"), ("semi_scratch", "finetune"))
-ARM_NAME = re.compile(r"^(" + "|".join(KINDS) + r")(-[A-Za-z0-9_]+)?$")
+ARM_NAME = re.compile(r"^(" + "|".join(KINDS) + r")(-[A-Za-z0-9_]+)*$")  # semi-strong-long: a variant of semi
 KEY_VALUE = re.compile(r"^[A-Za-z_]\w*(\.\w+)*=")
 # Keys compare sets itself: a run's place, seed and data, and (fine-tuning) where it starts and what it is scored on.
 OWN_KEYS = {"pretrain": {"train.run_dir", "train.seed", "data.shards"},

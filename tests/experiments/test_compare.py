@@ -343,6 +343,13 @@ def test_semi2_goes_on_from_the_references_fine_tuning_with_its_head_and_the_poo
     assert "| semi2 | 0.50 / 0.75 | 0.50 / 0.75 |" in (out / "compare.md").read_text()
 
 
+def test_a_variant_may_have_a_suffix_of_several_words():
+    assert compare_arms.parse_arms(["mpp,semi-strong-long,semi_scratch-strong-long"]) == [
+        "mpp", "semi-strong-long", "semi_scratch-strong-long"]
+    with pytest.raises(compare_arms.ConfigError, match="unknown arm 'semi--x'"):
+        compare_arms.parse_arms(["mpp,semi--x"])
+
+
 def test_a_variant_that_changes_only_fine_tuning_reads_the_references_pretraining(tmp_path, monkeypatch, shards):
     fake = FakeStages(monkeypatch)
     out = tmp_path / "out"
