@@ -281,10 +281,10 @@ def test_the_core_walk_reaches_the_process_lifecycle_only_through_its_named_call
 
 def test_a_package_docstring_names_every_module_and_folder_it_holds():
     """`name.py` for a module, `name/` for a sub-package (`__main__.py` is the package's command, `python -m
-    PACKAGE`). finetune/ is left to the fine-tuning engineers, whose package it is (issue 50): named here."""
+    PACKAGE`)."""
     unnamed = []
     for name, path in module_files(PACKAGES).items():
-        if path.name != "__init__.py" or name.split(".")[0] == "finetune":
+        if path.name != "__init__.py":
             continue
         doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or ""
         for child in sorted(path.parent.iterdir()):
