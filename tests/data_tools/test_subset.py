@@ -7,6 +7,7 @@ finished one is "already complete" (status 0, nothing written) and one drawn oth
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -142,10 +143,7 @@ def test_an_interrupted_draw_is_drawn_again_whole(source, tmp_path, capsys):
 
 
 def test_a_damaged_source_shard_is_one_line(source, tmp_path, capsys):
-    damaged = tmp_path / "damaged"
-    damaged.mkdir()
-    for p in source.iterdir():
-        (damaged / p.name).write_bytes(p.read_bytes())
+    damaged = shutil.copytree(source, tmp_path / "damaged")
     shard = damaged / "train-000001.tar"
     shard.write_bytes(shard.read_bytes()[:3000])
     code, _, err = subset(capsys, damaged, tmp_path / "out", "--per-class", "2")
@@ -275,10 +273,7 @@ def test_a_rerun_with_other_settings_is_one_line_naming_what_differs(source, tmp
 
 
 def test_a_rerun_from_another_source_or_a_changed_one_is_refused(source, tmp_path, capsys):
-    copy = tmp_path / "copy"
-    copy.mkdir()
-    for p in source.iterdir():
-        (copy / p.name).write_bytes(p.read_bytes())
+    copy = shutil.copytree(source, tmp_path / "copy")
     out = tmp_path / "few"
     assert subset(capsys, copy, out, "--per-class", "2")[0] == 0
     before = snapshot(out)
