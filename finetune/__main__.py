@@ -23,5 +23,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    with one_line_errors():  # a user error is one line and exit status 2, a preemption status 75 (vit_mpp/processes/exits.py)
+    with one_line_errors():  # a user error is one line and exit 2, a preemption 75 (vit_mpp/processes/exits.py)
         main()

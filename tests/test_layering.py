@@ -283,7 +283,7 @@ def test_a_package_docstring_names_every_module_and_folder_it_holds():
     """`name.py` for a module, `name/` for a sub-package (`__main__.py` is the package's command, `python -m
     PACKAGE`)."""
     unnamed = []
-    for name, path in module_files(PACKAGES).items():
+    for path in module_files(PACKAGES).values():
         if path.name != "__init__.py":
             continue
         doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or ""

@@ -27,7 +27,7 @@ def test_the_kept_head_is_the_exports_and_the_run_goes_on_from_its_accuracy(shar
     zero, *_ = build_classifier(InitConfig(checkpoint=str(export)), ModelConfig(img_size=16), 3)
     assert torch.count_nonzero(zero.head.weight) == 0  # without it, the paper's zero head
 
-    # A run that trains next to nothing (lr 1e-12) scores what the export scored: it starts from its classifier, head and all
+    # A run that trains next to nothing (lr 1e-12) scores what the export scored: it starts from its classifier
     before = [r for r in read_metrics(probe_run) if "val_top1" in r][-1]["val_top1"]
     run_tiny_finetune(shards, tmp_path / "again", export, "init.keep_head=true", "train.mode=linear_probe",
                       "optim.lr=1e-12", "train.epochs=1")

@@ -290,14 +290,41 @@ def test_a_threshold_above_what_a_smoothed_teacher_predicts_is_warned_of():
      "error: config key 'semi.pool' mixup and cutmix would mix labelled and pool images in a batch: set "
      "augment.mixup=0 and augment.cutmix=0"),
     (["train.ema_decay=0.9", "semi.ratio=0"], "error: config key 'semi.ratio' must be > 0, got 0.0"),
+    (["train.ema_decay=0.9", "semi.strong=rand-x9"], "error: config key 'semi.strong' must be '' or a timm "
+                                                      "RandAugment string"),
+    (["train.ema_decay=0.9", "semi.strong_erasing=1.5"], "error: config key 'semi.strong_erasing' must be in [0, 1]"),
+    (["train.ema_decay=0.9", "semi.threshold_mode=adaptive"], "error: config key 'semi.threshold_mode' expects one "
+                                                              "of 'fixed' | 'freematch', got 'adaptive'"),
+    (["train.ema_decay=0.9", "semi.momentum=1"], "error: config key 'semi.momentum' must be in [0, 1)"),
 ])
 def test_a_setting_that_cannot_work_is_one_line_before_anything_is_written(labelled, pool, pretrained, tmp_path,
                                                                           capsys, settings, says):
     code, _, err = in_process(finetune_main, ["--config", "configs/finetune/tiny.yaml", f"data.shards={labelled}",
                                               f"semi.pool={pool}", f"init.checkpoint={pretrained}",
                                               f"train.run_dir={tmp_path / 'run'}", *settings], capsys)
-    assert code == 2 and err.strip() == says
+    assert code == 2 and err.strip().startswith(says) and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_resumed_run_cannot_change_how_the_pool_is_thresholded(labelled, pool, pretrained, tmp_path, capsys):
+    """The thresholds' running means are in the checkpoint only with freematch or alignment: changing either on a
+    run to resume is one line, and the run directory is left as it was."""
+    from tests.helpers.runs import run_tiny_finetune
+
+    run_dir = tmp_path / "run"
+    run_tiny_finetune(labelled, run_dir, pretrained, f"semi.pool={pool}", "train.ema_decay=0.9", "train.epochs=1",
+                      "train.ckpt_every=1")
+    before = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    for change in ("semi.threshold_mode=freematch", "semi.align=true"):
+        code, _, err = in_process(finetune_main, ["--config", "configs/finetune/tiny.yaml", f"data.shards={labelled}",
+                                                  f"semi.pool={pool}", f"init.checkpoint={pretrained}",
+                                                  f"train.run_dir={run_dir}", "train.ema_decay=0.9",
+                                                  "train.epochs=2", "train.extend=true", "data.num_workers=0",
+                                                  change], capsys)
+        key = change.split("=")[0]
+        assert code == 2 and len(err.strip().splitlines()) == 1 and "a resumed run cannot change" in err, err
+        assert key in err
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == before
 
 
 def test_a_pool_list_naming_a_set_twice_is_one_line(labelled, pool, pretrained, tmp_path, capsys):
