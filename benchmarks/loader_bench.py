@@ -62,16 +62,18 @@ def photo_like(rng: np.random.Generator, width: int, height: int, quality: int) 
     return out.getvalue()
 
 
-def make_images(root: Path, count: int, width: int, height: int, quality: int, shard_size: int, seed: int) -> None:
-    """`count` JPEGs in `root/folder/<class>/` and the same bytes in `root/shards/` (4 classes)."""
+def make_images(root: Path, count: int, width: int, height: int, quality: int, shard_size: int, seed: int,
+                folder: bool = True) -> None:
+    """`count` JPEGs in `root/folder/<class>/` (unless not `folder`) and the same bytes in `root/shards/` (4
+    classes)."""
     rng = np.random.default_rng(seed)
     (root / "shards").mkdir(parents=True)
     filenames, lengths, writer = [], [], None
     for i in range(count):
         data, label = photo_like(rng, width, height, quality), i % 4
-        folder = root / "folder" / f"class{label}"
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / f"img{i:06d}.jpg").write_bytes(data)
+        if folder:
+            (root / "folder" / f"class{label}").mkdir(parents=True, exist_ok=True)
+            (root / "folder" / f"class{label}" / f"img{i:06d}.jpg").write_bytes(data)
         if i % shard_size == 0:
             if writer is not None:
                 lengths.append(writer.close()[0])

@@ -43,6 +43,9 @@ WORKER_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signa
 # when a loader ends or is dropped half-read (the k-NN monitor's), as the process exits (before multiprocessing's
 # own exit, which would wait for it forever), and when it ends at once (`exit_now`). The soak found each: a worker
 # alive minutes after its rank was preempted, a rank that never exited; the cluster tests a rank that waited 300 s.
+# A fork server or spawn would avoid the bug but not pay (benchmarks/loader_start_bench.py): their workers outlive a
+# rank killed with -9, a killed worker is heard after the wait, not at once, and a rank holds 1.9-2.7x the memory;
+# see docs/reliability.md.
 START_WAIT_S = 20.0
 START_TRIES = 3
 END_WAIT_S = 1.0  # for a worker told to end (SIGTERM) before it is killed
