@@ -16,13 +16,19 @@ import yaml
 from experiments import label_sweep, monitor_ranks
 from experiments.compare_arms import POOL_KINDS, Setup, Stage, kind
 from vit_mpp.run.metering.metrics_log import read_metrics
-from vit_mpp.run.metering.summary import wall_time_s
+from vit_mpp.run.metering.summary import read_summary, wall_time_s
 from vit_mpp.tools.args import make_out_folder, open_out_file
 
 
 def final_top1(run_dir: Path) -> float | None:
-    """The last `val_top1` a run logged (its evaluation after the last step), or None."""
-    values = [r["val_top1"] for r in read_metrics(run_dir) if isinstance(r.get("val_top1"), (int, float))]
+    """The last `val_top1` a finished run logged (its evaluation after the last step), or None: a run still going, or
+    stopped and not resumed, has logged evaluations too, and its last is not its result."""
+    records = read_metrics(run_dir)
+    last = max((int(r["step"]) for r in records if isinstance(r.get("step"), int)), default=0)
+    summary = read_summary(run_dir)
+    if not summary or not isinstance(summary.get("step"), int) or summary["step"] < last:
+        return None
+    values = [r["val_top1"] for r in records if isinstance(r.get("val_top1"), (int, float))]
     return float(values[-1]) if values else None
 
 
@@ -143,7 +149,7 @@ def make_report(setup: Setup, of_arm: dict[tuple[int, str, str], list[Stage]], e
                 continue
             top1[arm][seed] = final_top1(stages[-1].run_dir)
             if top1[arm][seed] is None:
-                notes.append(f"{stages[-1].name}: no test result in {stages[-1].run_dir}")
+                notes.append(f"{stages[-1].name}: no test result in {stages[-1].run_dir} (not run, or not finished)")
             images.append(sum(images_seen(s.run_dir) for s in stages))
             minutes.append(sum((wall_time_s(read_metrics(s.run_dir)) or 0.0) / 60 for s in stages))
         cost[arm] = {"images": round(statistics.mean(images or [0])), "minutes": statistics.mean(minutes or [0.0])}

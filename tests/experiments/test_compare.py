@@ -66,6 +66,7 @@ class FakeStages:
         records = [{"step": s, "loss": 1.0, "elapsed_s": 6.0 * s, **pool} for s in range(1, stage.steps + 1)]
         records.append({"step": stage.steps, "val_top1": self.top1(stage), "elapsed_s": 6.0 * stage.steps})
         (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        (run_dir / "summary.json").write_text(json.dumps({"step": stage.steps, "total_s": 6.0 * stage.steps}))
         (run_dir / "config.yaml").write_text(f"train:\n  batch_size: {stage.batch}\n")
         (run_dir / "export").mkdir(exist_ok=True)
         (run_dir / "export" / "config.json").write_text("{}")
@@ -227,6 +228,23 @@ def test_report_only_reads_the_runs_and_runs_nothing(tmp_path, monkeypatch, shar
     fake.dry_runs.clear()
     report = compare.main(argv(shards, tmp_path / "out", "--seeds", "0", "--arms", "scratch,mpp", "--report-only"))
     assert not fake.launched and not fake.dry_runs and report["table"]["arms"]["mpp"]["mean"] == 0.5
+
+
+def test_a_run_not_finished_is_no_result_though_it_logged_evaluations(tmp_path, monkeypatch, shards):
+    # a sweep stopped, or looked at with --report-only while a run goes on: that run's evaluations so far are logged,
+    # but its last one is not its result (it was reported as one)
+    FakeStages(monkeypatch)
+    args = argv(shards, tmp_path / "out", "--seeds", "0", "--arms", "scratch,mpp")
+    compare.main(args)
+    going = tmp_path / "out/seed0/scratch/finetune"
+    (going / "summary.json").unlink()  # still running: no summary yet
+    report = compare.main([*args, "--report-only"])
+    assert report["table"]["arms"]["scratch"]["per_seed"] == {0: None}
+    assert report["table"]["arms"]["mpp"]["per_seed"] == {0: 0.5}
+    assert any(n.startswith("seed0/scratch/finetune: no test result") and "not finished" in n for n in report["notes"])
+    # resumed to more steps than its summary covers: not finished either, until its new summary
+    (going / "summary.json").write_text(json.dumps({"step": 1, "total_s": 6.0}))
+    assert compare.main([*args, "--report-only"])["table"]["arms"]["scratch"]["per_seed"] == {0: None}
 
 
 def test_supervised_is_skipped_with_a_note_when_the_pool_has_no_labels(tmp_path, monkeypatch, shards, capsys):
