@@ -200,3 +200,21 @@ def test_a_mistyped_key_gets_the_closest_known_one(overrides, message):
 def test_a_yaml_syntax_error_names_the_file_and_line(tmp_path, text, where):
     path, error = yaml_refusal(tmp_path, text)
     assert error == f"config file {path} is not valid YAML: {where}"
+
+
+def test_the_digits_pool_recipe_is_the_measured_one():
+    # docs/results.md measured it as compare ran it: configs/finetune/digits.yaml with these overrides (and the
+    # subset, run dir and length compare gives every arm); a recipe config that drifted would not be what was measured
+    def flat(name: str) -> dict:
+        config = to_dict(load_config(FinetuneConfig, CONFIGS / "finetune" / f"{name}.yaml"))
+        return {f"{section}.{key}": value for section, values in config.items() if isinstance(values, dict)
+                for key, value in values.items()}
+
+    measured = {"semi.pool": "runs/experiments/digits/shards/all", "train.ema_decay": 0.99, "semi.weight": 1.0,
+                "semi.ratio": 1.0, "train.batch_size": 100, "optim.base_batch_size": 100,
+                "train.eval_every_epochs": 50, "semi.strong": "rand-n2-m10-mstd101", "semi.strong_erasing": 1.0,
+                "semi.threshold_mode": "freematch", "semi.align": True, "semi.momentum": 0.99, "train.epochs": 1200}
+    given_by_compare = {"data.shards", "train.run_dir"}
+    base, recipe = flat("digits"), flat("digits_pool")
+    changed = {key: recipe[key] for key in base if base[key] != recipe[key] and key not in given_by_compare}
+    assert changed == measured
