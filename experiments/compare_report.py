@@ -16,7 +16,7 @@ import yaml
 from experiments import label_sweep, monitor_ranks
 from experiments.compare_arms import POOL_KINDS, Setup, Stage, kind
 from vit_mpp.run.metering.metrics_log import read_metrics
-from vit_mpp.run.metering.summary import read_summary, wall_time_s
+from vit_mpp.run.metering.summary import covers_last_step, read_summary, wall_time_s
 from vit_mpp.tools.args import make_out_folder, open_out_file
 
 
@@ -24,9 +24,7 @@ def final_top1(run_dir: Path) -> float | None:
     """The last `val_top1` a finished run logged (its evaluation after the last step), or None: a run still going, or
     stopped and not resumed, has logged evaluations too, and its last is not its result."""
     records = read_metrics(run_dir)
-    last = max((int(r["step"]) for r in records if isinstance(r.get("step"), int)), default=0)
-    summary = read_summary(run_dir)
-    if not summary or not isinstance(summary.get("step"), int) or summary["step"] < last:
+    if not covers_last_step(read_summary(run_dir), records):
         return None
     values = [r["val_top1"] for r in records if isinstance(r.get("val_top1"), (int, float))]
     return float(values[-1]) if values else None

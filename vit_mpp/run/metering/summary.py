@@ -46,13 +46,19 @@ def read_summary(run_dir: str | Path) -> dict[str, Any] | None:
     return summary if isinstance(summary, dict) else None
 
 
+def covers_last_step(summary: dict[str, Any] | None, records: list[dict[str, Any]]) -> bool:
+    """Whether `summary` is that of the run whose records these are as they stand: written at the end of the last step
+    they reached (a run still going, stopped, or resumed since has none, or an older one)."""
+    last = max((int(r["step"]) for r in records if isinstance(r.get("step"), int)), default=0)
+    return bool(summary) and isinstance(summary.get("step"), int) and summary["step"] >= last
+
+
 def wall_time_s(records: list[dict[str, Any]], summary: dict[str, Any] | None = None) -> float | None:
     """The run's wall time in seconds: its summary's `total_s` (start-up, evaluations and export included) when the
     summary covers the last step the records reached (a finished run, not one extended since); else the
     `elapsed_s` the records carry (the time since each process made its meter, a resumed run's included:
     vit_mpp/run/metering/step_meter.py). None when neither has a time (runs of older versions)."""
-    last = max((int(r["step"]) for r in records if isinstance(r.get("step"), int)), default=0)
-    if summary and isinstance(summary.get("total_s"), (int, float)) and summary.get("step", -1) >= last:
+    if covers_last_step(summary, records) and isinstance(summary.get("total_s"), (int, float)):
         return float(summary["total_s"])
     times = _numbers(records, "elapsed_s")
     return max(times) if times else None
