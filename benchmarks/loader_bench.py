@@ -72,8 +72,9 @@ def make_images(root: Path, count: int, width: int, height: int, quality: int, s
     for i in range(count):
         data, label = photo_like(rng, width, height, quality), i % 4
         if folder:
-            (root / "folder" / f"class{label}").mkdir(parents=True, exist_ok=True)
-            (root / "folder" / f"class{label}" / f"img{i:06d}.jpg").write_bytes(data)
+            class_dir = root / "folder" / f"class{label}"
+            class_dir.mkdir(parents=True, exist_ok=True)
+            (class_dir / f"img{i:06d}.jpg").write_bytes(data)
         if i % shard_size == 0:
             if writer is not None:
                 lengths.append(writer.close()[0])

@@ -104,6 +104,13 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 STAGES = {"pretrain": PretrainConfig, "finetune": FinetuneConfig}
 
 
+def flat_config(stage: str, name: str) -> dict:
+    """configs/STAGE/NAME.yaml as loaded, its sections' keys as `section.key`."""
+    config = to_dict(load_config(STAGES[stage], CONFIGS / stage / f"{name}.yaml"))
+    return {f"{section}.{key}": value for section, values in config.items() if isinstance(values, dict)
+            for key, value in values.items()}
+
+
 @pytest.mark.parametrize("path", sorted(CONFIGS.glob("*/*.yaml")), ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_every_shipped_config_loads_and_says_how_to_run_it(path):
     assert path.read_text().startswith("# "), "a config starts with a comment giving its command"
@@ -127,11 +134,7 @@ def test_fine_tuning_configs_start_from_what_a_pretraining_config_exports():
 def test_a_named_recipe_differs_from_the_papers_config_only_in_its_targets(paper, recipe):
     # docs/results.md compares them with `--set mpp.target=l2 mpp.norm_pix=true` on the paper's config: a recipe
     # config that drifted in any other key would no longer be what was measured.
-    def flat(name: str) -> dict:
-        config = to_dict(load_config(PretrainConfig, CONFIGS / "pretrain" / f"{name}.yaml"))
-        return {f"{section}.{key}": value for section, values in config.items() for key, value in values.items()}
-
-    old, new = flat(paper), flat(recipe)
+    old, new = flat_config("pretrain", paper), flat_config("pretrain", recipe)
     changed = {key for key in old if old[key] != new[key]}
     assert changed - {"train.run_dir", "data.shards"} == {"mpp.target", "mpp.norm_pix"}
     assert (new["mpp.target"], new["mpp.norm_pix"]) == ("l2", True)
@@ -205,16 +208,11 @@ def test_a_yaml_syntax_error_names_the_file_and_line(tmp_path, text, where):
 def test_the_digits_pool_recipe_is_the_measured_one():
     # docs/results.md measured it as compare ran it: configs/finetune/digits.yaml with these overrides (and the
     # subset, run dir and length compare gives every arm); a recipe config that drifted would not be what was measured
-    def flat(name: str) -> dict:
-        config = to_dict(load_config(FinetuneConfig, CONFIGS / "finetune" / f"{name}.yaml"))
-        return {f"{section}.{key}": value for section, values in config.items() if isinstance(values, dict)
-                for key, value in values.items()}
-
     measured = {"semi.pool": "runs/experiments/digits/shards/all", "train.ema_decay": 0.99, "semi.weight": 1.0,
                 "semi.ratio": 1.0, "train.batch_size": 100, "optim.base_batch_size": 100,
                 "train.eval_every_epochs": 50, "semi.strong": "rand-n2-m10-mstd101", "semi.strong_erasing": 1.0,
                 "semi.threshold_mode": "freematch", "semi.align": True, "semi.momentum": 0.99, "train.epochs": 1200}
     given_by_compare = {"data.shards", "train.run_dir"}
-    base, recipe = flat("digits"), flat("digits_pool")
+    base, recipe = flat_config("finetune", "digits"), flat_config("finetune", "digits_pool")
     changed = {key: recipe[key] for key in base if base[key] != recipe[key] and key not in given_by_compare}
     assert changed == measured
