@@ -105,7 +105,7 @@ STAGES = {"pretrain": PretrainConfig, "finetune": FinetuneConfig}
 
 
 def flat_config(stage: str, name: str) -> dict:
-    """configs/STAGE/NAME.yaml as loaded, its sections' keys as `section.key`."""
+    """The shipped config `name` of `stage`, as loaded, its sections' keys as `section.key`."""
     config = to_dict(load_config(STAGES[stage], CONFIGS / stage / f"{name}.yaml"))
     return {f"{section}.{key}": value for section, values in config.items() if isinstance(values, dict)
             for key, value in values.items()}
