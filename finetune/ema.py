@@ -10,6 +10,7 @@ from accelerate.utils import DistributedType
 from timm.utils import ModelEmaV3
 
 from vit_mpp.config.engine import ConfigError
+from vit_mpp.config.fsdp_settings import ema_refused
 
 
 def build_ema(accelerator: Accelerator, model: torch.nn.Module, decay: float) -> ModelEmaV3 | None:
@@ -18,10 +19,9 @@ def build_ema(accelerator: Accelerator, model: torch.nn.Module, decay: float) ->
     if decay <= 0:
         return None
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
-        # Each process holds a shard of the weights there, and an EMA of a shard is no model to evaluate or export
-        # (under FSDP the run is refused before it starts: vit_mpp/config/fsdp_settings.py).
-        raise ConfigError("train.ema_decay needs the whole model on every process: it does not work with DeepSpeed; "
-                          "set train.ema_decay=0")
+        # Each process holds a shard of the weights there, and an EMA of a shard is no model to evaluate or export.
+        # A launch that says so is refused before it starts (vit_mpp/config/fsdp_settings.py): this is the last guard.
+        raise ConfigError(ema_refused(decay, "DeepSpeed"))
     ema = ModelEmaV3(model, decay=decay)
     accelerator.register_for_checkpointing(ema)
     return ema

@@ -134,6 +134,30 @@ def test_a_pool_under_fsdp_through_the_command_is_one_line(demo_shards, tmp_path
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("ema", ["train.ema_decay=0", "train.ema_decay=0.99"])
+def test_a_pool_under_deepspeed_is_one_line_naming_both_settings(ema, demo_shards, tmp_path):
+    # `python -m finetune` as each rank runs it in a DeepSpeed launch's environment: the EMA check used to say "set
+    # train.ema_decay=0", which the pool's own check then refused
+    env = {**subprocess_env(), "ACCELERATE_USE_DEEPSPEED": "true"}
+    done = subprocess.run([sys.executable, "-m", "finetune", *semi_argv(demo_shards, tmp_path / "run", ema)],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+        SEMI_UNDER_FSDP.replace("FSDP", "DeepSpeed")], done.stderr[-3000:]
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_ema_is_refused_with_deepspeed_before_anything_is_written(demo_shards, encoder_export, tmp_path,
+                                                                     monkeypatch, capsys):
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    code, _, err = in_process(finetune_main, ["--config", "configs/finetune/tiny.yaml", f"data.shards={demo_shards}",
+                                              f"init.checkpoint={encoder_export}", f"train.run_dir={tmp_path / 'run'}",
+                                              "train.ema_decay=0.99", "--dry-run"], capsys)
+    assert code == 2 and err.strip().splitlines() == [
+        "error: train.ema_decay=0.99 needs the whole model on every process, and DeepSpeed shards it; set "
+        "train.ema_decay=0, or fine-tune without the DeepSpeed accelerate config"], err
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_unit_class_the_model_does_not_have_is_one_line(demo_shards, tmp_path, monkeypatch, capsys):
     fsdp_env(monkeypatch, FSDP_TRANSFORMER_CLS_TO_WRAP="LlamaDecoderLayer")
     code, _, err = in_process(pretrain_main, pretrain_argv(demo_shards, tmp_path / "run"), capsys)
