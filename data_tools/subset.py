@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -150,9 +151,26 @@ def finished(out: Path, drawn: dict[str, Any], fp: str) -> dict[str, Any] | None
     except (OSError, ValueError):  # unreadable or torn: not this draw, and --overwrite replaces it
         info = None
     if isinstance(info, dict) and info.get("fingerprint") == fp:
+        if damaged := _damaged_shards(out, info, drawn["split"]):
+            print(f"warning: {out} is this draw, but {damaged}: drawn again", file=sys.stderr, flush=True)
+            return None
         return info
     raise SubsetError(f"OUT {out} already holds a subset drawn otherwise ({_differences(info, drawn)}): give "
                       "--overwrite to draw it again")
+
+
+def _damaged_shards(out: Path, info: dict[str, Any], split: str) -> str | None:
+    """What is wrong with the shards a finished subset's manifest names (missing, or not the size it wrote), or None:
+    a rerun that answered "already complete" over them would hand the next stage a set it cannot read."""
+    entry = (info.get("splits") or {}).get(split) or {}
+    names, sizes = entry.get("filenames") or [], entry.get("shard_bytes") or []
+    for i, name in enumerate(names):
+        path = out / name
+        if not path.is_file():
+            return f"its shard {name} is missing"
+        if i < len(sizes) and path.stat().st_size != sizes[i]:
+            return f"its shard {name} is {path.stat().st_size:,} bytes, not the {sizes[i]:,} it was written with"
+    return None
 
 
 def _differences(info: Any, drawn: dict[str, Any]) -> str:

@@ -253,6 +253,24 @@ def test_an_identical_rerun_is_already_complete_and_writes_nothing(source, tmp_p
     assert snapshot(out) == before  # not a byte, not a time stamp
 
 
+@pytest.mark.parametrize("damage", ["missing", "cut short"])
+def test_a_rerun_over_a_damaged_subset_draws_it_again(source, tmp_path, capsys, damage):
+    # "already complete" once read the manifest alone: a shard deleted or cut short since was handed on as it was
+    out = tmp_path / "few"
+    drawn = ["--per-class", "3", "--seed", "7", "--shard-size", "4"]
+    assert subset(capsys, source, out, *drawn)[0] == 0
+    before = {name: data for name, (data, _) in snapshot(out).items()}
+    shard = sorted(out.glob("*.tar"))[0]
+    if damage == "missing":
+        shard.unlink()
+    else:
+        shard.write_bytes(shard.read_bytes()[:512])
+    code, said, err = subset(capsys, source, out, *drawn)
+    assert code == 0 and err.startswith(f"warning: {out} is this draw, but its shard {shard.name} is "), err
+    assert "already complete" not in said
+    assert {name: data for name, (data, _) in snapshot(out).items()} == before  # the same draw, byte for byte
+
+
 @pytest.mark.parametrize("other, differs", [
     (["--seed", "8"], "--seed 7 there, 8 now"),
     (["--per-class", "2"], "--per-class 3 there, 2 now"),
