@@ -540,7 +540,7 @@ def test_dry_run_prints_every_run_and_writes_nothing(tmp_path, monkeypatch, shar
     assert compare.main(argv(shards, tmp_path / "out", "--seeds", "0", "1", "--dry-run")) == {}
     out = capsys.readouterr().out
     assert "seed1/scratch_equal/finetune: 48 steps x 4" in out and "seed0/mpp/pretrain: 20 steps x 8" in out
-    assert out.count("python -m") >= 14 and not fake.launched and not (tmp_path / "out").exists()
+    assert out.count(f"{sys.executable} -m") >= 14 and not fake.launched and not (tmp_path / "out").exists()
 
 
 def test_the_command_is_wired_and_a_mistake_is_one_line(tmp_path):
