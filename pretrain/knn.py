@@ -8,12 +8,12 @@ See docs/pretrain.md#the-k-nn-monitor-pretrainknnpy.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from timm.models.vision_transformer import VisionTransformer
 
 from pretrain.probes import probe_top1
 from vit_mpp.data.manifest import Split
 from vit_mpp.data.stream import normalize, to_device
+from vit_mpp.models.knn import knn_top1
 from vit_mpp.run.loop import Gate
 from vit_mpp.run.metering.eval_progress import with_progress
 from vit_mpp.run.start.run import Run
@@ -48,24 +48,6 @@ def features(run: Run, encoder: VisionTransformer, split: Split, limit: int, nor
         parts.append(torch.cat(every))
     keep, *gathered = accelerator.gather(tuple(parts))
     return tuple(part[keep] for part in gathered)
-
-
-CHUNK = 1024  # queries at a time: bounds the (chunk, N) similarity matrix
-
-
-def knn_top1(ref: torch.Tensor, ref_labels: torch.Tensor, query: torch.Tensor, query_labels: torch.Tensor, k: int,
-             temperature: float) -> float:
-    """Top-1 accuracy of weighted k-NN voting with cosine similarity (DINO's rule)."""
-    num_classes = int(max(ref_labels.max(), query_labels.max())) + 1
-    ref = F.normalize(ref, dim=1)  # (N, D)
-    k = min(k, ref.shape[0])
-    correct = 0
-    for start in range(0, query.shape[0], CHUNK):
-        q = F.normalize(query[start:start + CHUNK], dim=1)  # (Q, D)
-        sims, idx = (q @ ref.T).topk(k, dim=1)  # (Q, k)
-        votes = F.one_hot(ref_labels[idx], num_classes).float() * (sims / temperature).exp().unsqueeze(-1)
-        correct += int((votes.sum(dim=1).argmax(dim=1) == query_labels[start:start + CHUNK]).sum())
-    return correct / max(1, query.shape[0])
 
 
 def knn_monitor(run: Run, encoder: VisionTransformer, ref_split: Split, norm: Norm, gated: Gate,

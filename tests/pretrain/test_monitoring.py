@@ -11,13 +11,13 @@ from PIL import Image
 
 from analysis.plot_runs import main as plot_main
 from pretrain.__main__ import main as pretrain_main
-from pretrain.knn import knn_top1
 from pretrain.probes import probe_top1
 from tests.helpers.disks import small_disk
 from tests.helpers.processes import in_process
 from tests.helpers.runs import read_metrics, run_tiny_pretrain
 from tests.helpers.shards import write_shard_set
 from vit_mpp.durable import WriteFailed
+from vit_mpp.models.knn import knn_top1
 from vit_mpp.processes.exits import run_main
 from vit_mpp.tools.figures import plt, save_figure
 
