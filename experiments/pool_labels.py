@@ -110,7 +110,7 @@ def read_features(model: torch.nn.Module, pre: Pretrained, location: str, split_
     `args`: the batch size and loader workers)."""
     split, info = load_split(location, split_name)
     check_every_sample_labelled(location, info, split_name)
-    data = DataConfig(num_workers=args.workers, eval_crop_pct=1.0)
+    data = DataConfig(num_workers=args.workers, eval_crop_pct=pre.crop_pct or 0.875)  # as finetune.evaluate reads
     loader = eval_split_loader(split, data, ImageDecoder.for_evaluation(data, pre.model.img_size),
                                loader_layout(data, args.batch_size))
     mean, std = pre.mean or (0.5,) * 3, pre.std or (0.5,) * 3
