@@ -59,7 +59,7 @@ class FlakyFS(MemoryFileSystem):
 
     def _open(self, path, mode="rb", **kwargs):
         f = super()._open(path, mode, **kwargs)
-        name = os.path.basename(path)
+        name = os.path.basename(path).split(".upload-")[0]  # an upload attempt's own name (urls.upload_file)
         if "w" in mode and (name in FlakyFS.breaking or name in FlakyFS.stalling):
             stall = name in FlakyFS.stalling
             FlakyFS.stalling.discard(name)
@@ -125,6 +125,44 @@ def test_a_stalled_upload_is_abandoned_and_redone(tmp_path, flaky):
     with pytest.raises(SystemExit) as exit_info:
         build_main(["inspect", "flaky://bucket/stall", "--samples", "0"])
     assert exit_info.value.code == 1
+
+
+class LateFS(MemoryFileSystem):
+    """A store that shows a file while it is written (as SFTP does), whose first open of a chosen object for writing
+    answers late: after the upload's deadline, once the next attempt has finished."""
+
+    protocol = "late"
+    slow: set[str] = set()
+
+    @classmethod
+    def _strip_protocol(cls, path):
+        return super()._strip_protocol(str(path).removeprefix("late://"))
+
+    def _open(self, path, mode="rb", **kwargs):
+        name = os.path.basename(path).split(".upload-")[0]
+        if "w" in mode and name in LateFS.slow:
+            LateFS.slow.discard(name)
+            time.sleep(1.5)
+        return super()._open(path, mode, **kwargs)
+
+
+def test_an_abandoned_upload_acting_late_never_touches_the_finished_object(tmp_path):
+    # The abandoned attempt's open, answered after the retry finished, created an empty object under the final name:
+    # a shard the build had journaled became 0 bytes (on resume, 1 of 8 finished ranges was found short)
+    fsspec.register_implementation("late", LateFS, clobber=True)
+    data = os.urandom(5000)
+    (tmp_path / "shard.tar").write_bytes(data)
+    LateFS.slow = {"shard.tar"}
+    fs = LateFS()
+    try:
+        urls.upload_file(str(tmp_path / "shard.tar"), "late://late-test/out/shard.tar", timeout=0.5, wait_s=0.01)
+        assert not LateFS.slow  # the first attempt was abandoned
+        time.sleep(2.0)  # its open has answered by now
+        assert fs.cat("/late-test/out/shard.tar") == data
+        others = [p for p in fs.ls("/late-test/out", detail=False) if not p.endswith("/shard.tar")]
+        assert all(".upload-" in p for p in others), others  # at most an attempt's own, empty name
+    finally:
+        fs.rm("/late-test", recursive=True)
 
 
 @pytest.fixture

@@ -16,6 +16,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, BinaryIO, TypeVar
@@ -440,11 +441,41 @@ def _bounded(fn: Callable[[], Any], timeout: float) -> None:
     worker.join(timeout)
 
 
-def _upload_once(path: str, url: str, timeout: float) -> None:
-    import fsspec
+_SHOWN_WHILE_WRITTEN: dict[type, bool] = {}  # per kind of store (fsspec filesystem class), asked once
 
+
+def _shows_files_while_written(fs: Any, probe: str, call: Callable[[Callable[[], Any], str], Any]) -> bool:
+    """Whether `fs` shows a file as soon as it is opened for writing (fsspec's memory store, SFTP, HDFS) rather than
+    once its upload completes (object stores); asked once per kind of store with an empty file at `probe`, which is
+    removed (`call` runs each step under the upload's deadline)."""
+    kind = type(fs)
+    if kind not in _SHOWN_WHILE_WRITTEN:
+        handle = call(lambda: fs.open(probe, "wb"), "connecting")
+        try:
+            shown = bool(call(lambda: fs.exists(probe), "connecting"))
+        finally:
+            call(handle.close, "finishing")
+            call(lambda: fs.rm(probe), "removing a probe")
+        _SHOWN_WHILE_WRITTEN[kind] = shown
+    return _SHOWN_WHILE_WRITTEN[kind]
+
+
+def _upload_once(path: str, url: str, timeout: float) -> None:
+    try:
+        import fsspec.core
+
+        fs, final = fsspec.core.url_to_fs(url)
+    except (ImportError, ValueError) as e:  # no backend for the scheme, or an unknown protocol
+        raise RemoteError(f"cannot write {url}: {e}") from None
     caller = _DaemonCaller()
     target: Any = None
+    # An attempt abandoned at its deadline goes on in its thread and may still act later (its open, a write, the
+    # removal of its part). On a store that shows a file while it is written, that late act would truncate or delete
+    # the object a later attempt finished, after the build journaled it: there each attempt writes a name of its
+    # own and renames it whole once closed. An object store's upload is invisible until it completes.
+    own = f"{final}.upload-{uuid.uuid4().hex[:12]}"
+    shown = False
+    renamed = False
 
     def call(fn: Callable[[], Any], doing: str) -> Any:
         try:
@@ -453,27 +484,26 @@ def _upload_once(path: str, url: str, timeout: float) -> None:
             raise StreamStalled(f"{url}: no progress for {timeout:g} s while {doing}") from None
 
     try:
-        try:
-            opened = fsspec.open(url, "wb")
-        except (ImportError, ValueError) as e:  # no backend for the scheme, or an unknown protocol
-            raise RemoteError(f"cannot write {url}: {e}") from None
-        target = call(opened.open, "connecting")
+        shown = _shows_files_while_written(fs, own, call)
+        target = call(lambda: fs.open(own if shown else final, "wb"), "connecting")
         with open(path, "rb") as f:
             for block in iter(lambda: f.read(BUFFER), b""):
                 call(lambda b=block: target.write(b), "writing")
         call(target.close, "finishing")
         target = None
+        if shown:
+            call(lambda: fs.mv(own, final), "renaming")
+            renamed = True
     except (OSError, RemoteError):
         raise
     except Exception as e:  # backends raise their own types for network trouble: retried like an OSError
         raise OSError(f"{url}: {type(e).__name__}: {e}") from None
     finally:
         caller.stop()
-        if target is not None:  # abandon the partial object: an aborted multipart upload never becomes visible
-            if hasattr(target, "discard"):
-                _bounded(target.discard, timeout)
-            else:  # stores that show a file while it is written (fsspec's memory store): remove it
-                _bounded(lambda: opened.fs.rm(opened.path), timeout)
+        if shown and not renamed:  # this attempt's own name, never the object's
+            _bounded(lambda: fs.rm(own), timeout)
+        elif target is not None and hasattr(target, "discard"):  # an aborted multipart upload never becomes visible
+            _bounded(target.discard, timeout)
 
 
 def upload_file(path: str, url: str, timeout: float = READ_TIMEOUT_S, retries: int = READ_RETRIES,
@@ -481,7 +511,8 @@ def upload_file(path: str, url: str, timeout: float = READ_TIMEOUT_S, retries: i
     """Copy the local file `path` to `url` through fsspec (`s3://`, `gs://`, `memory://`, ...).
 
     Opening, every 1 MiB write and the final commit each run under the idle deadline `timeout`; an upload that fails
-    or stalls is abandoned (an unfinished multipart upload is aborted, so object stores never show part of it) and
+    or stalls is abandoned (an unfinished multipart upload is aborted, so object stores never show part of it; a store
+    that shows a file while it is written gets each attempt under a name of its own, renamed once closed) and
     started again, `retries` times with backoff. Raises the last OSError when every attempt failed (a missing
     bucket or a refused permission is not retried).
     """
