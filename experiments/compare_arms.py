@@ -192,11 +192,13 @@ def finetune_stage(point: str) -> str:
 
 def arm_stages(setup: Setup, arm: str, seed: int, made: dict[Any, Stage], point: str = "") -> list[Stage]:
     """The stages of one arm for one seed at one point of the label sweep. `made` holds this seed's stages so far:
-    (arm, "pretrain") and (arm, point) -> the arm's pretraining and fine-tuning, and each MPP pretraining's command
+    (arm, "pretrain") and (arm, point) -> the arm's pretraining and fine-tuning, and each pretraining's command
     (without its run directory) -> its stage. A pretraining is made at the first point and shared by the others, and
-    an MPP pretraining whose command another arm's already runs is that one (a variant that changes only fine-tuning
-    settings reads the reference's pretraining). Only those are shared: the length of a fine-tuning or of an
-    equal-compute run is not in its command until `set_lengths`. Returns the stages new to the plan."""
+    a pretraining (MPP or supervised) whose command another arm's already runs is that one (a variant that changes
+    only fine-tuning settings reads the reference's pretraining, or the `supervised` arm's; the supervised
+    pretraining's equal-compute length is the same for every supervised arm). Only those are shared: the length of a
+    fine-tuning or of an equal-compute run is not in its command until `set_lengths`. Returns the stages new to the
+    plan."""
     base = setup.out / f"seed{seed}" / arm
     k, name = kind(arm), f"seed{seed}/{arm}"
     scored = [f"data.shards={setup.labelled_of(seed, point)}", f"train.seed={seed}",
@@ -216,13 +218,13 @@ def arm_stages(setup: Setup, arm: str, seed: int, made: dict[Any, Stage], point:
             own = [f"data.shards={setup.unlabelled}", f"train.seed={seed}"]
             pre = Stage(f"{name}/pretrain", "pretrain", setup.configs["pretrain"], base / "pretrain",
                         [f"train.run_dir={base / 'pretrain'}", *stage_overrides(setup, arm, "pretrain", own)])
-            command = ("pretrain", *pre.overrides[1:])  # its run directory, first, left out
-            pre = made.setdefault(command, pre)
         else:
             own = [f"data.shards={setup.unlabelled}", f"train.seed={seed}", "data.val_shards=",
                    f"data.val_split={'val' if setup.pool_val else ''}", "init.checkpoint="]
             pre = Stage(f"{name}/pretrain", "finetune", setup.configs["finetune"], base / "pretrain",
                         [f"train.run_dir={base / 'pretrain'}", *stage_overrides(setup, arm, "pretrain", own)])
+        command = (pre.module, *pre.overrides[1:])  # its run directory, first, left out
+        pre = made.setdefault(command, pre)
         if pre.arm == arm:  # not another arm's, shared
             new.append(pre)
         made[arm, "pretrain"] = pre

@@ -389,6 +389,21 @@ def test_a_variant_that_changes_only_fine_tuning_reads_the_references_pretrainin
         PRE_STEPS * PRE_BATCH + 6 * 4)
 
 
+def test_a_supervised_variant_that_changes_only_fine_tuning_reads_the_supervised_pretraining(tmp_path, monkeypatch,
+                                                                                          shards):
+    # supervised-long once ran its own supervised pretraining, the very command of the supervised arm's
+    fake = FakeStages(monkeypatch)
+    out = tmp_path / "out"
+    compare.main(argv(shards, out, "--seeds", "0", "--arms", "mpp,supervised,supervised-long,supervised-x",
+                      "--labels-per-class", "2", "--finetune-steps", "6", "supervised-long=12", "--set",
+                      "supervised-x.pretrain:optim.lr=0.01"))
+    assert sorted(n for n in fake.launched if "supervised" in n) == [
+        "seed0/supervised-long/finetune_k2", "seed0/supervised-x/finetune_k2", "seed0/supervised-x/pretrain",
+        "seed0/supervised/finetune_k2", "seed0/supervised/pretrain"]  # supervised-x's pretraining is its own
+    command = json.loads((out / "seed0/supervised-long/finetune_k2" / run_scheduler.SIDECAR).read_text())["command"]
+    assert f"init.checkpoint={out / 'seed0/supervised/pretrain/export'}" in command and command[-1] == "train.epochs=12"
+
+
 def test_semi_arms_skip_point_all_when_their_pool_is_the_labelled_set(tmp_path, monkeypatch, shards, capsys):
     fake = FakeStages(monkeypatch)
     args = argv(shards, tmp_path / "out", "--seeds", "0", "--arms", "mpp,semi,semi_scratch", "--labels-per-class",
