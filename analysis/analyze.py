@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import dataclasses
 import io
 import json
 from collections.abc import Callable
@@ -30,8 +29,9 @@ from vit_mpp.data.image_prep import BadImage, EncodeSettings, prepare_image
 from vit_mpp.data.manifest import load_split
 from vit_mpp.data.shard_reader import range_segments, read_segment
 from vit_mpp.data.stream import normalize
-from vit_mpp.models.pretrained import Pretrained, build_model, checkpoint_kind, read_pretrained, results_folder
-from vit_mpp.models.vit import grid_size, norm_stats, patch_size
+from vit_mpp.models.pretrained import Pretrained, checkpoint_kind, results_folder
+from vit_mpp.models.pretrained import load_model as load_pretrained_model
+from vit_mpp.models.vit import grid_size, patch_size
 from vit_mpp.progress import progress
 from vit_mpp.tools.args import check_device, check_out_folder, make_out_folder
 
@@ -83,16 +83,11 @@ def load_model(checkpoint: str, model_name: str | None, img_size: list[int] | No
     if checkpoint_kind(checkpoint) in ("timm", "npz") and (model_name is None or size is None):
         raise ConfigError(f"{checkpoint} does not name its architecture: give --model NAME and --img-size N")
     given = ModelConfig(name=model_name, img_size=size) if model_name else ModelConfig()
-    pre = read_pretrained(checkpoint, given)
+    model, mean, std, pre = load_pretrained_model(checkpoint, given, size)
     if model_name and pre.model is not None and pre.model.name.split(".")[0] != model_name.split(".")[0]:
         raise ConfigError(f"--model {model_name}: {checkpoint} is a {pre.model.name} and names it itself; --model is "
                           "for a state dict that names no architecture")
-    cfg = pre.model or given
-    if size is not None:
-        cfg = dataclasses.replace(cfg, img_size=size)
-    model = build_model(cfg, pre, pre.num_classes, keep_head=bool(pre.num_classes)).eval()
-    default_mean, default_std = norm_stats(model)
-    return model, tuple(pre.mean or default_mean), tuple(pre.std or default_std), pre
+    return model, mean, std, pre
 
 
 def load_images(files: list[str], shards: str | None, split: str, count: int, hw: tuple[int, int],

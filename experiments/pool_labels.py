@@ -18,16 +18,17 @@ import math
 
 import torch
 import torch.nn.functional as F
+from timm.models.vision_transformer import VisionTransformer
 
 from vit_mpp.cli import ArgumentParser
 from vit_mpp.config.engine import ConfigError
-from vit_mpp.config.sections import DataConfig, ModelConfig
+from vit_mpp.config.sections import DataConfig
 from vit_mpp.data.image_decoder import ImageDecoder
 from vit_mpp.data.manifest import check_every_sample_labelled, load_split
 from vit_mpp.data.stream import eval_split_loader, loader_layout, normalize
 from vit_mpp.durable import write_atomic
 from vit_mpp.models.knn import knn_top1
-from vit_mpp.models.pretrained import Pretrained, build_model, read_pretrained
+from vit_mpp.models.pretrained import Pretrained, checkpoint_kind, load_model
 from vit_mpp.processes.exits import run_main
 from vit_mpp.progress import progress
 from vit_mpp.tools.args import check_out_file
@@ -103,17 +104,18 @@ def confident_accuracy(right: torch.Tensor, confidence: torch.Tensor) -> dict[st
 
 
 @torch.no_grad()
-def read_features(model: torch.nn.Module, pre: Pretrained, location: str, split_name: str, args: argparse.Namespace,
-                  ) -> dict[str, torch.Tensor]:
+def read_features(model: VisionTransformer, pre: Pretrained, norm: tuple[tuple[float, ...], tuple[float, ...]],
+                  where: tuple[str, str], args: argparse.Namespace) -> dict[str, torch.Tensor]:
     """The [class] token, the patch mean, the head's probabilities (a fine-tuned export's) and the labels of every
-    image of one labelled split, prepared as evaluation prepares them (`pre`: the export's size and normalisation;
-    `args`: the batch size and loader workers)."""
+    image of one labelled split (`where`: its location and split), prepared as evaluation prepares them (`pre`: the
+    export's size and crop; `norm`: the model's mean and std; `args`: the batch size and loader workers)."""
+    location, split_name = where
     split, info = load_split(location, split_name)
     check_every_sample_labelled(location, info, split_name)
     data = DataConfig(num_workers=args.workers, eval_crop_pct=pre.crop_pct or 0.875)  # as finetune.evaluate reads
     loader = eval_split_loader(split, data, ImageDecoder.for_evaluation(data, pre.model.img_size),
                                loader_layout(data, args.batch_size))
-    mean, std = pre.mean or (0.5,) * 3, pre.std or (0.5,) * 3
+    mean, std = norm
     parts: dict[str, list[torch.Tensor]] = {"cls": [], "avg": [], "head": [], "label": []}
     with progress(f"features of {location}:{split_name}", split.num_samples) as advance:
         for batch in loader:
@@ -175,12 +177,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     args = parse_args(argv)
     out = check_out_file(args.out) if args.out else None  # before the work, not after it
-    pre = read_pretrained(args.checkpoint, ModelConfig())
-    if pre.model is None:
+    if checkpoint_kind(args.checkpoint) in ("timm", "npz"):
         raise ConfigError(f"{args.checkpoint} names no architecture: give an export folder")
-    model = build_model(pre.model, pre, pre.num_classes, keep_head=bool(pre.num_classes)).eval()
-    labelled, pool = (read_features(model, pre, location, split, args)
-                      for location, split in ((args.labelled, args.labelled_split), (args.pool, args.pool_split)))
+    model, mean, std, pre = load_model(args.checkpoint)
+    labelled, pool = (read_features(model, pre, (mean, std), where, args)
+                      for where in ((args.labelled, args.labelled_split), (args.pool, args.pool_split)))
     num_classes = pre.num_classes or int(max(labelled["label"].max(), pool["label"].max())) + 1
     table = score(labelled, pool, num_classes, args.neighbours)
     shares = ["all", *(f"top{s:.0%}" for s in SHARES[1:])]

@@ -422,6 +422,22 @@ def build_model(cfg: ModelConfig, pre: Pretrained, num_classes: int = 0, keep_he
     return model
 
 
+def load_model(checkpoint: str, given: ModelConfig | None = None, img_size: int | list[int] | None = None,
+               ) -> tuple[VisionTransformer, tuple[float, ...], tuple[float, ...], Pretrained]:
+    """(the checkpoint's model in eval mode, a classifier head kept, its mean and std, what was read): the
+    normalisation the checkpoint says it was trained with, else its architecture's. `given` names the architecture of
+    a checkpoint that names none (a timm state dict, an .npz); `img_size` resizes the position embeddings with the
+    fine-tuning rule."""
+    given = given or ModelConfig()
+    pre = read_pretrained(checkpoint, given)
+    cfg = pre.model or given
+    if img_size is not None:
+        cfg = dataclasses.replace(cfg, img_size=img_size)
+    model = build_model(cfg, pre, pre.num_classes, keep_head=bool(pre.num_classes)).eval()
+    default_mean, default_std = norm_stats(model)
+    return model, tuple(pre.mean or default_mean), tuple(pre.std or default_std), pre
+
+
 def load_classifier(checkpoint: str | Path) -> tuple[torch.nn.Module, Pretrained]:
     """The fine-tuned classifier of an export (folder, weights file, local-dir: or hf-hub:) in eval mode, and what
     the export says about it (normalisation, crop, class names, provenance)."""
