@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                rank=accelerator.process_index, num_classes=pre.num_classes)
     model.to(accelerator.device)
     with with_progress(accelerator, loader, "evaluating", split.num_samples) as counted:
-        result, confusion = evaluate(accelerator, model, counted, pre.mean, pre.std, pre.num_classes)
+        result, confusion = evaluate(accelerator, model, counted, (pre.mean, pre.std), pre.num_classes)
 
     metrics, warning = with_unread(result, split.num_samples)  # the keys of fine-tuning's own evaluation records
     if warning:

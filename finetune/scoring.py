@@ -7,6 +7,7 @@ sums and the K x K count matrix are reduced once at the end, so each validation 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -18,33 +19,44 @@ from vit_mpp.durable import write_atomic
 from vit_mpp.tools.figures import plt, save_figure
 
 MAX_TICK_LABELS = 40  # beyond this, class names on the axes are unreadable
+# A pool's rule: teacher probabilities (B, K) -> (pseudo-label, kept), each (B,) (finetune/thresholds.py `label`)
+Labeller = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 @torch.no_grad()
-def evaluate(accelerator: Accelerator, model: torch.nn.Module, loader, mean: tuple[float, ...],
-             std: tuple[float, ...], num_classes: int) -> tuple[dict[str, float], torch.Tensor]:
-    """(metrics, confusion) over the whole split; confusion[true, predicted] counts samples (CPU, int64).
+def evaluate(accelerator: Accelerator, model: torch.nn.Module, loader,
+             mean_std: tuple[tuple[float, ...], tuple[float, ...]], num_classes: int,
+             labeller: Labeller | None = None) -> tuple[dict[str, float], torch.Tensor]:
+    """(metrics, confusion) over the whole split, the images normalised by the model's (mean, std);
+    confusion[true, predicted] counts samples (CPU, int64).
 
-    Metrics: val_loss, val_top1, val_top5 (more than 5 classes), val_samples, val_mean_class_acc. The model is left
-    in eval mode; the caller restores its training mode.
+    Metrics: val_loss, val_top1, val_top5 (more than 5 classes), val_samples, val_mean_class_acc; with a pool's
+    `labeller` (the model is its teacher), `val_pseudo_kept` and `val_pseudo_acc`: the share of the split's images
+    whose pseudo-label the rule would keep now, and the share of those that are right, an estimate from labelled
+    images of what the pool gets. The model is left in eval mode; the caller restores its training mode.
     """
     model.eval()
     k = min(5, num_classes)
     loss_sum = torch.zeros(1, device=accelerator.device)
-    # Integer counts, so they stay exact at any size: confusion[true * K + pred], then the top-k hits.
-    counts = torch.zeros(num_classes * num_classes + 1, device=accelerator.device, dtype=torch.int64)
+    # Integer counts, so they stay exact at any size: confusion[true * K + pred], the top-k hits, the pseudo-labels
+    # kept and the right ones among them.
+    counts = torch.zeros(num_classes * num_classes + 3, device=accelerator.device, dtype=torch.int64)
     for batch in loader:
         batch = to_device(batch, accelerator.device)
         with accelerator.autocast():
-            logits = model(normalize(batch["image"], mean, std)).float()  # (B, K)
+            logits = model(normalize(batch["image"], *mean_std)).float()  # (B, K)
         valid, labels = batch["valid"], batch["label"]
         loss_sum += (F.cross_entropy(logits, labels, reduction="none") * valid).sum()
         counts.index_add_(0, labels * num_classes + logits.argmax(1), valid.long())  # invalid samples add 0
         hits_k = (logits.topk(k, dim=1).indices == labels.unsqueeze(1)).any(1)  # (B,)
-        counts[-1] += (hits_k & valid).sum()
+        counts[-3] += (hits_k & valid).sum()
+        if labeller is not None:
+            pseudo, kept = labeller(logits.softmax(1))
+            counts[-2] += (kept & valid).sum()
+            counts[-1] += (kept & valid & (pseudo == labels)).sum()
     loss_sum = accelerator.reduce(loss_sum, reduction="sum")
     counts = accelerator.reduce(counts, reduction="sum").cpu()
-    confusion = counts[:-1].view(num_classes, num_classes)
+    confusion = counts[:-3].view(num_classes, num_classes)
     samples = int(confusion.sum())
     n = max(1, samples)
     per_class = per_class_accuracy(confusion)
@@ -53,7 +65,10 @@ def evaluate(accelerator: Accelerator, model: torch.nn.Module, loader, mean: tup
               "val_samples": samples,
               "val_mean_class_acc": float(per_class[seen].mean()) if seen.any() else 0.0}
     if num_classes > 5:
-        result["val_top5"] = float(counts[-1]) / n
+        result["val_top5"] = float(counts[-3]) / n
+    if labeller is not None:
+        result["val_pseudo_kept"] = float(counts[-2]) / n
+        result["val_pseudo_acc"] = float(counts[-1]) / max(1, int(counts[-2]))
     return result, confusion
 
 

@@ -62,13 +62,18 @@ class PoolThresholds(torch.nn.Module):
             return self.global_threshold * self.class_means / self.class_means.max()
         return torch.full_like(self.class_means, self.fixed)
 
+    def _aligned(self, probs: torch.Tensor) -> torch.Tensor:
+        if not self.align:
+            return probs
+        probs = probs / self.teacher_means  # x uniform, a constant the renormalisation removes
+        return probs / probs.sum(1, keepdim=True)
+
     @torch.no_grad()
     def forward(self, probs: torch.Tensor, pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self.align:
             mean, seen = self._pool_mean(probs, pool)
             self._follow(self.teacher_means, mean, seen)
-            probs = probs / self.teacher_means  # x uniform, a constant the renormalisation removes
-            probs = probs / probs.sum(1, keepdim=True)
+        probs = self._aligned(probs)
         confidence, pseudo = probs.max(1)  # (B,), (B,)
         if self.mode == "freematch":  # the statistics first, then the mask, as FreeMatch does
             mean, seen = self._pool_mean(torch.cat([confidence[:, None], probs], 1), pool)
@@ -79,6 +84,13 @@ class PoolThresholds(torch.nn.Module):
         self.labelled_as = self.labelled_as.to(probs.device) + (labelled_as * pool[:, None]).sum(0)
         self.kept_as = self.kept_as.to(probs.device) + (labelled_as * kept[:, None]).sum(0)
         return confidence, pseudo, kept
+
+    @torch.no_grad()
+    def label(self, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(pseudo-label, kept), each (B,), for teacher probabilities (B, K) of images that are not the pool's (the
+        validation split's): what the rule would make of them now, its running means left as they are."""
+        confidence, pseudo = self._aligned(probs).max(1)
+        return pseudo, confidence >= self.class_thresholds()[pseudo]
 
     def per_class(self) -> dict[str, Any]:
         """For a log record, over every process since the last call (a collective: call it on every process): each

@@ -85,7 +85,8 @@ class Finetuning(Objective):
                  resumed: Resumed) -> None:
         cfg = run.cfg
         self.run, self.loss, self.ema, self.exporter = run, loss, ema, exporter
-        self.keep_best = KeepBest.for_run(run, exporter, resumed.state)  # evaluates, exports the best so far
+        labeller = loss.thresholds.label if isinstance(loss, PseudoLabelLoss) else None  # the teacher's rule
+        self.keep_best = KeepBest.for_run(run, exporter, resumed.state, labeller)  # evaluates, exports the best so far
         self.eval_every = run.steps_per_epoch * cfg.train.eval_every_epochs if self.keep_best.evaluates else None
         self.num_classes = exporter.num_classes
         if cfg.augment.auto_augment:

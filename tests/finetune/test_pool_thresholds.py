@@ -77,6 +77,25 @@ def test_the_running_means_are_what_a_checkpoint_keeps():
     assert [x.tolist() for x in restored(PROBS, POOL)] == [x.tolist() for x in t(PROBS, POOL)]
 
 
+def test_labelling_the_validation_images_applies_the_rule_now_and_moves_no_running_mean():
+    """What the evaluation asks of the teacher's rule (`label`): the pool's alignment and thresholds as they stand,
+    the decisions a pool image with the same probabilities would get, and no running mean or log count moved."""
+    t = thresholds(threshold_mode="freematch", align=True, momentum=0.8)
+    for _ in range(3):
+        t(PROBS, POOL)
+    before = {k: v.clone() for k, v in t.state_dict().items()}
+    counts = (t.labelled_as.clone(), t.kept_as.clone())
+    pseudo, kept = t.label(PROBS)
+    assert all(torch.equal(before[k], v) for k, v in t.state_dict().items())
+    assert torch.equal(t.labelled_as, counts[0]) and torch.equal(t.kept_as, counts[1])
+    aligned = PROBS / t.teacher_means
+    aligned = aligned / aligned.sum(1, keepdim=True)
+    assert pseudo.tolist() == aligned.argmax(1).tolist()
+    assert kept.tolist() == (aligned.max(1).values >= t.class_thresholds()[pseudo]).tolist()
+    fixed = thresholds(threshold=0.7)
+    assert [x.tolist() for x in fixed.label(PROBS)] == [[0, 1, 2, 2], [True, True, False, True]]
+
+
 def test_a_log_record_has_each_classs_threshold_and_share_kept_since_the_last():
     t = thresholds(threshold=0.75)
     t(PROBS, POOL)  # pool rows: labelled 1 (0.7, not kept), 2 (0.4, not kept), 2 (0.8, kept)

@@ -87,6 +87,13 @@ def test_both_sets_are_read_once_per_epoch_and_a_kill_9_resumes_bit_identical(la
     logged = [r for r in read_metrics(tmp_path / "killed") if "loss" in r]
     assert all(0 <= r["pseudo_kept"] <= 1 and "pseudo_acc" not in r for r in logged)  # the pool has no labels
     assert sum(r["pseudo_kept"] for r in logged) > 0  # the teacher grew confident: the pool trained the student
+    # its pseudo-labels of the validation images, at the rule's thresholds of the moment, scored at each evaluation
+    evaluations = [r for r in read_metrics(tmp_path / "whole") if "ema_val_top1" in r]
+    assert evaluations and all(0 <= r["ema_val_pseudo_kept"] <= 1 and 0 <= r["ema_val_pseudo_acc"] <= 1
+                               and "val_pseudo_kept" not in r for r in evaluations)
+    poor = [r["step"] for r in evaluations if r["ema_val_pseudo_kept"] > 0 and r["ema_val_pseudo_acc"] < 0.5]
+    warned = re.findall(r"warning: at step (\d+) the pool's teacher", out)
+    assert warned == [str(poor[0])] if poor else not warned, (poor, warned)  # once, at the first
 
 
 def epochs_of_each_set(run_dir: Path) -> dict[str, int]:
