@@ -163,14 +163,22 @@ def make_report(setup: Setup, of_arm: dict[tuple[int, str, str], list[Stage]], e
             **({"monitors": monitors} if monitors["spearman"] else {})}
 
 
+POOL_KEYS = ("pseudo_kept", "pseudo_acc", "test_pseudo_kept", "test_pseudo_acc")
+
+
 def pool_at_end(run_dir: Path) -> dict[str, float] | None:
     """What the pool did in a run with one, at its last log: the share of pool images kept (`pseudo_kept`) and, for
-    a pool with labels (a proxy experiment's), how many of those pseudo-labels were right (`pseudo_acc`); None for a
-    run without a pool."""
-    last = next((r for r in reversed(read_metrics(run_dir)) if "pseudo_kept" in r), None)
+    a pool with labels (a proxy experiment's), how many of those pseudo-labels were right (`pseudo_acc`); at its last
+    evaluation, the same two of the teacher on the test images (`test_pseudo_kept`, `test_pseudo_acc`: the run's
+    `ema_val_pseudo_*`, which need no labels on the pool); None for a run without a pool."""
+    records = read_metrics(run_dir)
+    last = next((r for r in reversed(records) if "pseudo_kept" in r), None)
     if last is None:
         return None
-    return {k: float(last[k]) for k in ("pseudo_kept", "pseudo_acc") if isinstance(last.get(k), (int, float))}
+    scored = next((r for r in reversed(records) if "ema_val_pseudo_kept" in r), {})
+    found = {**{k: last.get(k) for k in POOL_KEYS[:2]},
+             **{f"test_{k}": scored.get(f"ema_val_{k}") for k in POOL_KEYS[:2]}}
+    return {k: float(v) for k, v in found.items() if isinstance(v, (int, float))}
 
 
 def pool_table(setup: Setup, of_arm: dict[tuple[int, str, str], list[Stage]], point: str) -> dict[str, Any]:
@@ -183,7 +191,7 @@ def pool_table(setup: Setup, of_arm: dict[tuple[int, str, str], list[Stage]], po
         seen = {seed: v for seed, v in seen.items() if v is not None}
         if seen:
             rows[arm] = {"per_seed": seen, **{k: mean_std([v[k] for v in seen.values() if k in v])[0]
-                                              for k in ("pseudo_kept", "pseudo_acc")}}
+                                              for k in POOL_KEYS}}
     return rows
 
 
@@ -192,13 +200,17 @@ def pool_markdown(pool: dict[str, Any], seeds: list[int]) -> list[str]:
     def cell(v: dict[str, float] | None) -> str:
         if v is None:
             return "–"
-        return f"{v['pseudo_kept']:.2f}" + (f" / {v['pseudo_acc']:.2f}" if "pseudo_acc" in v else "")
+        text = f"{v['pseudo_kept']:.2f}" + (f" / {v['pseudo_acc']:.2f}" if "pseudo_acc" in v else "")
+        if "test_pseudo_kept" in v and "test_pseudo_acc" in v:
+            text += f" (test {v['test_pseudo_kept']:.2f} / {v['test_pseudo_acc']:.2f})"
+        return text
 
     lines = ["", "The pool at the last log: share of pool images kept / share of those pseudo-labels right (a "
-             "labelled pool only)", "", f"| arm | mean | {' | '.join(f'seed {s}' for s in seeds)} |",
+             "labelled pool only); in brackets, the teacher's pseudo-labels of the test images by the same rule at "
+             "the last evaluation", "", f"| arm | mean | {' | '.join(f'seed {s}' for s in seeds)} |",
              "|" + " --- |" * (len(seeds) + 2)]
     for arm, row in pool.items():
-        mean = {k: row[k] for k in ("pseudo_kept", "pseudo_acc") if row.get(k) is not None}
+        mean = {k: row[k] for k in POOL_KEYS if row.get(k) is not None}
         lines.append(f"| {arm} | {cell(mean)} | {' | '.join(cell(row['per_seed'].get(s)) for s in seeds)} |")
     return lines
 

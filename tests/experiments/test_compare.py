@@ -64,7 +64,8 @@ class FakeStages:
         pool = {"pseudo_kept": 0.5, "pseudo_acc": 0.75} if any(o.startswith("semi.pool=") for o in stage.overrides) \
             else {}
         records = [{"step": s, "loss": 1.0, "elapsed_s": 6.0 * s, **pool} for s in range(1, stage.steps + 1)]
-        records.append({"step": stage.steps, "val_top1": self.top1(stage), "elapsed_s": 6.0 * stage.steps})
+        scored = {"ema_val_pseudo_kept": 0.6, "ema_val_pseudo_acc": 0.7} if pool else {}
+        records.append({"step": stage.steps, "val_top1": self.top1(stage), "elapsed_s": 6.0 * stage.steps, **scored})
         (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
         (run_dir / "summary.json").write_text(json.dumps({"step": stage.steps, "total_s": 6.0 * stage.steps}))
         (run_dir / "config.yaml").write_text(f"train:\n  batch_size: {stage.batch}\n")
@@ -355,10 +356,12 @@ def test_semi2_goes_on_from_the_references_fine_tuning_with_its_head_and_the_poo
     assert report["points"]["k2"]["epochs"] == {"semi_scratch@k2": 58}  # 232 images in 4 an epoch
     assert "semi2 - mpp" in report["points"]["k2"]["table"]["differences"]
     # why a pool paid or did not: the share kept and the pseudo-labels right, at the last log
-    assert report["points"]["k2"]["pool"]["semi2"] == {"per_seed": {0: {"pseudo_kept": 0.5, "pseudo_acc": 0.75}},
-                                                       "pseudo_kept": 0.5, "pseudo_acc": 0.75}
+    # and, from the last evaluation, the teacher's pseudo-labels of the test images (no labels on the pool needed)
+    ended = {"pseudo_kept": 0.5, "pseudo_acc": 0.75, "test_pseudo_kept": 0.6, "test_pseudo_acc": 0.7}
+    assert report["points"]["k2"]["pool"]["semi2"] == {"per_seed": {0: ended}, **ended}
     assert "mpp" not in report["points"]["k2"]["pool"]
-    assert "| semi2 | 0.50 / 0.75 | 0.50 / 0.75 |" in (out / "compare.md").read_text()
+    assert "| semi2 | 0.50 / 0.75 (test 0.60 / 0.70) | 0.50 / 0.75 (test 0.60 / 0.70) |" in (out / "compare.md"
+                                                                                           ).read_text()
 
 
 def test_a_variant_may_have_a_suffix_of_several_words():
