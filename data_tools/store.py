@@ -12,7 +12,7 @@ from typing import Any
 
 from data_tools.scratch import make_scratch, remove_scratch
 from vit_mpp import durable
-from vit_mpp.data import urls
+from vit_mpp.data import uploads, urls
 from vit_mpp.errors import UserError
 
 
@@ -176,12 +176,12 @@ class RemoteStore:
         tmp = self.staging() / f"{name}.upload"
         tmp.write_text(text, encoding="utf-8")
         try:
-            urls.upload_file(str(tmp), f"{self.url}/{name}")
+            uploads.upload_file(str(tmp), f"{self.url}/{name}")
         finally:
             tmp.unlink(missing_ok=True)
 
     def publish(self, tmp: str | Path, name: str) -> None:
-        urls.upload_file(str(tmp), f"{self.url}/{name}")
+        uploads.upload_file(str(tmp), f"{self.url}/{name}")
         os.unlink(tmp)
 
     def delete(self, names: list[str]) -> None:

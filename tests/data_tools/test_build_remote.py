@@ -24,7 +24,7 @@ from fsspec.implementations.memory import MemoryFileSystem
 from data_tools.cli import main as build_main
 from tests.helpers.build import make_tree, result_files
 from tests.helpers.processes import REPO, ctrl_c_enabled, interrupt_paused, subprocess_env
-from vit_mpp.data import urls
+from vit_mpp.data import uploads
 
 
 class _BrokenUpload:
@@ -59,7 +59,7 @@ class FlakyFS(MemoryFileSystem):
 
     def _open(self, path, mode="rb", **kwargs):
         f = super()._open(path, mode, **kwargs)
-        name = os.path.basename(path).split(".upload-")[0]  # an upload attempt's own name (urls.upload_file)
+        name = os.path.basename(path).split(".upload-")[0]  # an upload attempt's own name (uploads.upload_file)
         if "w" in mode and (name in FlakyFS.breaking or name in FlakyFS.stalling):
             stall = name in FlakyFS.stalling
             FlakyFS.stalling.discard(name)
@@ -71,7 +71,7 @@ class FlakyFS(MemoryFileSystem):
 def flaky(monkeypatch):
     fsspec.register_implementation("flaky", FlakyFS, clobber=True)
     # short deadline and waits, so the retries take a second instead of minutes
-    monkeypatch.setattr(urls, "upload_file", functools.partial(urls.upload_file, timeout=1.0, wait_s=0.01))
+    monkeypatch.setattr(uploads, "upload_file", functools.partial(uploads.upload_file, timeout=1.0, wait_s=0.01))
     FlakyFS.breaking, FlakyFS.stalling = set(), set()
     yield FlakyFS()
     FlakyFS.store.clear()
@@ -155,7 +155,7 @@ def test_an_abandoned_upload_acting_late_never_touches_the_finished_object(tmp_p
     LateFS.slow = {"shard.tar"}
     fs = LateFS()
     try:
-        urls.upload_file(str(tmp_path / "shard.tar"), "late://late-test/out/shard.tar", timeout=0.5, wait_s=0.01)
+        uploads.upload_file(str(tmp_path / "shard.tar"), "late://late-test/out/shard.tar", timeout=0.5, wait_s=0.01)
         assert not LateFS.slow  # the first attempt was abandoned
         time.sleep(2.0)  # its open has answered by now
         assert fs.cat("/late-test/out/shard.tar") == data

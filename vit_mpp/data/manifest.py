@@ -206,7 +206,7 @@ def data_record(location: str | Path, info: dict[str, Any]) -> dict[str, Any]:
 
 def write_manifest_url(location: str, info: dict[str, Any]) -> None:
     """Write the manifest into a local folder (as `write_manifest`) or to a URL through fsspec, as one upload that
-    appears whole or not at all (vit_mpp/data/urls.py `upload_file`); the bytes are the same either way. `location` may
+    appears whole or not at all (vit_mpp/data/uploads.py `upload_file`); the bytes are the same either way. `location` may
     also name the `.json` file itself (see `manifest_file`)."""
     target = manifest_file(location)
     if is_local(location):
@@ -214,7 +214,7 @@ def write_manifest_url(location: str, info: dict[str, Any]) -> None:
         return
     import tempfile
 
-    from vit_mpp.data.urls import upload_file
+    from vit_mpp.data.uploads import upload_file
 
     with tempfile.TemporaryDirectory(prefix="manifest-") as tmp:
         path = Path(tmp) / MANIFEST_NAME

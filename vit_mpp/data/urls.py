@@ -16,7 +16,6 @@ import threading
 import time
 import urllib.error
 import urllib.request
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, BinaryIO, TypeVar
@@ -147,7 +146,7 @@ def _abort(stream: Any) -> None:
         pass
 
 
-class _DaemonCaller:
+class DaemonCaller:
     """Runs calls one at a time in a daemon thread: a call stuck on a dead connection is abandoned, and never keeps
     the process from exiting (a ThreadPoolExecutor's threads are joined at exit)."""
 
@@ -180,7 +179,7 @@ class _DaemonCaller:
 class _DeadlineReader(io.RawIOBase):
     """A stream whose opening and every read must finish within `timeout` seconds.
 
-    The calls run in a daemon thread (`_DaemonCaller`); the caller waits on each with a timeout. On a timeout the
+    The calls run in a daemon thread (`DaemonCaller`); the caller waits on each with a timeout. On a timeout the
     stream is aborted from another thread (which unblocks the stuck call) and `StreamStalled` is raised; a call
     that stays stuck is abandoned and never keeps the process from exiting.
     """
@@ -189,7 +188,7 @@ class _DeadlineReader(io.RawIOBase):
         super().__init__()
         self.url, self.timeout = url, timeout
         self._stream: Any = None
-        self._caller = _DaemonCaller()
+        self._caller = DaemonCaller()
         self._stream = self._call(lambda: opener(url, timeout), "opening")
 
     def _call(self, fn: Callable[[], Any], doing: str) -> Any:
@@ -325,7 +324,7 @@ def worth_retrying(url: str, error: BaseException) -> bool:
     return not is_permanent(error)
 
 
-def _with_retries(action: Callable[[], T], url: str, retries: int, wait_s: float) -> T:
+def with_retries(action: Callable[[], T], url: str, retries: int, wait_s: float) -> T:
     """`action()`, repeated after an OSError `retries` times, after `wait_s`, then twice that, ...; an error that
     retrying cannot help (see `worth_retrying`: a missing file, HTTP 4xx, a local error other than a stall) is raised at
     once."""
@@ -349,7 +348,7 @@ def read_url(url: str, timeout: float = READ_TIMEOUT_S, retries: int = READ_RETR
         with open_url(url, timeout) as f:
             return f.read()
 
-    return _with_retries(read, url, retries, wait_s)
+    return with_retries(read, url, retries, wait_s)
 
 
 def open_seekable(url: str, timeout: float | None = None, retries: int | None = None,
@@ -362,7 +361,7 @@ def open_seekable(url: str, timeout: float | None = None, retries: int | None = 
     if is_local(url):
         return open(local_path(url), "rb")
     limit = READ_TIMEOUT_S if timeout is None else timeout
-    return _with_retries(lambda: io.BufferedReader(_DeadlineSeekable(url, limit), buffer_size=BUFFER), url,
+    return with_retries(lambda: io.BufferedReader(_DeadlineSeekable(url, limit), buffer_size=BUFFER), url,
                          READ_RETRIES if retries is None else retries, WAIT_S if wait_s is None else wait_s)
 
 
@@ -375,7 +374,7 @@ def read_seekable(url: str, read: Callable[[BinaryIO], T], timeout: float | None
         with open_seekable(url, timeout, retries=0) as f:
             return read(f)
 
-    return _with_retries(attempt, url, READ_RETRIES if retries is None else retries,
+    return with_retries(attempt, url, READ_RETRIES if retries is None else retries,
                          WAIT_S if wait_s is None else wait_s)
 
 
@@ -395,7 +394,7 @@ def read_stream(url: str, read: Callable[[BinaryIO], T], timeout: float | None =
             except http.client.HTTPException as e:  # http.client's own type for a cut body: retried as an OSError
                 raise OSError(f"{url}: {type(e).__name__}: {e}") from None
 
-    return _with_retries(attempt, url, READ_RETRIES if retries is None else retries,
+    return with_retries(attempt, url, READ_RETRIES if retries is None else retries,
                          WAIT_S if wait_s is None else wait_s)
 
 
@@ -414,7 +413,7 @@ def list_folder(url: str, timeout: float | None = None, retries: int | None = No
             fs, root = fsspec.core.url_to_fs(url)
         except (ImportError, ValueError) as e:  # no backend for the scheme, or an unknown protocol
             raise RemoteError(f"cannot list {url}: {e}") from None
-        caller = _DaemonCaller()
+        caller = DaemonCaller()
         try:
             entries = caller.call(lambda: _as_os_error(url, lambda: fs.ls(root, detail=True)), limit)
         except concurrent.futures.TimeoutError:
@@ -424,99 +423,8 @@ def list_folder(url: str, timeout: float | None = None, retries: int | None = No
         found = [(e["name"], e.get("size")) for e in entries if e.get("type") == "file"]
         return sorted((name if "://" in name else fs.unstrip_protocol(name), size) for name, size in found)
 
-    return _with_retries(attempt, url, READ_RETRIES if retries is None else retries,
+    return with_retries(attempt, url, READ_RETRIES if retries is None else retries,
                          WAIT_S if wait_s is None else wait_s)
-
-
-def _bounded(fn: Callable[[], Any], timeout: float) -> None:
-    """Run `fn` in a daemon thread and wait for it at most `timeout` seconds; its errors are ignored (clean-up)."""
-    def quiet() -> None:
-        try:
-            fn()
-        except Exception:  # clean-up after a failure: nothing more to report
-            pass
-
-    worker = threading.Thread(target=quiet, daemon=True)
-    worker.start()
-    worker.join(timeout)
-
-
-_SHOWN_WHILE_WRITTEN: dict[type, bool] = {}  # per kind of store (fsspec filesystem class), asked once
-
-
-def _shows_files_while_written(fs: Any, probe: str, call: Callable[[Callable[[], Any], str], Any]) -> bool:
-    """Whether `fs` shows a file as soon as it is opened for writing (fsspec's memory store, SFTP, HDFS) rather than
-    once its upload completes (object stores); asked once per kind of store with an empty file at `probe`, which is
-    removed (`call` runs each step under the upload's deadline)."""
-    kind = type(fs)
-    if kind not in _SHOWN_WHILE_WRITTEN:
-        handle = call(lambda: fs.open(probe, "wb"), "connecting")
-        try:
-            shown = bool(call(lambda: fs.exists(probe), "connecting"))
-        finally:
-            call(handle.close, "finishing")
-            call(lambda: fs.rm(probe), "removing a probe")
-        _SHOWN_WHILE_WRITTEN[kind] = shown
-    return _SHOWN_WHILE_WRITTEN[kind]
-
-
-def _upload_once(path: str, url: str, timeout: float) -> None:
-    try:
-        import fsspec.core
-
-        fs, final = fsspec.core.url_to_fs(url)
-    except (ImportError, ValueError) as e:  # no backend for the scheme, or an unknown protocol
-        raise RemoteError(f"cannot write {url}: {e}") from None
-    caller = _DaemonCaller()
-    target: Any = None
-    # An attempt abandoned at its deadline goes on in its thread and may still act later (its open, a write, the
-    # removal of its part). On a store that shows a file while it is written, that late act would truncate or delete
-    # the object a later attempt finished, after the build journaled it: there each attempt writes a name of its
-    # own and renames it whole once closed. An object store's upload is invisible until it completes.
-    own = f"{final}.upload-{uuid.uuid4().hex[:12]}"
-    shown = False
-    renamed = False
-
-    def call(fn: Callable[[], Any], doing: str) -> Any:
-        try:
-            return caller.call(fn, timeout)
-        except concurrent.futures.TimeoutError:
-            raise StreamStalled(f"{url}: no progress for {timeout:g} s while {doing}") from None
-
-    try:
-        shown = _shows_files_while_written(fs, own, call)
-        target = call(lambda: fs.open(own if shown else final, "wb"), "connecting")
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(BUFFER), b""):
-                call(lambda b=block: target.write(b), "writing")
-        call(target.close, "finishing")
-        target = None
-        if shown:
-            call(lambda: fs.mv(own, final), "renaming")
-            renamed = True
-    except (OSError, RemoteError):
-        raise
-    except Exception as e:  # backends raise their own types for network trouble: retried like an OSError
-        raise OSError(f"{url}: {type(e).__name__}: {e}") from None
-    finally:
-        caller.stop()
-        if shown and not renamed:  # this attempt's own name, never the object's
-            _bounded(lambda: fs.rm(own), timeout)
-        elif target is not None and hasattr(target, "discard"):  # an aborted multipart upload never becomes visible
-            _bounded(target.discard, timeout)
-
-
-def upload_file(path: str, url: str, timeout: float = READ_TIMEOUT_S, retries: int = READ_RETRIES,
-                wait_s: float = WAIT_S) -> None:
-    """Copy the local file `path` to `url` through fsspec (`s3://`, `gs://`, `memory://`, ...).
-
-    Opening, every 1 MiB write and the final commit each run under the idle deadline `timeout`; an upload that fails
-    or stalls is abandoned (an unfinished multipart upload is aborted, so object stores never show part of it; a store
-    that shows a file while it is written gets each attempt under a name of its own, renamed once closed) and
-    started again, `retries` times with backoff. Raises the last OSError when every attempt failed (a missing
-    bucket or a refused permission is not retried).
-    """
-    _with_retries(lambda: _upload_once(path, url, timeout), url, retries, wait_s)
 
 
 def _list_once(url: str, timeout: float) -> list[tuple[str, int, bool]]:
@@ -535,7 +443,7 @@ def _list_once(url: str, timeout: float) -> list[tuple[str, int, bool]]:
         return [(fs.unstrip_protocol(e["name"]), int(e.get("size") or 0), e.get("type") == "directory")
                 for e in found]
 
-    caller = _DaemonCaller()
+    caller = DaemonCaller()
     try:
         return caller.call(lambda: _as_os_error(url, entries), timeout)
     except concurrent.futures.TimeoutError:
@@ -549,4 +457,4 @@ def list_remote(url: str, timeout: float = READ_TIMEOUT_S, retries: int = READ_R
     """The entries of a remote folder, or what a glob pattern (`*`, `?`, `[`) matches, through fsspec: (URL, size,
     is a folder) each. The listing runs under the deadline `timeout` and is retried `retries` times with backoff,
     as `read_url`; a missing folder is an empty list for a pattern and FileNotFoundError otherwise."""
-    return _with_retries(lambda: _list_once(url, timeout), url, retries, wait_s)
+    return with_retries(lambda: _list_once(url, timeout), url, retries, wait_s)
