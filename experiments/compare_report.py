@@ -104,9 +104,9 @@ def markdown(report: dict[str, Any]) -> str:
     for name, row in report["table"]["differences"].items():
         per = " | ".join(f"{row['per_seed'][s]:+.3f}" if s in row["per_seed"] else "–" for s in seeds)
         lines.append(f"| {name} | {shown(row['mean'], row['std'], signed=True)} | {per} |")
-    lines += ["", "Training images and minutes: per seed (mean), of every run an arm's result depends on (probe, "
-              "semi: the reference MPP pretraining and their fine-tuning); minutes of training as the runs logged "
-              "them (elapsed_s), start-up not included."]
+    lines += ["", "Training images and minutes: per seed (the mean over the seeds with a result), of every run an "
+              "arm's result depends on (probe, semi: the reference MPP pretraining and their fine-tuning); minutes of "
+              "training as the runs logged them (elapsed_s), start-up not included."]
     if report["epochs"]:
         lines.append("Equal-compute epochs: " + ", ".join(f"{a} {e}" for a, e in report["epochs"].items()) + ".")
     lines += [f"Note: {n}" for n in report["notes"]]
@@ -148,6 +148,7 @@ def make_report(setup: Setup, of_arm: dict[tuple[int, str, str], list[Stage]], e
             top1[arm][seed] = final_top1(stages[-1].run_dir)
             if top1[arm][seed] is None:
                 notes.append(f"{stages[-1].name}: no test result in {stages[-1].run_dir} (not run, or not finished)")
+                continue  # its cost is not an arm's: the mean is over the seeds with a result
             images.append(sum(images_seen(s.run_dir) for s in stages))
             minutes.append(sum((wall_time_s(read_metrics(s.run_dir)) or 0.0) / 60 for s in stages))
         cost[arm] = {"images": round(statistics.mean(images or [0])), "minutes": statistics.mean(minutes or [0.0])}

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -246,6 +247,19 @@ def test_a_run_not_finished_is_no_result_though_it_logged_evaluations(tmp_path, 
     # resumed to more steps than its summary covers: not finished either, until its new summary
     (going / "summary.json").write_text(json.dumps({"step": 1, "total_s": 6.0}))
     assert compare.main([*args, "--report-only"])["table"]["arms"]["scratch"]["per_seed"] == {0: None}
+
+
+def test_an_arms_cost_is_that_of_its_seeds_with_a_result(tmp_path, monkeypatch, shards):
+    # a seed whose fine-tuning is not there (not run yet) added its pretraining alone, or nothing, to the mean
+    FakeStages(monkeypatch)
+    args = argv(shards, tmp_path / "out", "--arms", "scratch,mpp")
+    whole = compare.main([*args, "--seeds", "0"])["cost"]
+    compare.main([*args, "--seeds", "0", "1"])
+    shutil.rmtree(tmp_path / "out/seed1/mpp/finetune")
+    shutil.rmtree(tmp_path / "out/seed1/scratch")
+    report = compare.main([*args, "--seeds", "0", "1", "--report-only"])
+    assert report["table"]["arms"]["mpp"]["per_seed"] == {0: 0.5, 1: None}
+    assert report["cost"] == whole
 
 
 def test_supervised_is_skipped_with_a_note_when_the_pool_has_no_labels(tmp_path, monkeypatch, shards, capsys):

@@ -206,8 +206,8 @@ def data_record(location: str | Path, info: dict[str, Any]) -> dict[str, Any]:
 
 def write_manifest_url(location: str, info: dict[str, Any]) -> None:
     """Write the manifest into a local folder (as `write_manifest`) or to a URL through fsspec, as one upload that
-    appears whole or not at all (vit_mpp/data/uploads.py `upload_file`); the bytes are the same either way. `location` may
-    also name the `.json` file itself (see `manifest_file`)."""
+    appears whole or not at all (vit_mpp/data/uploads.py `upload_file`); the bytes are the same either way.
+    `location` may also name the `.json` file itself (see `manifest_file`)."""
     target = manifest_file(location)
     if is_local(location):
         write_atomic(local_path(target), manifest_text(info))
