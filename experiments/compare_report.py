@@ -164,7 +164,8 @@ def make_report(setup: Setup, of_arm: dict[tuple[int, str, str], list[Stage]], e
             **({"monitors": monitors} if monitors["spearman"] else {})}
 
 
-POOL_KEYS = ("pseudo_kept", "pseudo_acc", "test_pseudo_kept", "test_pseudo_acc")
+LOGGED = ("pseudo_kept", "pseudo_acc")  # a pool run's per-step metrics; test_*: its evaluations' ema_val_*
+POOL_KEYS = (*LOGGED, *(f"test_{k}" for k in LOGGED))
 
 
 def pool_at_end(run_dir: Path) -> dict[str, float] | None:
@@ -177,8 +178,7 @@ def pool_at_end(run_dir: Path) -> dict[str, float] | None:
     if last is None:
         return None
     scored = next((r for r in reversed(records) if "ema_val_pseudo_kept" in r), {})
-    found = {**{k: last.get(k) for k in POOL_KEYS[:2]},
-             **{f"test_{k}": scored.get(f"ema_val_{k}") for k in POOL_KEYS[:2]}}
+    found = {**{k: last.get(k) for k in LOGGED}, **{f"test_{k}": scored.get(f"ema_val_{k}") for k in LOGGED}}
     return {k: float(v) for k, v in found.items() if isinstance(v, (int, float))}
 
 

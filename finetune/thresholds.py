@@ -68,6 +68,10 @@ class PoolThresholds(torch.nn.Module):
         probs = probs / self.teacher_means  # x uniform, a constant the renormalisation removes
         return probs / probs.sum(1, keepdim=True)
 
+    def _passes(self, confidence: torch.Tensor, pseudo: torch.Tensor) -> torch.Tensor:
+        """Whether each (aligned) top probability reaches its pseudo-label's threshold now (B,)."""
+        return confidence >= self.class_thresholds()[pseudo]
+
     @torch.no_grad()
     def forward(self, probs: torch.Tensor, pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self.align:
@@ -79,7 +83,7 @@ class PoolThresholds(torch.nn.Module):
             mean, seen = self._pool_mean(torch.cat([confidence[:, None], probs], 1), pool)
             self._follow(self.global_threshold, mean[0], seen)
             self._follow(self.class_means, mean[1:], seen)
-        kept = pool & (confidence >= self.class_thresholds()[pseudo])
+        kept = pool & self._passes(confidence, pseudo)
         labelled_as = F.one_hot(pseudo, self.num_classes).float()  # (B, K)
         self.labelled_as = self.labelled_as.to(probs.device) + (labelled_as * pool[:, None]).sum(0)
         self.kept_as = self.kept_as.to(probs.device) + (labelled_as * kept[:, None]).sum(0)
@@ -90,7 +94,7 @@ class PoolThresholds(torch.nn.Module):
         """(pseudo-label, kept), each (B,), for teacher probabilities (B, K) of images that are not the pool's (the
         validation split's): what the rule would make of them now, its running means left as they are."""
         confidence, pseudo = self._aligned(probs).max(1)
-        return pseudo, confidence >= self.class_thresholds()[pseudo]
+        return pseudo, self._passes(confidence, pseudo)
 
     def per_class(self) -> dict[str, Any]:
         """For a log record, over every process since the last call (a collective: call it on every process): each
