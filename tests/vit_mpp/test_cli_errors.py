@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
+
 import pytest
 
-from tests.helpers.processes import run_module
+from tests.helpers.processes import REPO, run_module, subprocess_env
+from vit_mpp.processes.exits import QUIET_WAIT_S
 
 
 # Config errors under `python -m` (an unknown key, a wrong type, ...): tests/vit_mpp/test_config_faults.py.
@@ -134,3 +139,29 @@ def test_remote_locations_and_names_are_left_to_the_run():
         check_checkpoint_path(name)  # resolved by timm (which imports torch), or not a path
     with pytest.raises(ManifestError, match="shard directory not found: /nonexistent"):
         check_location("/nonexistent")
+
+
+STOPPED_THEN_BAD_CONFIG = """
+import os, signal, sys
+from vit_mpp.config.engine import ConfigError
+from vit_mpp.processes.exits import run_main
+from vit_mpp.processes.stop_signals import stop_during_start_up
+
+stop_during_start_up()
+os.kill(os.getpid(), signal.SIGTERM)  # the launcher's, as the main rank ends on the same error: kept for later
+
+def main(argv):
+    raise ConfigError("bad value")
+
+run_main(main, [])
+"""
+
+
+def test_a_rank_stopped_before_its_config_failed_ends_at_once_without_a_line():
+    # It waited QUIET_WAIT_S for the launcher's SIGTERM, which had come already, then printed the main rank's line again
+    env = {**subprocess_env(), "TORCHELASTIC_RUN_ID": "test", "RANK": "1", "WORLD_SIZE": "2"}
+    start = time.monotonic()
+    result = subprocess.run([sys.executable, "-c", STOPPED_THEN_BAD_CONFIG], cwd=REPO, env=env, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 2 and not result.stderr, result.stderr
+    assert time.monotonic() - start < QUIET_WAIT_S

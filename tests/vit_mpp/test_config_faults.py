@@ -242,3 +242,27 @@ def test_under_accelerate_launch(stage, overrides, message, tmp_path):
                          ids=[x for i, x in enumerate(IDS) if i not in LAUNCH_SAMPLE])
 def test_under_accelerate_launch_every_row(stage, overrides, message, tmp_path):
     launched(stage, overrides, message, tmp_path)
+
+
+# Rank 1 slower to start than rank 0 (CI's race, made certain): the launcher's SIGTERM, sent as rank 0 ends, reaches
+# rank 1 before it has read its config.
+SLOW_RANK_1 = """
+import os, runpy, sys, time
+from vit_mpp.processes.stop_signals import stop_during_start_up
+stop_during_start_up()  # what the entry point does first
+if os.environ["RANK"] == "1":
+    time.sleep(3)
+sys.argv[0] = "pretrain"
+runpy.run_module("pretrain", run_name="__main__", alter_sys=True)
+"""
+
+
+def test_a_rank_the_launcher_stopped_before_it_read_the_bad_config_adds_no_line(tmp_path):
+    # It kept the signal for after its config (to name what a rerun resumes from), met the config's error, waited
+    # for a SIGTERM that had already come and printed the line a second time, as `error: [rank 1] ...`
+    script = tmp_path / "slow_rank_1.py"
+    script.write_text(SLOW_RANK_1)
+    result = launch(str(script), *argv("pretrain", ["data.read_retries=-1"], f"{tmp_path}/run"), timeout=300)
+    ours = [ln for ln in result.stderr.splitlines() if ln.startswith("error: ")]
+    assert ours == ["error: config key 'data.read_retries' must be >= 0, got -1"], result.stderr[-3000:]
+    assert result.returncode != 0 and not (tmp_path / "run").exists()

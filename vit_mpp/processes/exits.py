@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from typing import NoReturn
 
 from vit_mpp.errors import Stopped, UserError
-from vit_mpp.processes import failures
+from vit_mpp.processes import failures, stop_signals
 from vit_mpp.processes.failures import (
     is_peer_error,
     note_failure,
@@ -77,6 +77,8 @@ def _one_line(error: UserError) -> NoReturn:
         if error.rank_local:
             note_failure()
         else:  # every rank met it: the main one prints it, and the launcher then ends this one
+            if stop_signals.came_during_start_up():  # the launcher's stop came first, while this rank started
+                exit_now(2)
             time.sleep(QUIET_WAIT_S)
         say(f"error: [rank {rank}] {line}")
     sys.exit(2)

@@ -58,6 +58,12 @@ def start_up_resumes_from(saved_step: Callable[[], int | None]) -> None:
         _stop_during_start_up(_early, None)
 
 
+def came_during_start_up() -> bool:
+    """Whether a stop signal came before the run's config was read (kept for `start_up_resumes_from`): a rank whose
+    config then fails has been told to stop, by the launcher whose main rank met the same error, or a scheduler."""
+    return _early is not None
+
+
 def _stop_during_start_up(signum: int, frame: object) -> None:
     # This handler is back once the run's own ones are gone (their context restores it as the run's error goes up):
     # the launcher's SIGTERM after a peer's failure then meets it. The peer's failure comes first, as everywhere.
