@@ -20,7 +20,7 @@ from finetune.__main__ import main as finetune_main
 from finetune.config import SemiConfig
 from finetune.loss import ClassificationLoss
 from finetune.semi import PseudoLabelLoss
-from tests.helpers.processes import JOB_LAUNCH, Background, in_process, run_module
+from tests.helpers.processes import JOB_LAUNCH, Background, in_process, launch, run_module
 from tests.helpers.runs import audit, read_metrics
 from tests.helpers.shards import write_shard_set
 from vit_mpp.config.engine import load_config
@@ -159,6 +159,24 @@ def test_two_processes_preempted_then_resumed_on_one_read_both_sets_once_per_epo
     # no sample twice in an epoch of its set, every epoch but the last whole, across the layouts (a mixture's draws
     # are random: the run's last epoch may end a few labelled images short)
     assert epochs_of_each_set(run_dir)["test"] >= epochs - 1
+
+
+def test_under_accelerate_launch_the_poor_teacher_warning_is_one_line_and_no_line_is_said_twice(
+        labelled, pool, pretrained, tmp_path):
+    # Every process's output, the launcher's included: the warning is the main process's, once, at the first
+    # evaluation whose kept pseudo-labels are under half right (the metrics are reduced across the 2 processes)
+    run_dir = tmp_path / "run"
+    result = launch(*command(labelled, pool, pretrained, run_dir)[1:], timeout=400)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-3000:]
+    evaluations = [r for r in read_metrics(run_dir) if "ema_val_top1" in r]
+    assert len(evaluations) == 3 and all(r["val_samples"] == 13 for r in evaluations)
+    poor = [r["step"] for r in evaluations if r["ema_val_pseudo_kept"] > 0 and r["ema_val_pseudo_acc"] < 0.5]
+    assert poor, evaluations  # the random encoder's teacher: what this test is about
+    assert re.findall(r"warning: at step (\d+) the pool's teacher", out) == [str(poor[0])], out[-3000:]
+    lines = [ln for ln in out.splitlines() if ln.strip() and not ln.startswith("step ")]
+    assert len(lines) == len(set(lines)), out[-3000:]  # no line said twice (each rank its own would be)
+    assert "error" not in out.lower() and "Traceback" not in out, out[-3000:]
 
 
 def test_the_pool_leaves_the_workers_with_its_weak_view_and_without_labels(labelled, pool):
