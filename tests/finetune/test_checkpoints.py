@@ -13,8 +13,9 @@ from tests.helpers.models import SMALL, write_encoder_export
 from vit_mpp.config.engine import ConfigError, load_config
 from vit_mpp.config.sections import ModelConfig
 from vit_mpp.models.export import ExportError, strip_prefix
-from vit_mpp.models.pretrained import CheckpointError, checkpoint_kind, read_state_dict, resize_pos_embed
+from vit_mpp.models.pretrained import checkpoint_kind, resize_pos_embed
 from vit_mpp.models.vit import create_vit
+from vit_mpp.models.weight_files import CheckpointError, read_state_dict
 
 
 @pytest.fixture

@@ -12,8 +12,9 @@ from finetune.config import InitConfig
 from finetune.init_model import attach_zero_head, build_classifier
 from tests.helpers.models import SMALL, write_encoder_export
 from vit_mpp.config.sections import ModelConfig
-from vit_mpp.models.pretrained import CheckpointError, load_weights, resize_pos_embed
+from vit_mpp.models.pretrained import load_weights, resize_pos_embed
 from vit_mpp.models.vit import create_vit
+from vit_mpp.models.weight_files import CheckpointError
 
 
 def test_zero_head_gives_zero_logits():

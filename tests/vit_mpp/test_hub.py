@@ -20,8 +20,8 @@ from tests.helpers.processes import REPO, subprocess_env
 from tests.helpers.runs import run_tiny_pretrain
 from vit_mpp.config.sections import ExportConfig, ModelConfig
 from vit_mpp.models.hub import push
-from vit_mpp.models.pretrained import CheckpointError
 from vit_mpp.models.vit import create_vit
+from vit_mpp.models.weight_files import CheckpointError
 
 
 def test_the_final_export_has_a_model_card_from_its_record(demo_shards, tmp_path):

@@ -18,7 +18,7 @@ from accelerate import Accelerator
 from torch.distributed.checkpoint import CheckpointException
 
 from vit_mpp.durable import WriteFailed, fsync, os_error_of, write_atomic, write_failed
-from vit_mpp.models.pretrained import CheckpointError
+from vit_mpp.models.weight_files import CheckpointError
 from vit_mpp.run.durability.checkpoint_files import (
     TRAINER_STATE,
     checkpoints_dir,
