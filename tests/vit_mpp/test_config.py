@@ -15,10 +15,10 @@ from vit_mpp.config.engine import (
     is_dry_run,
     load_config,
     parse_args,
-    read_yaml,
     replaced,
     to_dict,
 )
+from vit_mpp.config.yaml_words import read_yaml
 
 
 def test_defaults_follow_the_paper_recipe():

@@ -1,8 +1,9 @@
 """Typed, strict configuration: dataclasses filled from YAML, overridden by `section.key=value` arguments.
 
 `parse_args` and `load_config` check every key and type against the stage's nested dataclasses (fields declared with
-`opt`, their rules as `Check`) and raise `ConfigError`, one line naming the key. The loader keeps the word a user
-wrote beside what YAML 1.1 made of it (`Word`) and records which keys were set (`given_keys`).
+`opt`, their rules as `Check`) and raise `ConfigError`, one line naming the key. The YAML is read by yaml_words.py,
+which keeps the word a user wrote beside what YAML 1.1 made of it (`Word`); the engine records which keys were set
+(`given_keys`).
 See docs/reliability.md#user-mistakes-are-one-line-exit-2.
 """
 
@@ -21,6 +22,7 @@ from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 import yaml
 
 from vit_mpp.cli import ArgumentParser
+from vit_mpp.config.yaml_words import Word, plain, read_yaml, yaml_error
 from vit_mpp.durable import write_atomic
 from vit_mpp.errors import UserError
 
@@ -31,63 +33,6 @@ GIVEN = "_given_keys"  # the instance attribute (not a field: the dataclasses ke
 
 class ConfigError(UserError):
     """A bad config file, key or value; the message is one line meant for the user."""
-
-
-class Word(str):
-    """A YAML scalar that YAML 1.1 reads as a boolean or null, kept as the text written; `value` is what YAML made
-    of it (True, False or None). A str, so a string field takes the word; a bool field takes `value`."""
-
-    value: bool | None
-
-    def __new__(cls, text: str, value: bool | None) -> Word:
-        word = super().__new__(cls, text)
-        word.value = value
-        return word
-
-
-class _WordLoader(yaml.SafeLoader):
-    """PyYAML's safe loader, except that booleans and nulls come back as `Word`s (the type decides, not YAML)."""
-
-
-def _unique_keys_mapping(loader: _WordLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-    """A mapping, refusing a key written twice: YAML requires unique keys, and PyYAML would keep the last one,
-    silently dropping the first setting (`lr: 0.1` ... `lr: 0.5` trained at 0.5)."""
-    lines: dict[Any, int] = {}
-    for key_node, _ in node.value:
-        if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base` may override the base's keys, by design
-            continue
-        key = loader.construct_object(key_node, deep=True)
-        line = key_node.start_mark.line + 1
-        try:
-            if key in lines:
-                where = f"line {line}" if lines[key] == line else f"lines {lines[key]} and {line}"
-                raise yaml.constructor.ConstructorError(None, None, f"key '{key}' is written twice ({where})")
-            lines[key] = line
-        except TypeError:  # an unhashable key: PyYAML's own check below names it
-            continue
-    return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
-
-
-_WordLoader.add_constructor("tag:yaml.org,2002:map", _unique_keys_mapping)
-_WordLoader.add_constructor("tag:yaml.org,2002:bool",
-                            lambda loader, node: Word(node.value, loader.construct_yaml_bool(node)))
-_WordLoader.add_constructor("tag:yaml.org,2002:null", lambda loader, node: Word(node.value, None))
-
-
-def read_yaml(text: str) -> Any:
-    """`text` parsed as YAML, with booleans and nulls kept as `Word`s (see the module doc)."""
-    return yaml.load(text, Loader=_WordLoader)  # a SafeLoader subclass: plain data only, never objects
-
-
-def _plain(value: Any) -> Any:
-    """`value` with every `Word` replaced by what YAML made of it (for values no field type decides)."""
-    if isinstance(value, Word):
-        return value.value
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_plain(v) for v in value]
-    return value
 
 
 def given_keys(section: Any) -> frozenset[str]:
@@ -170,7 +115,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     """Return `value` checked (and minimally converted) against type `tp`, or raise ConfigError naming `key`."""
     origin = get_origin(tp)
     if tp is Any:
-        return _plain(value)
+        return plain(value)
     if origin in (Union, types.UnionType):
         if _is_null(value) and type(None) in get_args(tp):  # before `str` can take a null as ""
             return None
@@ -237,7 +182,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         raise ConfigError(f"config key '{key}' expects str, got {_shown(value)}")
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
-            raise ConfigError(f"config section '{key}' expects a mapping, got {_plain(value)!r}")
+            raise ConfigError(f"config section '{key}' expects a mapping, got {plain(value)!r}")
         return _fill(tp, value, prefix=f"{key}.")
     raise ConfigError(f"config key '{key}' has an unsupported type {tp!r}")  # a bug in a config class
 
@@ -275,18 +220,6 @@ def did_you_mean(key: str, names: set[str], prefix: str = "") -> str:
     """`did you mean 'train.steps'? ` for the known name closest to a mistyped `key` (difflib), or ''."""
     close = difflib.get_close_matches(key, sorted(names), n=1, cutoff=0.6)
     return f"did you mean '{prefix}{close[0]}'? " if close else ""
-
-
-def yaml_error(path: Path, error: yaml.YAMLError) -> str:
-    """Where a YAML file stops being YAML, and why: `config file PATH is not valid YAML: line 7, column 3: mapping
-    values are not allowed here`."""
-    mark, start = getattr(error, "problem_mark", None), getattr(error, "context_mark", None)
-    problem = getattr(error, "problem", None) or str(error).splitlines()[0]
-    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
-    context = getattr(error, "context", None)
-    opened = (f" ({context} opened at line {start.line + 1})" if context and start is not None and mark is not None
-              and start.line != mark.line else "")
-    return f"config file {path} is not valid YAML: {where}{' '.join(str(problem).split())}{opened}"
 
 
 def from_dict(cls: type[T], data: dict[str, Any]) -> T:
