@@ -22,7 +22,7 @@ from PIL import Image
 from data_tools.builder.shard_layout import sample_key, shard_name
 from data_tools.builder.sources.base import Item
 from data_tools.builder.writer import ShardWriter
-from vit_mpp.data import urls
+from vit_mpp.data import deadlines
 from vit_mpp.data.image_prep import BadImage, EncodeSettings, clean_detail, prepare_image
 from vit_mpp.durable import write_failed
 from vit_mpp.processes.rank_lifecycle import die_with_parent
@@ -83,7 +83,7 @@ def sample_files(result: tuple, item: Item) -> dict[str, bytes]:
 
 
 class RangeAbandoned(Exception):
-    """The main process asked the workers to stop while this one waited on a read (`urls.while_waiting`)."""
+    """The main process asked the workers to stop while this one waited on a read (`deadlines.while_waiting`)."""
 
 
 def _leave_if_stopped(stop: Any) -> None:
@@ -173,7 +173,7 @@ def init_worker(ctx: WorkContext, staging: Path, done: Any, stop: Any, parent: i
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _state.update(ctx=ctx, staging=Path(staging), done=done, stop=stop)
-    urls.while_waiting(functools.partial(_leave_if_stopped, stop))  # a waiting read is left when asked to stop
+    deadlines.while_waiting(functools.partial(_leave_if_stopped, stop))  # a waiting read is left when asked to stop
     # Pool workers wait on a pipe forever if the main process is killed (kill -9), and keep its scratch folder
     # locked (data_tools/scratch.py): they die with it.
     if not die_with_parent(parent):

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
 from data_tools.decode_check import KeyTally
-from vit_mpp.data import urls
+from vit_mpp.data import deadlines, urls
 from vit_mpp.data.image_formats import IMAGE_EXTENSIONS, image_member
 from vit_mpp.data.labels import BadLabel, cls_label
 from vit_mpp.data.tar_scan import ReadAhead, TarDamaged, TarReader, describe, samples
@@ -69,7 +69,7 @@ def init_worker(counter: Any, stop: Any, process: bool) -> None:
     _shared.counter, _shared.stop = counter, stop
     # a stalled read is left when the workers are asked to stop, not at its deadline (the check runs in the threads
     # that wait for this worker, so it holds the flag itself, not through this thread's `_shared`)
-    urls.while_waiting(functools.partial(_abandon_if, stop))
+    deadlines.while_waiting(functools.partial(_abandon_if, stop))
     if process:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
 

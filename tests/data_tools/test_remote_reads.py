@@ -31,7 +31,7 @@ from data_tools.cli import main as build_main
 from data_tools.demo_images import generate
 from tests.helpers.processes import REPO, ctrl_c_enabled, interrupt_paused, subprocess_env
 from tests.helpers.servers import FaultyHandler, serve, serve_faulty
-from vit_mpp.data import urls
+from vit_mpp.data import deadlines, urls
 
 DEADLINE_S = 2.0
 BOUND_S = 30.0  # well under the 60 s default deadline: only the shortened one can end a stalled read this soon
@@ -266,7 +266,7 @@ def test_a_waiting_read_runs_its_check_and_leaves_at_once_when_it_raises(tmp_pat
 
     with serve_faulty(tmp_path) as base:
         FaultyHandler.faults["/f.bin"] = ("stall", 100)  # half the body, then silence
-        urls.while_waiting(check)
+        deadlines.while_waiting(check)
         try:
             # a read stalled in the middle of the body: left within a check's interval, not at its 30 s deadline
             assert stopped_after(0.3, lambda: urls.read_stream(f"{base}/f.bin", lambda s: s.read(), timeout=30,
@@ -276,7 +276,7 @@ def test_a_waiting_read_runs_its_check_and_leaves_at_once_when_it_raises(tmp_pat
             assert stopped_after(0.3, lambda: urls.read_stream(f"{base}/f.bin", lambda s: s.read(), timeout=30,
                                                                retries=3, wait_s=20)) < 5
         finally:
-            urls.while_waiting(None)
+            deadlines.while_waiting(None)
     # without a check, a read waits for its data as before
     assert urls.read_stream(str(tmp_path / "f.bin"), lambda s: s.read()) == (tmp_path / "f.bin").read_bytes()
 

@@ -17,7 +17,7 @@ import zlib
 from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO
 
-from vit_mpp.data import urls
+from vit_mpp.data import deadlines
 
 BLOCK = 512
 CHUNK = 1 << 20  # bytes per read: few calls per shard, and the unit of progress and deadlines
@@ -322,17 +322,18 @@ class ReadAhead:
     while waiting) overlaps with parsing. `read()` returns the next chunk whatever size is asked; an error met by
     the helper (a stall past the deadline, a reset) is raised by the `read()` that reaches it. `close()` stops the
     helper after its current read, which the stream's own deadline bounds; it does not close the stream. The
-    helper runs the creating thread's `urls.while_waiting` check while it waits, so a pool's worker asked to stop
+    helper runs the creating thread's `deadlines.while_waiting` check while it waits, so a pool's worker asked to stop
     is not held up by a stalled read in its helper."""
 
     def __init__(self, stream: BinaryIO, depth: int = 2) -> None:
         self.stream, self.done = stream, False
         self.chunks: queue.Queue = queue.Queue(depth)
         self.stopped = threading.Event()
-        threading.Thread(target=self._run, args=(urls.waiting_check(),), daemon=True, name="tar-read-ahead").start()
+        threading.Thread(target=self._run, args=(deadlines.waiting_check(),), daemon=True,
+                         name="tar-read-ahead").start()
 
     def _run(self, check: Callable[[], None] | None) -> None:
-        urls.while_waiting(check)
+        deadlines.while_waiting(check)
         try:
             while not self.stopped.is_set():
                 chunk = self.stream.read(CHUNK)

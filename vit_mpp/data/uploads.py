@@ -11,7 +11,8 @@ from collections.abc import Callable
 from typing import Any
 
 from vit_mpp.config.sections import READ_RETRIES, READ_TIMEOUT_S
-from vit_mpp.data.urls import BUFFER, WAIT_S, DaemonCaller, RemoteError, StreamStalled, with_retries
+from vit_mpp.data.deadlines import DaemonCaller, StreamStalled
+from vit_mpp.data.urls import BUFFER, WAIT_S, RemoteError, with_retries
 
 
 def _bounded(fn: Callable[[], Any], timeout: float) -> None:

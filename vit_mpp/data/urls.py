@@ -1,7 +1,8 @@
 """Reading bytes by path or URL, with deadlines: shards, manifests and list files are all opened here (local files,
 `http(s)://`, `pipe:CMD`, and fsspec's schemes such as `s3://`). Opening and every read run under an idle deadline
 (`StreamStalled` when no byte arrives in time) and callers retry a bounded number of times, so neither a silent
-server nor a hung network mount can hang a run. See docs/data_stream.md and docs/reliability.md."""
+server nor a hung network mount can hang a run (the deadlines themselves: deadlines.py). See docs/data_stream.md and
+docs/reliability.md."""
 
 from __future__ import annotations
 
@@ -9,11 +10,7 @@ import concurrent.futures
 import http.client
 import io
 import os
-import queue
 import subprocess
-import sys
-import threading
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -22,41 +19,12 @@ from typing import Any, BinaryIO, TypeVar
 from urllib.parse import urlparse
 
 from vit_mpp.config.sections import READ_RETRIES, READ_TIMEOUT_S
+from vit_mpp.data.deadlines import DaemonCaller, DeadlineReader, StreamStalled, pause
 from vit_mpp.errors import UserError
 
 T = TypeVar("T")
 BUFFER = 1 << 20  # remote reads are buffered in 1 MiB pieces: few deadline round trips per shard
 WAIT_S = 1.0
-CHECK_EVERY_S = 0.25  # how often a thread that waits on a read runs its `while_waiting` check
-
-_waiting = threading.local()  # the check this thread runs while it waits (`while_waiting`)
-
-
-def while_waiting(check: Callable[[], None] | None) -> None:
-    """Have this thread run `check()` every CHECK_EVERY_S while it waits on a deadlined call (opening, a read, a
-    seek, the pause before a retry). An exception it raises abandons the stream (aborted as a stalled one is) and
-    propagates: a pool's workers, asked to stop, leave a stalled read at once instead of at its deadline. None: no
-    check (the default)."""
-    _waiting.check = check
-
-
-def waiting_check() -> Callable[[], None] | None:
-    """This thread's `while_waiting` check, for a helper thread that reads on its behalf to run too."""
-    return getattr(_waiting, "check", None)
-
-
-def _pause(seconds: float) -> None:
-    """Sleep `seconds`, running this thread's `while_waiting` check meanwhile."""
-    check = getattr(_waiting, "check", None)
-    end = time.monotonic() + seconds
-    while (left := end - time.monotonic()) > 0:
-        if check is not None:
-            check()
-        time.sleep(min(left, CHECK_EVERY_S) if check is not None else left)
-
-
-class StreamStalled(OSError):
-    """A stream (remote, or a local file on a hung mount) brought no data within its deadline; it has been aborted."""
 
 
 class RemoteError(UserError):
@@ -124,133 +92,6 @@ def _open_local(url: str, timeout: float) -> Any:
     return open(local_path(url), "rb", buffering=0)
 
 
-def _read_some(stream: Any, n: int) -> bytes:
-    """Up to `n` bytes, as soon as some have arrived. An HTTP body that ends before its Content-Length is an error
-    (http.client's read1 would return b"" there, which looks like a normal end)."""
-    data = stream.read1(n) if hasattr(stream, "read1") else stream.read(n)
-    if not data and isinstance(stream, http.client.HTTPResponse) and stream.length:
-        raise http.client.IncompleteRead(b"", stream.length)
-    return data
-
-
-def _abort(stream: Any) -> None:
-    """Stop a stream that another thread may be blocked on: kill its command, or close it."""
-    if stream is None:
-        return
-    try:
-        if isinstance(stream, _Command):
-            stream.kill()
-        else:
-            stream.close()
-    except Exception:  # already broken: nothing more to stop
-        pass
-
-
-class DaemonCaller:
-    """Runs calls one at a time in a daemon thread: a call stuck on a dead connection is abandoned, and never keeps
-    the process from exiting (a ThreadPoolExecutor's threads are joined at exit)."""
-
-    def __init__(self) -> None:
-        self.calls: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._run, daemon=True, name="url-write").start()
-
-    def _run(self) -> None:
-        while True:
-            fn, future = self.calls.get()
-            if fn is None:
-                return
-            try:
-                future.set_result(fn())
-            except BaseException as e:  # handed to the waiting caller
-                future.set_exception(e)
-
-    def submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        self.calls.put((fn, future))
-        return future
-
-    def call(self, fn: Callable[[], Any], timeout: float) -> Any:
-        return self.submit(fn).result(timeout=timeout)
-
-    def stop(self) -> None:
-        self.calls.put((None, None))
-
-
-class _DeadlineReader(io.RawIOBase):
-    """A stream whose opening and every read must finish within `timeout` seconds.
-
-    The calls run in a daemon thread (`DaemonCaller`); the caller waits on each with a timeout. On a timeout the
-    stream is aborted from another thread (which unblocks the stuck call) and `StreamStalled` is raised; a call
-    that stays stuck is abandoned and never keeps the process from exiting.
-    """
-
-    def __init__(self, url: str, timeout: float, opener: Callable[[str, float], Any] = _open_raw) -> None:
-        super().__init__()
-        self.url, self.timeout = url, timeout
-        self._stream: Any = None
-        self._caller = DaemonCaller()
-        self._stream = self._call(lambda: opener(url, timeout), "opening")
-
-    def _call(self, fn: Callable[[], Any], doing: str) -> Any:
-        return self._wait(self._caller.submit(fn), doing)
-
-    def _wait(self, future: concurrent.futures.Future, doing: str) -> Any:
-        check = getattr(_waiting, "check", None)
-        end = time.monotonic() + self.timeout
-        try:
-            while True:
-                left = end - time.monotonic()
-                try:
-                    return future.result(timeout=max(0.0, min(left, CHECK_EVERY_S) if check is not None else left))
-                except concurrent.futures.TimeoutError:
-                    if check is None or time.monotonic() >= end:
-                        raise StreamStalled(f"{self.url}: no data for {self.timeout:g} s while {doing}") from None
-                if check is not None:
-                    check()
-        except BaseException:
-            # A stall, the check's exception, or one raised into the wait (a stop signal, Ctrl-C): the call still
-            # running is abandoned with its stream, so that closing it does not wait behind it.
-            if not future.done():
-                self._give_up()
-            raise
-
-    def _give_up(self) -> None:
-        """Abort the stream from another thread (a call stuck on it returns) and leave the caller thread."""
-        if sys.is_finalizing():  # no thread starts while the interpreter exits (start() would wait forever)
-            _abort(self._stream)
-        else:
-            threading.Thread(target=_abort, args=(self._stream,), daemon=True).start()
-        self._caller.stop()
-        self._stream = None
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: Any) -> int:
-        if self._stream is None:
-            raise StreamStalled(f"{self.url}: the stream was aborted")
-        stream = self._stream
-        data = self._call(lambda: _read_some(stream, len(buffer)), "reading")
-        buffer[: len(data)] = data
-        return len(data)
-
-    def close(self) -> None:
-        if self.closed:
-            return
-        try:
-            if self._stream is not None and sys.is_finalizing():
-                # A stream left to the garbage collector at interpreter exit: the caller thread no longer runs (a
-                # daemon thread is frozen then), so a call handed to it would wait out its deadline and then
-                # start a thread, which never starts: the process would never exit. Close it here.
-                _abort(self._stream)
-            elif self._stream is not None:
-                self._call(self._stream.close, "closing")
-        finally:
-            self._stream = None
-            self._caller.stop()
-            super().close()
-
-
 def _open_fsspec(url: str, timeout: float) -> Any:
     """The undeadlined, seekable fsspec file of a remote `url` (called under the deadline)."""
     try:
@@ -272,9 +113,9 @@ def _as_os_error(url: str, fn: Callable[[], T]) -> T:
         raise OSError(f"{url}: {type(e).__name__}: {e}") from None
 
 
-class _DeadlineSeekable(_DeadlineReader):
+class _DeadlineSeekable(DeadlineReader):
     """A remote file (through fsspec) that can also seek; opening, every read and every seek must finish within
-    `timeout` seconds, as for `_DeadlineReader`."""
+    `timeout` seconds, as for `DeadlineReader`."""
 
     def __init__(self, url: str, timeout: float) -> None:
         super().__init__(url, timeout, lambda u, t: _as_os_error(u, lambda: _open_fsspec(u, t)))
@@ -314,7 +155,7 @@ def open_url(url: str, timeout: float = READ_TIMEOUT_S) -> BinaryIO:
     """A buffered binary stream of `url` (a local file or a remote stream) whose opening and every read have the
     idle deadline `timeout`: `StreamStalled` when it passes."""
     opener = _open_local if is_local(url) else _open_raw
-    return io.BufferedReader(_DeadlineReader(url, timeout, opener), buffer_size=BUFFER)
+    return io.BufferedReader(DeadlineReader(url, timeout, opener), buffer_size=BUFFER)
 
 
 def worth_retrying(url: str, error: BaseException) -> bool:
@@ -335,7 +176,7 @@ def with_retries(action: Callable[[], T], url: str, retries: int, wait_s: float)
         except OSError as e:
             if not worth_retrying(url, e) or attempt >= retries:
                 raise
-        _pause(wait_s * 2**attempt)
+        pause(wait_s * 2**attempt)
         attempt += 1
 
 
