@@ -251,7 +251,7 @@ import os, runpy, sys, time
 from vit_mpp.processes.stop_signals import stop_during_start_up
 stop_during_start_up()  # what the entry point does first
 if os.environ["RANK"] == "1":
-    time.sleep(3)
+    time.sleep(5)  # rank 0 has met the error and ended well before, even on a loaded machine
 sys.argv[0] = "pretrain"
 runpy.run_module("pretrain", run_name="__main__", alter_sys=True)
 """
