@@ -91,9 +91,18 @@ def test_both_sets_are_read_once_per_epoch_and_a_kill_9_resumes_bit_identical(la
     evaluations = [r for r in read_metrics(tmp_path / "whole") if "ema_val_top1" in r]
     assert evaluations and all(0 <= r["ema_val_pseudo_kept"] <= 1 and 0 <= r["ema_val_pseudo_acc"] <= 1
                                and "val_pseudo_kept" not in r for r in evaluations)
-    poor = [r["step"] for r in evaluations if r["ema_val_pseudo_kept"] > 0 and r["ema_val_pseudo_acc"] < 0.5]
-    warned = re.findall(r"warning: at step (\d+) the pool's teacher", out)
+    poor, warned = poor_steps(evaluations), warned_at(out)
     assert warned == [str(poor[0])] if poor else not warned, (poor, warned)  # once, at the first
+
+
+def poor_steps(evaluations: list[dict]) -> list[int]:
+    """The steps of the evaluations whose teacher kept pseudo-labels of the validation images less than half right."""
+    return [r["step"] for r in evaluations if r["ema_val_pseudo_kept"] > 0 and r["ema_val_pseudo_acc"] < 0.5]
+
+
+def warned_at(output: str) -> list[str]:
+    """The steps at which a run's output warned of a poor teacher."""
+    return re.findall(r"warning: at step (\d+) the pool's teacher", output)
 
 
 def epochs_of_each_set(run_dir: Path) -> dict[str, int]:
@@ -171,9 +180,9 @@ def test_under_accelerate_launch_the_poor_teacher_warning_is_one_line_and_no_lin
     assert result.returncode == 0, out[-3000:]
     evaluations = [r for r in read_metrics(run_dir) if "ema_val_top1" in r]
     assert len(evaluations) == 3 and all(r["val_samples"] == 13 for r in evaluations)
-    poor = [r["step"] for r in evaluations if r["ema_val_pseudo_kept"] > 0 and r["ema_val_pseudo_acc"] < 0.5]
+    poor = poor_steps(evaluations)
     assert poor, evaluations  # the random encoder's teacher: what this test is about
-    assert re.findall(r"warning: at step (\d+) the pool's teacher", out) == [str(poor[0])], out[-3000:]
+    assert warned_at(out) == [str(poor[0])], out[-3000:]
     lines = [ln for ln in out.splitlines() if ln.strip() and not ln.startswith("step ")]
     assert len(lines) == len(set(lines)), out[-3000:]  # no line said twice (each rank its own would be)
     assert "error" not in out.lower() and "Traceback" not in out, out[-3000:]
