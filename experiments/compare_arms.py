@@ -24,10 +24,13 @@ POOL_KINDS = ("semi", "semi2")  # MPP with the pool at fine-tuning: semi from th
 EQUAL_COMPUTE = (("scratch_equal", "finetune"), ("supervised", "pretrain"), ("semi_scratch", "finetune"))
 ARM_NAME = re.compile(r"^(" + "|".join(KINDS) + r")(-[A-Za-z0-9_]+)*$")  # semi-strong-long: a variant of semi
 KEY_VALUE = re.compile(r"^[A-Za-z_]\w*(\.\w+)*=")
-# Keys compare sets itself: a run's place, seed and data, and (fine-tuning) where it starts and what it is scored on.
+# Keys compare sets itself: a run's place, seed and data, and (fine-tuning) where it starts and what it is scored on;
+# semi.gate is kept off, since it would decide with the labels of the split the table scores (the test split).
 OWN_KEYS = {"pretrain": {"train.run_dir", "train.seed", "data.shards"},
             "finetune": {"train.run_dir", "train.seed", "data.shards", "init.checkpoint", "data.val_shards",
-                         "data.val_split", "semi.pool"}}
+                         "data.val_split", "semi.pool", "semi.gate"}}
+NO_GATE = ("compare validates every fine-tuning on --test, so a gate there would open the pool with the test split's "
+           "labels: measure semi.gate with python -m finetune and a validation split of its own (docs/results.md)")
 
 
 @dataclass
@@ -153,6 +156,8 @@ def parse_overrides(items: list[str], arms: list[str]) -> dict[str, list[str]]:
         key = setting.split("=", 1)[0]
         config = "finetune" if stage == "finetune" or kind(arm) == "supervised" else "pretrain"
         computed = dot and (kind(arm), stage) in EQUAL_COMPUTE
+        if key == "semi.gate" and config == "finetune":
+            raise ConfigError(f"--set {item!r}: {NO_GATE}")
         if key in OWN_KEYS[config] or (key == "train.epochs" and computed):
             raise ConfigError(f"--set {item!r}: compare sets {key} itself (see python -m experiments.compare --help)")
         found.setdefault(target, []).append(setting)
@@ -202,7 +207,7 @@ def arm_stages(setup: Setup, arm: str, seed: int, made: dict[Any, Stage], point:
     base = setup.out / f"seed{seed}" / arm
     k, name = kind(arm), f"seed{seed}/{arm}"
     scored = [f"data.shards={setup.labelled_of(seed, point)}", f"train.seed={seed}",
-              f"data.val_shards={setup.test}", f"data.val_split={setup.test_split}"]
+              f"data.val_shards={setup.test}", f"data.val_split={setup.test_split}", "semi.gate=0"]
     where = finetune_stage(point)
     new: list[Stage] = []
 

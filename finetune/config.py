@@ -139,6 +139,10 @@ class SemiConfig:
     align: bool = opt(False, "distribution alignment (ReMixMatch's): the teacher's probabilities on the pool, "
                              "multiplied by the uniform distribution over their running mean and renormalised, before "
                              "thresholding: a teacher that favours some classes labels the pool more evenly")
+    gate: float = opt(0.0, "the pool's loss counts only while the teacher's kept pseudo-labels of the validation "
+                           "split are at least this share right, as the last evaluation measured them "
+                           "(ema_val_pseudo_acc; off until the first evaluation, re-decided at each); 0 = always on",
+                      between(0, 1))
     momentum: float = opt(0.999, "momentum of the running means of semi.threshold_mode=freematch and semi.align, per "
                                  "micro-batch (FreeMatch: 0.999 over a million steps; a run of a few thousand steps "
                                  "wants about 0.99)", between(0, 1, hi_open=True))
@@ -202,6 +206,10 @@ class FinetuneConfig:
         if self.augment.mixup > 0 or self.augment.cutmix > 0:
             yield "semi.pool", ("mixup and cutmix would mix labelled and pool images in a batch: set augment.mixup=0 "
                                 "and augment.cutmix=0")
+        if self.semi.gate > 0 and not self.data.val_split:
+            yield "semi.gate", ("opens the pool when an evaluation finds the teacher's pseudo-labels of the "
+                                "validation split mostly right, and data.val_split is empty: give a validation split "
+                                "(data.val_shards, data.val_split), or set semi.gate=0")
         if self.data.decode == "gpu":
             yield "semi.pool", ("the teacher's weak view of a pool image is made in the loader workers: set "
                                 "data.decode=cpu")

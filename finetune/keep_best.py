@@ -38,7 +38,8 @@ def poor_teacher_warning(ema_result: dict[str, float], step: int) -> str | None:
         return None
     return (f"warning: at step {step} the pool's teacher (the EMA) would keep {kept:.0%} of the validation images "
             f"with pseudo-labels {right:.0%} right: no pool labelled less than half right helped fine-tuning in the "
-            "measured tables (docs/finetune.md, \"What to set first\")")
+            f"measured tables, and semi.gate={POOR_PSEUDO_LABELS:g} keeps the pool out while so (docs/finetune.md, "
+            "\"The gate\")")
 
 
 @dataclass

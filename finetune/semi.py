@@ -18,6 +18,7 @@ from timm.utils import ModelEmaV3
 from finetune.augment import pool_erasing
 from finetune.config import SemiConfig
 from finetune.loss import ClassificationLoss
+from finetune.pool_gate import PoolGate
 from finetune.thresholds import PoolThresholds
 from vit_mpp.data.stream import normalize
 
@@ -28,8 +29,9 @@ class PseudoLabelLoss:
     images, the unconfident counting 0, as in FixMatch and Semi-ViT). Metrics: `acc` (labelled), `pseudo_kept` (the
     share of pool images above their threshold) and, when the pool's shards are labelled (`pool_labelled`: a proxy
     experiment's), `pseudo_acc` (of the pool images kept, the share whose pseudo-label is their label: a diagnostic;
-    the pool's labels are never trained on). `log_extra` adds each class's threshold and share kept to a log record.
-    The thresholds' running statistics, when they have any, are saved in the run's checkpoints."""
+    the pool's labels are never trained on), `pool_on` (1 while `semi.gate` lets the pool's loss count). `log_extra`
+    adds each class's threshold and share kept to a log record. The thresholds' running statistics, when they have
+    any, are saved in the run's checkpoints; the gate's state is the trainer's (finetune/train.py)."""
 
     def __init__(self, semi: SemiConfig, labelled: ClassificationLoss, ema: ModelEmaV3, accelerator: Accelerator,
                  num_classes: int, pool_labelled: bool = False) -> None:
@@ -40,6 +42,7 @@ class PseudoLabelLoss:
         if self.thresholds.stateful:  # before the run resumes, so that load_state restores them
             accelerator.register_for_checkpointing(self.thresholds)
         self.erasing = pool_erasing(semi, accelerator.device)  # None when off
+        self.gate = PoolGate.resumed(semi.gate, {})  # a resumed run's replaces it (Finetuning)
 
     def warning(self, num_classes: int) -> str | None:
         """A fixed threshold the teacher cannot reach: trained with label smoothing s on K classes, its top probability
@@ -81,9 +84,12 @@ class PseudoLabelLoss:
         supervised = F.cross_entropy(logits, labels.clamp(min=0), reduction="none",
                                      label_smoothing=self.labelled.label_smoothing)
         unsupervised = F.cross_entropy(logits, pseudo, reduction="none")
-        loss = (supervised * labelled).sum() / n_labelled + self.semi.weight * (unsupervised * kept).sum() / n_pool
+        weight = self.semi.weight if self.gate.open else 0.0  # closed: the pool is labelled, and trains nothing
+        loss = (supervised * labelled).sum() / n_labelled + weight * (unsupervised * kept).sum() / n_pool
         metrics = {"acc": ((logits.argmax(1) == labels) & labelled).sum() / n_labelled,
                    "pseudo_kept": kept.sum() / n_pool}
+        if self.gate.gates:
+            metrics["pool_on"] = torch.tensor(float(self.gate.open), device=logits.device)
         if self.pool_labelled:
             known = kept & (labels >= 0)
             metrics["pseudo_acc"] = ((pseudo == labels) & known).sum() / known.sum().clamp(min=1)
@@ -103,4 +109,5 @@ class PseudoLabelLoss:
         else:
             view = "the labelled images' augmentations as its strong view"
         return (f"{self.labelled.describe()} | pool: {semi.ratio:g} images per labelled image, {view}, "
-                f"pseudo-labels from the EMA {self.thresholds.describe()}, weight {semi.weight:g}")
+                f"pseudo-labels from the EMA {self.thresholds.describe()}, weight {semi.weight:g}"
+                f"{self.gate.describe()}")

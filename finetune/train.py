@@ -25,6 +25,7 @@ from finetune.init_model import build_classifier, resolve_architecture
 from finetune.keep_best import KeepBest
 from finetune.loss import ClassificationLoss
 from finetune.modes import PROBES, set_train_mode
+from finetune.pool_gate import PoolGate
 from finetune.semi import PseudoLabelLoss
 from vit_mpp.config.engine import replaced
 from vit_mpp.config.sections import ModelConfig
@@ -88,6 +89,12 @@ class Finetuning(Objective):
         labeller = loss.thresholds.label if isinstance(loss, PseudoLabelLoss) else None  # the teacher's rule
         self.keep_best = KeepBest.for_run(run, exporter, resumed.state, labeller)  # evaluates, exports the best so far
         self.eval_every = run.steps_per_epoch * cfg.train.eval_every_epochs if self.keep_best.evaluates else None
+        if isinstance(loss, PseudoLabelLoss):  # semi.gate: open or closed as the checkpoint left it
+            loss.gate = PoolGate.resumed(cfg.semi.gate, resumed.state)
+            self.keep_best.warned = loss.gate.gates  # a gated run says what its gate does instead of the warning
+            late = loss.gate.late_warning(self.eval_every, cfg.total_steps(run.steps_per_epoch))
+            if late and run.accelerator.is_main_process:
+                print(late, file=sys.stderr, flush=True)
         self.num_classes = exporter.num_classes
         if cfg.augment.auto_augment:
             self.augment = RandAugmentU8(cfg.augment.auto_augment, cfg.model.img_size, exporter.mean)
@@ -110,10 +117,16 @@ class Finetuning(Objective):
         return {"epoch": step / self.run.steps_per_epoch, **pool}
 
     def evaluate(self, model: torch.nn.Module, at: At) -> Evaluation:
-        return self.keep_best(model, self.ema, at, label=f"epoch {plain_number(at.step / self.run.steps_per_epoch)}")
+        evaluation = self.keep_best(model, self.ema, at,
+                                    label=f"epoch {plain_number(at.step / self.run.steps_per_epoch)}")
+        if isinstance(self.loss, PseudoLabelLoss) and (line := self.loss.gate.update(self.keep_best.ema_result,
+                                                                                      at.step)):
+            self.run.print(line)
+        return evaluation
 
     def state(self) -> dict[str, Any]:
-        return {"steps_per_epoch": self.run.steps_per_epoch, **self.keep_best.state()}
+        gate = self.loss.gate.state() if isinstance(self.loss, PseudoLabelLoss) else {}
+        return {"steps_per_epoch": self.run.steps_per_epoch, **self.keep_best.state(), **gate}
 
     def finish(self, model: torch.nn.Module, at: At) -> Finished:
         """The last model (and its EMA) exported, model cards and the upload, the final line."""

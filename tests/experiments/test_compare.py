@@ -164,6 +164,7 @@ def test_the_semi_arms_fine_tune_with_the_unlabelled_set_as_their_pool(tmp_path,
     semi = json.loads((tmp_path / "out/seed0/semi/finetune" / run_scheduler.SIDECAR).read_text())["command"]
     assert f"init.checkpoint={tmp_path / 'out/seed0/mpp/pretrain/export'}" in semi
     assert f"semi.pool={shards['pool']}" in semi and "train.ema_decay=0.99" in semi
+    assert "semi.gate=0" in semi  # a gate in the config would decide with the test split's labels: kept off
     scratch = json.loads((tmp_path / "out/seed0/semi_scratch/finetune" / run_scheduler.SIDECAR).read_text())["command"]
     assert "init.checkpoint=" in scratch and f"semi.pool={shards['pool']}" in scratch
     assert scratch[-1] == "train.epochs=18"
@@ -495,6 +496,8 @@ def test_a_sweep_needs_one_labelled_set(tmp_path, monkeypatch, shards, capsys):
     (["--set", "scratch.pretrain:train.steps=3"], "arm scratch has no pretrain stage"),
     (["--set", "finetune:train.seed=3"], "compare sets train.seed itself"),
     (["--set", "scratch_equal.finetune:train.epochs=3"], "compare sets train.epochs itself"),
+    (["--set", "finetune:semi.gate=0.5"], "validates every fine-tuning on --test, so a gate there would open the "
+                                          "pool with the test split's labels"),
     (["--seeds", "0", "0"], "--seeds must be distinct"),
     (["--jobs", "0"], "--jobs 0: give at least 1 (runs at a time)"),
     (["--threads", "-1"], "--threads -1: give at least 1 (threads per run)"),

@@ -63,5 +63,6 @@ def test_a_rule_that_keeps_nothing_scores_no_right_pseudo_label_and_no_warning()
 def test_a_teacher_mostly_wrong_on_what_it_would_keep_is_warned_of_in_one_line():
     line = poor_teacher_warning({"val_pseudo_kept": 0.4, "val_pseudo_acc": 0.21}, 300)
     assert line.startswith("warning: at step 300 ") and "40%" in line and "21% right" in line and "\n" not in line
+    assert "semi.gate=0.5 keeps the pool out while so" in line  # what to do about it
     assert poor_teacher_warning({"val_pseudo_kept": 0.85, "val_pseudo_acc": 0.91}, 300) is None
     assert poor_teacher_warning({"val_top1": 0.2}, 300) is None  # no pool: nothing to say

@@ -19,6 +19,7 @@ from accelerate import Accelerator
 from finetune.__main__ import main as finetune_main
 from finetune.config import SemiConfig
 from finetune.loss import ClassificationLoss
+from finetune.pool_gate import PoolGate
 from finetune.semi import PseudoLabelLoss
 from tests.helpers.processes import JOB_LAUNCH, Background, in_process, launch, run_module
 from tests.helpers.runs import audit, read_metrics
@@ -330,6 +331,11 @@ def test_a_threshold_above_what_a_smoothed_teacher_predicts_is_warned_of():
     (["train.ema_decay=0.9", "semi.threshold_mode=adaptive"], "error: config key 'semi.threshold_mode' expects one "
                                                               "of 'fixed' | 'freematch', got 'adaptive'"),
     (["train.ema_decay=0.9", "semi.momentum=1"], "error: config key 'semi.momentum' must be in [0, 1)"),
+    (["train.ema_decay=0.9", "semi.gate=1.5"], "error: config key 'semi.gate' must be in [0, 1]"),
+    (["train.ema_decay=0.9", "semi.gate=0.5", "data.val_split="],
+     "error: config key 'semi.gate' opens the pool when an evaluation finds the teacher's pseudo-labels of the "
+     "validation split mostly right, and data.val_split is empty: give a validation split (data.val_shards, "
+     "data.val_split), or set semi.gate=0"),
 ])
 def test_a_setting_that_cannot_work_is_one_line_before_anything_is_written(labelled, pool, pretrained, tmp_path,
                                                                           capsys, settings, says):
@@ -398,3 +404,100 @@ def test_a_run_records_the_pool_in_its_export(labelled, pool, pretrained, tmp_pa
     assert mixture["pool:test"]["weight"] == pytest.approx(5 / 6)
     assert record["val"]["set"] == "test"
 
+
+
+
+def losses_and_gate(run_dir: Path) -> tuple[list[float], list[float], dict[int, float]]:
+    """A run's loss and `pool_on` at every step, and its teacher's `ema_val_pseudo_acc` at every evaluation."""
+    steps = [r for r in read_metrics(run_dir) if "loss" in r]
+    evaluations = {r["step"]: r["ema_val_pseudo_acc"] for r in read_metrics(run_dir) if "ema_val_top1" in r}
+    return [r["loss"] for r in steps], [r.get("pool_on") for r in steps], evaluations
+
+
+def test_the_gate_keeps_the_pool_out_until_an_evaluation_finds_the_teacher_right_enough(labelled, pool, pretrained,
+                                                                                         tmp_path):
+    """Through the real command: closed, a run is the same run with semi.weight=0, step for step, bit for bit; it
+    opens at the evaluation whose estimate reaches semi.gate, says so in one line instead of the poor-teacher warning,
+    and a run killed -9 while open resumes open (the gate is in the checkpoint)."""
+    off = run_module(*command(labelled, pool, pretrained, tmp_path / "off", "semi.weight=0")[2:])
+    assert off.returncode == 0, off.stderr[-3000:]
+    weightless = losses_and_gate(tmp_path / "off")[0]
+    never = run_module(*command(labelled, pool, pretrained, tmp_path / "never", "semi.gate=0.9",
+                                "train.eval_every_epochs=2")[2:])  # evaluated less often: training is the same
+    assert never.returncode == 0 and "pool: on" not in never.stdout, never.stderr[-3000:]
+    assert "off until an evaluation says so" in never.stdout  # the start-up summary
+    assert "warning: semi.gate decides at evaluations, and the first is at step 24 of 36" in never.stderr
+    losses, on, evaluations = losses_and_gate(tmp_path / "never")
+    assert losses == weightless and set(on) == {0.0} and max(evaluations.values()) < 0.9
+    assert sorted(evaluations) == [24, 36]
+
+    gated = ("semi.gate=0.3",)  # the random encoder's teacher is 31% right at every evaluation (4 of 13 images)
+    whole = run_module(*command(labelled, pool, pretrained, tmp_path / "whole", *gated)[2:])
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    losses, on, evaluations = losses_and_gate(tmp_path / "whole")
+    assert sorted(evaluations) == [12, 24, 36] and min(evaluations.values()) >= 0.3
+    assert on == [0.0] * 12 + [1.0] * 24  # off until the first evaluation (step 12), on from the next step
+    assert losses[:12] == weightless[:12] and losses[12] != weightless[12]
+    said = [ln for ln in (whole.stdout + whole.stderr).splitlines() if ln.startswith("pool: ")]
+    assert said == ["pool: on after step 12: the teacher would keep 100% of the validation images with pseudo-labels "
+                    "31% right (at least semi.gate 0.3)"], said
+    assert not warned_at(whole.stdout + whole.stderr)  # 31% right: ungated, the run would have warned
+
+    killed = Background(command(labelled, pool, pretrained, tmp_path / "killed", *gated), tmp_path / "k.log", "k")
+    killed.wait_for("step 19/")
+    killed.kill()  # the last checkpoint is step 16's, taken with the gate open
+    again = run_module(*command(labelled, pool, pretrained, tmp_path / "killed", *gated)[2:])
+    assert again.returncode == 0 and "resuming from" in again.stdout, again.stderr[-3000:]
+    assert losses_and_gate(tmp_path / "killed")[:2] == (losses, on)
+    assert "pool: on" not in again.stdout  # it resumed open: nothing changed to say
+
+
+@pytest.mark.slow
+def test_under_accelerate_launch_the_gate_opens_on_both_processes_at_once_and_says_so_once(labelled, pool,
+                                                                                          pretrained, tmp_path):
+    run_dir = tmp_path / "run"
+    result = launch(*command(labelled, pool, pretrained, run_dir, "semi.gate=0.3")[1:], timeout=400)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-3000:]
+    _, on, evaluations = losses_and_gate(run_dir)
+    first = min(evaluations)
+    assert evaluations[first] >= 0.3 and on == [0.0] * first + [1.0] * (len(on) - first)
+    assert len([ln for ln in out.splitlines() if ln.startswith("pool: on after step")]) == 1, out[-3000:]
+    lines = [ln for ln in out.splitlines() if ln.strip() and not ln.startswith("step ")]
+    assert len(lines) == len(set(lines)) and not warned_at(out), out[-3000:]
+    assert "error" not in out.lower() and "Traceback" not in out, out[-3000:]
+
+
+def test_the_gate_opens_and_closes_with_each_evaluation_and_says_so_each_time():
+    gate = PoolGate.resumed(0.5, {})
+    assert not gate.open and gate.state() == {"pool_open": False}
+    assert gate.update({"val_pseudo_kept": 0.4, "val_pseudo_acc": 0.49}, 10) is None  # still closed: nothing to say
+    assert gate.update({"val_pseudo_kept": 0.4, "val_pseudo_acc": 0.5}, 20) == (
+        "pool: on after step 20: the teacher would keep 40% of the validation images with pseudo-labels 50% right "
+        "(at least semi.gate 0.5)")
+    assert gate.open and gate.update({"val_pseudo_kept": 0.9, "val_pseudo_acc": 0.8}, 30) is None
+    assert gate.update({"val_pseudo_kept": 0.0, "val_pseudo_acc": 0.0}, 40) == (
+        "pool: off after step 40: the teacher would keep none of the validation images (under semi.gate 0.5)")
+    assert PoolGate.resumed(0.5, {"pool_open": True}).open  # as the checkpoint left it
+    ungated = PoolGate.resumed(0.0, {"pool_open": False})
+    assert ungated.open and ungated.state() == {} and ungated.describe() == ""
+    assert ungated.update({"val_pseudo_kept": 1.0, "val_pseudo_acc": 0.0}, 5) is None and ungated.open
+    assert gate.late_warning(1000, 1200) == (
+        "warning: semi.gate decides at evaluations, and the first is at step 1000 of 1200: the pool can train in the "
+        "last 200 steps at most (a lower train.eval_every_epochs evaluates sooner)")
+    assert gate.late_warning(None, 1200) is not None  # no evaluation but the last: the pool never trains
+    assert gate.late_warning(600, 1200) is None and ungated.late_warning(1000, 1200) is None
+
+
+def test_a_closed_gate_leaves_the_labelled_loss_alone_and_says_so_in_the_metrics():
+    teacher = torch.tensor([[0.0, 0.0, 0.0], [5.0, 0.0, 0.0], [0.0, 5.0, 0.0], [0.0, 0.0, 0.1]])
+    loss, got = loss_of(0.9, teacher)
+    assert "pool_on" not in got["out"]["metrics"]  # ungated
+    loss.gate = PoolGate.resumed(0.5, {})
+    closed = loss(got["model"], got["batch"])
+    _, weightless = loss_of(0.9, teacher, weight=0.0)
+    assert closed["loss"].item() == weightless["out"]["loss"].item() < got["out"]["loss"].item()
+    assert closed["metrics"]["pool_on"].item() == 0 and closed["metrics"]["pseudo_kept"].item() == pytest.approx(2 / 3)
+    loss.gate.open = True
+    opened = loss(got["model"], got["batch"])
+    assert opened["loss"].item() == got["out"]["loss"].item() and opened["metrics"]["pool_on"].item() == 1

@@ -1,0 +1,61 @@
+"""The pool's gate (`semi.gate`): the pool trains the student only while its teacher is measured mostly right. At each
+evaluation the teacher labels the validation images by the pool's rule (finetune/scoring.py: `val_pseudo_acc`, the
+share of the pseudo-labels it would keep that are right); the gate opens when that share reaches `semi.gate` and
+closes when it falls under it. Closed, the run is plain fine-tuning with an EMA: the pool is still read and labelled
+(its statistics keep moving), with weight 0. docs/finetune.md#semi-supervised-fine-tuning-semi.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class PoolGate:
+    """`gate.open`: whether the pool's loss counts now. `least` is `semi.gate` (0: always open, no evaluation read)."""
+
+    least: float
+    open: bool
+
+    @classmethod
+    def resumed(cls, least: float, state: dict[str, Any]) -> PoolGate:
+        """The gate of a run at its start (closed until an evaluation opens it) or as its checkpoint left it."""
+        if least <= 0:
+            return cls(least, True)
+        return cls(least, bool(state.get("pool_open", False)))
+
+    @property
+    def gates(self) -> bool:
+        return self.least > 0
+
+    def update(self, ema_result: dict[str, float], step: int) -> str | None:
+        """After an evaluation of the teacher: open or close by its estimate; the line that says so when it changed.
+        The metrics were reduced over the processes, so every process decides the same."""
+        if not self.gates:
+            return None
+        kept, right = ema_result.get("val_pseudo_kept", 0.0), ema_result.get("val_pseudo_acc", 0.0)
+        now = kept > 0 and right >= self.least
+        if now == self.open:
+            return None
+        self.open = now
+        measured = (f"the teacher would keep {kept:.0%} of the validation images with pseudo-labels {right:.0%} right"
+                    if kept > 0 else "the teacher would keep none of the validation images")
+        return (f"pool: {'on' if now else 'off'} after step {step}: {measured} "
+                f"({'at least' if now else 'under'} semi.gate {self.least:g})")
+
+    def state(self) -> dict[str, bool]:
+        """What a checkpoint keeps of it."""
+        return {"pool_open": self.open} if self.gates else {}
+
+    def late_warning(self, eval_every: int | None, total: int) -> str | None:
+        """The warning for a gate whose first evaluation leaves the pool less than half the run, or None."""
+        first = min(eval_every or total, total)
+        if not self.gates or first <= total // 2:
+            return None
+        return (f"warning: semi.gate decides at evaluations, and the first is at step {first} of {total}: the pool can "
+                f"train in the last {total - first} steps at most (a lower train.eval_every_epochs evaluates sooner)")
+
+    def describe(self) -> str:
+        return (f", on while the teacher's kept pseudo-labels of the validation images are at least "
+                f"{self.least:.0%} right (off until an evaluation says so)" if self.gates else "")
