@@ -26,6 +26,7 @@ from experiments.compare_arms import (
     KINDS,
     Setup,
     Stage,
+    check_no_gate,
     kind,
     parse_arms,
     parse_overrides,
@@ -135,6 +136,7 @@ def check_args(argv: list[str] | None) -> tuple[Setup, Any]:
     for flag, path in (("--pretrain-config", args.pretrain_config), ("--finetune-config", args.finetune_config)):
         if not Path(path).is_file():
             raise ConfigError(f"{flag} {path}: no such file")
+    check_no_gate(args.finetune_config)
     check_out_folder(args.out)
     pool = check_shards(args.unlabelled, "train", "--unlabelled", labelled=False)
     read = [pool]

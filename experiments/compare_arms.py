@@ -11,8 +11,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from experiments import label_sweep
 from vit_mpp.config.engine import ConfigError
+from vit_mpp.config.yaml_words import plain, read_yaml
 
 KINDS = ("scratch", "mpp", "scratch_equal", "supervised", "probe", "semi", "semi_scratch", "semi2")
 STAGES = {"scratch": ("finetune",), "mpp": ("pretrain", "finetune"), "scratch_equal": ("finetune",),
@@ -24,13 +27,25 @@ POOL_KINDS = ("semi", "semi2")  # MPP with the pool at fine-tuning: semi from th
 EQUAL_COMPUTE = (("scratch_equal", "finetune"), ("supervised", "pretrain"), ("semi_scratch", "finetune"))
 ARM_NAME = re.compile(r"^(" + "|".join(KINDS) + r")(-[A-Za-z0-9_]+)*$")  # semi-strong-long: a variant of semi
 KEY_VALUE = re.compile(r"^[A-Za-z_]\w*(\.\w+)*=")
-# Keys compare sets itself: a run's place, seed and data, and (fine-tuning) where it starts and what it is scored on;
-# semi.gate is kept off, since it would decide with the labels of the split the table scores (the test split).
+# Keys compare sets itself: a run's place, seed and data, and (fine-tuning) where it starts and what it is scored on.
 OWN_KEYS = {"pretrain": {"train.run_dir", "train.seed", "data.shards"},
             "finetune": {"train.run_dir", "train.seed", "data.shards", "init.checkpoint", "data.val_shards",
-                         "data.val_split", "semi.pool", "semi.gate"}}
+                         "data.val_split", "semi.pool"}}
+# semi.gate decides with the validation split's labels, and compare's fine-tunings validate on the split it tables
 NO_GATE = ("compare validates every fine-tuning on --test, so a gate there would open the pool with the test split's "
            "labels: measure semi.gate with python -m finetune and a validation split of its own (docs/results.md)")
+
+
+def check_no_gate(finetune_config: str) -> None:
+    """Refuse a fine-tuning config that sets `semi.gate` (NO_GATE). A file that is not a mapping of sections is
+    left to the stage's own dry run, which names what is wrong with it."""
+    try:
+        semi = plain(read_yaml(Path(finetune_config).read_text()) or {}).get("semi") or {}
+    except (yaml.YAMLError, AttributeError):
+        return
+    gate = semi.get("gate", 0) if isinstance(semi, dict) else 0
+    if isinstance(gate, (int, float)) and gate > 0:
+        raise ConfigError(f"--finetune-config {finetune_config} sets semi.gate {gate:g}: {NO_GATE}")
 
 
 @dataclass
@@ -207,7 +222,7 @@ def arm_stages(setup: Setup, arm: str, seed: int, made: dict[Any, Stage], point:
     base = setup.out / f"seed{seed}" / arm
     k, name = kind(arm), f"seed{seed}/{arm}"
     scored = [f"data.shards={setup.labelled_of(seed, point)}", f"train.seed={seed}",
-              f"data.val_shards={setup.test}", f"data.val_split={setup.test_split}", "semi.gate=0"]
+              f"data.val_shards={setup.test}", f"data.val_split={setup.test_split}"]
     where = finetune_stage(point)
     new: list[Stage] = []
 

@@ -164,7 +164,7 @@ def test_the_semi_arms_fine_tune_with_the_unlabelled_set_as_their_pool(tmp_path,
     semi = json.loads((tmp_path / "out/seed0/semi/finetune" / run_scheduler.SIDECAR).read_text())["command"]
     assert f"init.checkpoint={tmp_path / 'out/seed0/mpp/pretrain/export'}" in semi
     assert f"semi.pool={shards['pool']}" in semi and "train.ema_decay=0.99" in semi
-    assert "semi.gate=0" in semi  # a gate in the config would decide with the test split's labels: kept off
+    assert not any(o.startswith("semi.gate") for o in semi)  # the commands of runs made before the gate, reused
     scratch = json.loads((tmp_path / "out/seed0/semi_scratch/finetune" / run_scheduler.SIDECAR).read_text())["command"]
     assert "init.checkpoint=" in scratch and f"semi.pool={shards['pool']}" in scratch
     assert scratch[-1] == "train.epochs=18"
@@ -174,6 +174,19 @@ def test_the_semi_arms_fine_tune_with_the_unlabelled_set_as_their_pool(tmp_path,
     code, _, err = in_process(compare.main, argv(shards, tmp_path / "o2", "--arms", "mpp,semi", "--set",
                                                  "semi.finetune:semi.pool=elsewhere"), capsys)
     assert code == 2 and "compare sets semi.pool itself" in err
+
+
+def test_a_finetune_config_with_a_gate_is_one_line_before_anything_runs(tmp_path, monkeypatch, shards, capsys):
+    # The gate would read the labels of the test split compare validates on and tables
+    fake = FakeStages(monkeypatch)
+    gated = tmp_path / "gated.yaml"
+    gated.write_text((REPO / "configs/finetune/tiny.yaml").read_text() + "semi:\n  gate: 0.5\n")
+    code, _, err = in_process(compare.main, [*argv(shards, tmp_path / "out", "--arms", "mpp,semi"),
+                                             "--finetune-config", str(gated)], capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"error: --finetune-config {gated} sets semi.gate 0.5: compare validates every fine-tuning "
+                          "on --test, so a gate there would open the pool with the test split's labels"), err
+    assert not fake.dry_runs and not fake.launched and not (tmp_path / "out").exists()
 
 
 # --------------------------------------------------------------------------------------------------- resuming
