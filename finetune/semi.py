@@ -88,12 +88,13 @@ class PseudoLabelLoss:
         loss = (supervised * labelled).sum() / n_labelled + weight * (unsupervised * kept).sum() / n_pool
         metrics = {"acc": ((logits.argmax(1) == labels) & labelled).sum() / n_labelled,
                    "pseudo_kept": kept.sum() / n_pool}
-        if self.gate.gates:
-            metrics["pool_on"] = torch.tensor(float(self.gate.open), device=logits.device)
         if self.pool_labelled:
             known = kept & (labels >= 0)
             metrics["pseudo_acc"] = ((pseudo == labels) & known).sum() / known.sum().clamp(min=1)
-        return {"loss": loss, "metrics": {k: v.detach() for k, v in metrics.items()}}
+        metrics = {k: v.detach() for k, v in metrics.items()}
+        if self.gate.gates:  # a host number, as the step meter takes it: no copy to the device each step
+            metrics["pool_on"] = float(self.gate.open)
+        return {"loss": loss, "metrics": metrics}
 
     def log_extra(self) -> dict[str, Any]:
         """Each class's threshold and share of the pool kept since the last log (a collective: every process)."""

@@ -89,8 +89,9 @@ class Finetuning(Objective):
         labeller = loss.thresholds.label if isinstance(loss, PseudoLabelLoss) else None  # the teacher's rule
         self.keep_best = KeepBest.for_run(run, exporter, resumed.state, labeller)  # evaluates, exports the best so far
         self.eval_every = run.steps_per_epoch * cfg.train.eval_every_epochs if self.keep_best.evaluates else None
-        if isinstance(loss, PseudoLabelLoss):  # semi.gate: open or closed as the checkpoint left it
-            loss.gate = PoolGate.resumed(cfg.semi.gate, resumed.state)
+        if isinstance(loss, PseudoLabelLoss):
+            self.pool_augment = pool_augment(cfg.semi, cfg.model.img_size, exporter.mean)  # semi.strong, when set
+            loss.gate = PoolGate.resumed(cfg.semi.gate, resumed.state)  # semi.gate, as the checkpoint left it
             self.keep_best.warned = loss.gate.gates  # a gated run says what its gate does instead of the warning
             late = loss.gate.late_warning(self.eval_every, cfg.total_steps(run.steps_per_epoch))
             if late and run.accelerator.is_main_process:
@@ -98,8 +99,6 @@ class Finetuning(Objective):
         self.num_classes = exporter.num_classes
         if cfg.augment.auto_augment:
             self.augment = RandAugmentU8(cfg.augment.auto_augment, cfg.model.img_size, exporter.mean)
-        if isinstance(loss, PseudoLabelLoss):  # the pool's own strong view, when it has one (semi.strong)
-            self.pool_augment = pool_augment(cfg.semi, cfg.model.img_size, exporter.mean)
 
     def forward(self, model: torch.nn.Module, batch: dict) -> dict:
         """Device-side augmentation, the classifier and its loss (finetune/loss.py)."""
