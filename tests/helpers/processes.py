@@ -63,7 +63,9 @@ class Background:
     MARK = "VIT_MPP_TEST_MARK"
 
     def __init__(self, args: list[str], log: Path, marker: str, env: dict[str, str] | None = None) -> None:
-        self.log, self.marker = log, marker
+        # The log's path makes the marker this command's own: tests running side by side (pytest -n 2) may name
+        # theirs alike, and a kill of one by its marker must not reach the other's processes
+        self.log, self.marker = log, f"{marker}:{log}"
         self.file = log.open("w")
         full_env = {**subprocess_env(), **(env or {}), self.MARK: marker}
         self.proc = subprocess.Popen(args, stdout=self.file, stderr=subprocess.STDOUT, env=full_env, cwd=REPO)
