@@ -67,7 +67,7 @@ class Background:
         # theirs alike, and a kill of one by its marker must not reach the other's processes
         self.log, self.marker = log, f"{marker}:{log}"
         self.file = log.open("w")
-        full_env = {**subprocess_env(), **(env or {}), self.MARK: marker}
+        full_env = {**subprocess_env(), **(env or {}), self.MARK: self.marker}
         self.proc = subprocess.Popen(args, stdout=self.file, stderr=subprocess.STDOUT, env=full_env, cwd=REPO)
 
     def output(self) -> str:
