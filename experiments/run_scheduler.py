@@ -36,7 +36,7 @@ from vit_mpp.progress import format_duration
 from vit_mpp.run.metering.metrics_log import read_metrics
 from vit_mpp.tools.args import make_out_folder
 
-SIDECAR = "compare_run.json"  # in each run directory: the command compare ran there
+SIDECAR = "compare_run.json"  # in each run directory: the command compare ran there, and its threads
 DRY_RUNS = "dry_runs.json"  # in --out: what each stage command's dry run resolved (batch, steps, epochs)
 DRY_RUN_HEAD = "dry run: nothing is written; the resolved config:"
 
@@ -317,7 +317,8 @@ def execute(stages: list[Stage], out: Path, jobs: int, threads: int) -> None:
             for s in [s for s in pending if go and s.needs not in waiting][:jobs - len(running)]:
                 pending.remove(s)
                 make_out_folder(s.run_dir, "train.run_dir")
-                write_atomic(s.run_dir / SIDECAR, json.dumps({"command": [s.module, s.config, *s.overrides]}) + "\n")
+                write_atomic(s.run_dir / SIDECAR, json.dumps({"command": [s.module, s.config, *s.overrides],
+                                                               "threads": threads}) + "\n")
                 print(progress.begin(s), flush=True)
                 log = logs / (s.name.replace("/", "_") + ".log")
                 running[pool.submit(launch, s, log, threads)] = s

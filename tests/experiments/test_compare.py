@@ -194,8 +194,9 @@ def test_a_finetune_config_with_a_gate_is_one_line_before_anything_runs(tmp_path
 
 def test_a_finished_run_is_reused_and_a_half_finished_one_resumed(tmp_path, monkeypatch, shards, capsys):
     fake = FakeStages(monkeypatch, top1=lambda stage: 0.9 if "mpp" in stage.name else 0.6)
-    args = argv(shards, tmp_path / "out", "--seeds", "0", "--arms", "scratch,mpp", "--jobs", "2")
+    args = argv(shards, tmp_path / "out", "--seeds", "0", "--arms", "scratch,mpp", "--jobs", "2", "--threads", "3")
     first = compare.main(args)
+    assert json.loads((tmp_path / "out/seed0/mpp/pretrain" / run_scheduler.SIDECAR).read_text())["threads"] == 3
     assert sorted(fake.launched) == ["seed0/mpp/finetune", "seed0/mpp/pretrain", "seed0/scratch/finetune"]
     assert fake.launched.index("seed0/mpp/pretrain") < fake.launched.index("seed0/mpp/finetune")
     # the pretraining, mpp's fine-tuning (with the pretraining's architecture: its export is to come) and scratch's
@@ -712,9 +713,13 @@ def test_a_tiny_real_comparison_runs_and_resumes(tmp_path, monkeypatch, shards):
     tiny = ["--set", "finetune:model.patch_size=4", "finetune:model.embed_dim=32", "finetune:model.depth=2",
             "finetune:model.num_heads=2", "finetune:model.img_size=16", "pretrain:train.steps=4",
             "finetune:train.epochs=1", "finetune:data.num_workers=0", "pretrain:data.num_workers=0"]
-    args = argv(shards, tmp_path / "out", "--seeds", "0", "--arms", "scratch,mpp", "--jobs", "2", *tiny)
+    args = argv(shards, tmp_path / "out", "--seeds", "0", "--arms", "scratch,mpp", "--jobs", "2", "--threads", "1",
+                *tiny)
     report = compare.main(args)
     assert all(report["table"]["arms"][a]["per_seed"][0] is not None for a in ("scratch", "mpp"))
+    for run in ("seed0/mpp/pretrain", "seed0/mpp/finetune", "seed0/scratch/finetune"):  # what a rerun must match
+        assert json.loads((tmp_path / "out" / run / run_scheduler.SIDECAR).read_text())["threads"] == 1
+        assert json.loads((tmp_path / "out" / run / "summary.json").read_text())["threads"] == 1
     assert report["test_samples"] == 9
     launched = []
     monkeypatch.setattr(run_scheduler, "launch", lambda *a: launched.append(a) or 0)

@@ -8,6 +8,7 @@ import json
 import time
 
 import pytest
+import torch
 
 from analysis.run_table import run_row
 from finetune.__main__ import main as finetune_main
@@ -32,6 +33,7 @@ def test_a_pretraining_summary_counts_the_whole_run_on_its_own_clock(demo_shards
     assert set(summary["final"]) == {"knn_top1_cls", "knn_top1_avg", "val_acc", "val_loss"}  # k-NN: pretraining's
     assert summary["best"]["val_loss"] == min(r["val_loss"] for r in records if "val_loss" in r)
     assert summary["exports"] == [str(run_dir / "export")] and summary["mfu"] is None  # a CPU: no peak known
+    assert summary["threads"] == torch.get_num_threads()  # runs reproduce bit for bit at one thread count only
     out = capsys.readouterr().out.splitlines()
     block = out[out.index(next(line for line in out if line.startswith("run done at step 6"))):]
     assert len(block) == 4 and block[-1] == f"export: {run_dir / 'export'} | summary: {run_dir / 'summary.json'}"

@@ -302,7 +302,7 @@ class StepMeter:
                          self.last_step * self.batch_size / training if training > 0 else None,
                          laps.wait / laps.training if laps.training > 0 else None, self._mfu(trained, laps.training))
         run_dir = self.metrics_log.path.parent
-        summary = summary_record(run_dir, times, exports)
+        summary = summary_record(run_dir, times, exports, torch.get_num_threads())
         path = write_summary(run_dir, summary)
         for line in summary_lines(summary, path):
             self.accelerator.print(line)

@@ -87,9 +87,10 @@ def _rounded(value: float | None, digits: int) -> float | None:
     return None if value is None else round(value, digits)
 
 
-def summary_record(run_dir: str | Path, times: RunTimes, exports: list[Path]) -> dict[str, Any]:
-    """What summary.json holds: the times, the training costs, peak device memory (the most any log saw), the final
-    and best of the `SHOWN` metrics, and the export folders that exist."""
+def summary_record(run_dir: str | Path, times: RunTimes, exports: list[Path], threads: int) -> dict[str, Any]:
+    """What summary.json holds: the times, the training costs, peak device memory (the most any log saw), the CPU
+    threads of each process (beside which its img/s was measured), the final and best of the `SHOWN` metrics, and
+    the export folders that exist."""
     records = read_metrics(run_dir)
     best = best_metrics(records)
     memory = [r["peak_mem_gib"] for r in records if isinstance(r.get("peak_mem_gib"), (int, float))]
@@ -98,7 +99,8 @@ def summary_record(run_dir: str | Path, times: RunTimes, exports: list[Path]) ->
             "other_s": round(max(0.0, times.total - times.training - times.evaluation), 1),
             "img_per_s": _rounded(times.img_per_s, 1), "data_wait": _rounded(times.data_wait, 4),
             "mfu": _rounded(times.mfu, 4), "peak_mem_gib": max(memory, default=None),
-            "final": final_metrics(records, SHOWN), "best": {k: v for k, v in best.items() if k in SHOWN},
+            "threads": threads, "final": final_metrics(records, SHOWN),
+            "best": {k: v for k, v in best.items() if k in SHOWN},
             "exports": [str(p) for p in exports if Path(p).is_dir()]}
 
 
