@@ -165,6 +165,44 @@ def test_an_abandoned_upload_acting_late_never_touches_the_finished_object(tmp_p
         fs.rm("/late-test", recursive=True)
 
 
+class BackendError(Exception):
+    """A store client's own error type for network trouble (aiohttp's ClientPayloadError, botocore's), no OSError."""
+
+
+class ForeignErrorFS(MemoryFileSystem):
+    """A store whose writes of chosen objects fail with its own error type, `failures[name]` more times."""
+
+    protocol = "foreign"
+    failures: dict[str, int] = {}
+
+    @classmethod
+    def _strip_protocol(cls, path):
+        return super()._strip_protocol(str(path).removeprefix("foreign://"))
+
+    def _open(self, path, mode="rb", **kwargs):
+        name = os.path.basename(path).split(".upload-")[0]
+        if "w" in mode and ForeignErrorFS.failures.get(name, 0) > 0:
+            ForeignErrorFS.failures[name] -= 1
+            raise BackendError("Response payload is not completed")
+        return super()._open(path, mode, **kwargs)
+
+
+def test_a_store_client_s_own_error_is_retried_then_one_os_error(tmp_path):
+    fsspec.register_implementation("foreign", ForeignErrorFS, clobber=True)
+    (tmp_path / "shard.tar").write_bytes(b"x" * 100)
+    fs = ForeignErrorFS()
+    try:
+        ForeignErrorFS.failures = {"shard.tar": 2}  # retried like a reset connection, and the third attempt lands
+        uploads.upload_file(str(tmp_path / "shard.tar"), "foreign://f/out/shard.tar", retries=3, wait_s=0.01)
+        assert fs.cat("/f/out/shard.tar") == b"x" * 100 and ForeignErrorFS.failures["shard.tar"] == 0
+        ForeignErrorFS.failures = {"other.tar": 10}
+        with pytest.raises(OSError, match="foreign://f/out/other.tar: BackendError: Response payload is not"):
+            uploads.upload_file(str(tmp_path / "shard.tar"), "foreign://f/out/other.tar", retries=2, wait_s=0.01)
+        assert ForeignErrorFS.failures["other.tar"] == 7  # the first attempt and 2 retries, then one error
+    finally:
+        fs.rm("/f", recursive=True)
+
+
 @pytest.fixture
 def s3_server(monkeypatch):
     """moto's S3 server on a free port of 127.0.0.1, with s3fs pointed at it (through fsspec's env config)."""

@@ -12,7 +12,7 @@ from typing import Any
 
 from vit_mpp.config.sections import READ_RETRIES, READ_TIMEOUT_S
 from vit_mpp.data.deadlines import DaemonCaller, StreamStalled
-from vit_mpp.data.urls import BUFFER, WAIT_S, RemoteError, with_retries
+from vit_mpp.data.urls import BUFFER, WAIT_S, RemoteError, as_os_error, with_retries
 
 
 def _bounded(fn: Callable[[], Any], timeout: float) -> None:
@@ -70,7 +70,8 @@ def _upload_once(path: str, url: str, timeout: float) -> None:
         except concurrent.futures.TimeoutError:
             raise StreamStalled(f"{url}: no progress for {timeout:g} s while {doing}") from None
 
-    try:
+    def attempt() -> None:
+        nonlocal shown, renamed, target
         shown = _shows_files_while_written(fs, own, call)
         target = call(lambda: fs.open(own if shown else final, "wb"), "connecting")
         with open(path, "rb") as f:
@@ -81,10 +82,9 @@ def _upload_once(path: str, url: str, timeout: float) -> None:
         if shown:
             call(lambda: fs.mv(own, final), "renaming")
             renamed = True
-    except (OSError, RemoteError):
-        raise
-    except Exception as e:  # backends raise their own types for network trouble: retried like an OSError
-        raise OSError(f"{url}: {type(e).__name__}: {e}") from None
+
+    try:
+        as_os_error(url, attempt)  # a backend's own error types for network trouble: retried like an OSError
     finally:
         caller.stop()
         if shown and not renamed:  # this attempt's own name, never the object's

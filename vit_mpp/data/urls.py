@@ -102,7 +102,7 @@ def _open_fsspec(url: str, timeout: float) -> Any:
         raise RemoteError(f"cannot read {url}: {e}") from None
 
 
-def _as_os_error(url: str, fn: Callable[[], T]) -> T:
+def as_os_error(url: str, fn: Callable[[], T]) -> T:
     """`fn()`; a backend's own exception type for network trouble (aiohttp's, botocore's, fsspec's ValueError for a
     server that ignores ranges) becomes an OSError, which callers retry and report."""
     try:
@@ -118,7 +118,7 @@ class _DeadlineSeekable(DeadlineReader):
     `timeout` seconds, as for `DeadlineReader`."""
 
     def __init__(self, url: str, timeout: float) -> None:
-        super().__init__(url, timeout, lambda u, t: _as_os_error(u, lambda: _open_fsspec(u, t)))
+        super().__init__(url, timeout, lambda u, t: as_os_error(u, lambda: _open_fsspec(u, t)))
 
     def _live(self) -> Any:
         if self._stream is None:
@@ -130,13 +130,13 @@ class _DeadlineSeekable(DeadlineReader):
 
     def readinto(self, buffer: Any) -> int:
         stream = self._live()
-        data = self._call(lambda: _as_os_error(self.url, lambda: stream.read(len(buffer))), "reading")
+        data = self._call(lambda: as_os_error(self.url, lambda: stream.read(len(buffer))), "reading")
         buffer[: len(data)] = data
         return len(data)
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
         stream = self._live()
-        return self._call(lambda: _as_os_error(self.url, lambda: stream.seek(offset, whence)), "seeking")
+        return self._call(lambda: as_os_error(self.url, lambda: stream.seek(offset, whence)), "seeking")
 
     def tell(self) -> int:
         return self._live().tell()  # the position is kept locally: no I/O, nothing to wait for
@@ -256,7 +256,7 @@ def list_folder(url: str, timeout: float | None = None, retries: int | None = No
             raise RemoteError(f"cannot list {url}: {e}") from None
         caller = DaemonCaller()
         try:
-            entries = caller.call(lambda: _as_os_error(url, lambda: fs.ls(root, detail=True)), limit)
+            entries = caller.call(lambda: as_os_error(url, lambda: fs.ls(root, detail=True)), limit)
         except concurrent.futures.TimeoutError:
             raise StreamStalled(f"{url}: no answer for {limit:g} s while listing") from None
         finally:
@@ -286,7 +286,7 @@ def _list_once(url: str, timeout: float) -> list[tuple[str, int, bool]]:
 
     caller = DaemonCaller()
     try:
-        return caller.call(lambda: _as_os_error(url, entries), timeout)
+        return caller.call(lambda: as_os_error(url, entries), timeout)
     except concurrent.futures.TimeoutError:
         raise StreamStalled(f"{url}: no answer for {timeout:g} s while listing") from None
     finally:
