@@ -4,6 +4,7 @@ tests stand on it, and when it found none their kills did nothing and the runs w
 from __future__ import annotations
 
 import sys
+import time
 
 from tests.helpers.processes import Background, alive
 
@@ -19,8 +20,6 @@ def test_a_command_s_processes_are_found_and_killed_and_another_of_the_same_name
     try:
         first.wait_for("started", timeout=60)
         second.wait_for("started", timeout=60)
-        import time
-
         deadline = time.monotonic() + 30  # the child may start just after the parent prints
         while (len(first.pids()) < 2 or len(second.pids()) < 2) and time.monotonic() < deadline:
             time.sleep(0.05)
