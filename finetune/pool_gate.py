@@ -29,9 +29,11 @@ class PoolGate:
     def gates(self) -> bool:
         return self.least > 0
 
-    def update(self, ema_result: dict[str, float], step: int) -> str | None:
-        """After an evaluation of the teacher: open or close by its estimate; the line that says so when it changed.
-        The metrics were reduced over the processes, so every process decides the same."""
+    def update(self, ema_result: dict[str, float], step: int, total: int) -> str | None:
+        """After an evaluation of the teacher at `step` of `total`: open or close by its estimate; the line that says
+        so when it changed. The metrics were reduced over the processes, so every process decides the same. At the
+        last step the change still goes into the checkpoint (a run extended later starts from it), and its line says
+        that no step of this run is left to it."""
         if not self.gates:
             return None
         kept, right = ema_result.get("val_pseudo_kept", 0.0), ema_result.get("val_pseudo_acc", 0.0)
@@ -42,7 +44,8 @@ class PoolGate:
         measured = (f"the teacher would keep {kept:.0%} of the validation images with pseudo-labels {right:.0%} right"
                     if kept > 0 else "the teacher would keep none of the validation images")
         return (f"pool: {'on' if now else 'off'} after step {step}: {measured} "
-                f"({'at least' if now else 'under'} semi.gate {self.least:g})")
+                f"({'at least' if now else 'under'} semi.gate {self.least:g})"
+                + ("; the run ends here" if step >= total else ""))
 
     def state(self) -> dict[str, bool]:
         """What a checkpoint keeps of it."""

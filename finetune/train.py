@@ -118,8 +118,9 @@ class Finetuning(Objective):
     def evaluate(self, model: torch.nn.Module, at: At) -> Evaluation:
         evaluation = self.keep_best(model, self.ema, at,
                                     label=f"epoch {plain_number(at.step / self.run.steps_per_epoch)}")
+        total = self.run.cfg.total_steps(self.run.steps_per_epoch)
         if isinstance(self.loss, PseudoLabelLoss) and (line := self.loss.gate.update(self.keep_best.ema_result,
-                                                                                      at.step)):
+                                                                                      at.step, total)):
             self.run.print(line)
         return evaluation
 

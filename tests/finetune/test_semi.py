@@ -471,17 +471,21 @@ def test_under_accelerate_launch_the_gate_opens_on_both_processes_at_once_and_sa
 def test_the_gate_opens_and_closes_with_each_evaluation_and_says_so_each_time():
     gate = PoolGate.resumed(0.5, {})
     assert not gate.open and gate.state() == {"pool_open": False}
-    assert gate.update({"val_pseudo_kept": 0.4, "val_pseudo_acc": 0.49}, 10) is None  # still closed: nothing to say
-    assert gate.update({"val_pseudo_kept": 0.4, "val_pseudo_acc": 0.5}, 20) == (
+    assert gate.update({"val_pseudo_kept": 0.4, "val_pseudo_acc": 0.49}, 10, 100) is None  # closed: nothing to say
+    assert gate.update({"val_pseudo_kept": 0.4, "val_pseudo_acc": 0.5}, 20, 100) == (
         "pool: on after step 20: the teacher would keep 40% of the validation images with pseudo-labels 50% right "
         "(at least semi.gate 0.5)")
-    assert gate.open and gate.update({"val_pseudo_kept": 0.9, "val_pseudo_acc": 0.8}, 30) is None
-    assert gate.update({"val_pseudo_kept": 0.0, "val_pseudo_acc": 0.0}, 40) == (
+    assert gate.open and gate.update({"val_pseudo_kept": 0.9, "val_pseudo_acc": 0.8}, 30, 100) is None
+    assert gate.update({"val_pseudo_kept": 0.0, "val_pseudo_acc": 0.0}, 40, 100) == (
         "pool: off after step 40: the teacher would keep none of the validation images (under semi.gate 0.5)")
+    assert gate.update({"val_pseudo_kept": 0.5, "val_pseudo_acc": 0.5}, 100, 100) == (
+        "pool: on after step 100: the teacher would keep 50% of the validation images with pseudo-labels 50% right "
+        "(at least semi.gate 0.5); the run ends here")  # measured at a 1,200-step run's last evaluation
+    assert gate.state() == {"pool_open": True}  # kept for a run extended from its last checkpoint
     assert PoolGate.resumed(0.5, {"pool_open": True}).open  # as the checkpoint left it
     ungated = PoolGate.resumed(0.0, {"pool_open": False})
     assert ungated.open and ungated.state() == {} and ungated.describe() == ""
-    assert ungated.update({"val_pseudo_kept": 1.0, "val_pseudo_acc": 0.0}, 5) is None and ungated.open
+    assert ungated.update({"val_pseudo_kept": 1.0, "val_pseudo_acc": 0.0}, 5, 100) is None and ungated.open
     assert gate.late_warning(1000, 1200) == (
         "warning: semi.gate decides at evaluations, and the first is at step 1000 of 1200: the pool can train in the "
         "last 200 steps at most (a lower train.eval_every_epochs evaluates sooner)")
