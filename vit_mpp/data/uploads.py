@@ -87,10 +87,12 @@ def _upload_once(path: str, url: str, timeout: float) -> None:
         as_os_error(url, attempt)  # a backend's own error types for network trouble: retried like an OSError
     finally:
         # This attempt's own name (its upload where the store shows files while written, or the probe that asks),
-        # never the object's: removed now, and again on the attempt's thread after the call it may still be stuck
-        # in, as an open or a close that answers late makes the name again
+        # never the object's: removed on the attempt's thread after the call it may still be stuck in, as an open or
+        # a close that answers late makes the name again; and at once where the upload wrote it (a probe that failed
+        # is not waited for: on a dead store each attempt would wait out the deadline once more)
         if not renamed and (shown or type(fs) not in _SHOWN_WHILE_WRITTEN):
-            _bounded(lambda: fs.rm(own), timeout)
+            if shown:
+                _bounded(lambda: fs.rm(own), timeout)
             caller.submit(lambda: fs.rm(own))
         elif target is not None and hasattr(target, "discard"):  # an aborted multipart upload never becomes visible
             _bounded(target.discard, timeout)
