@@ -89,11 +89,12 @@ class Finetuning(Objective):
         labeller = loss.thresholds.label if isinstance(loss, PseudoLabelLoss) else None  # the teacher's rule
         self.keep_best = KeepBest.for_run(run, exporter, resumed.state, labeller)  # evaluates, exports the best so far
         self.eval_every = run.steps_per_epoch * cfg.train.eval_every_epochs if self.keep_best.evaluates else None
+        self.total_steps = cfg.total_steps(run.steps_per_epoch)
         if isinstance(loss, PseudoLabelLoss):
             self.pool_augment = pool_augment(cfg.semi, cfg.model.img_size, exporter.mean)  # semi.strong, when set
             loss.gate = PoolGate.resumed(cfg.semi.gate, resumed.state)  # semi.gate, as the checkpoint left it
             self.keep_best.warned = loss.gate.gates  # a gated run says what its gate does instead of the warning
-            late = loss.gate.late_warning(self.eval_every, cfg.total_steps(run.steps_per_epoch))
+            late = loss.gate.late_warning(self.eval_every, self.total_steps)
             if late and run.accelerator.is_main_process:
                 print(late, file=sys.stderr, flush=True)
         self.num_classes = exporter.num_classes
@@ -118,9 +119,8 @@ class Finetuning(Objective):
     def evaluate(self, model: torch.nn.Module, at: At) -> Evaluation:
         evaluation = self.keep_best(model, self.ema, at,
                                     label=f"epoch {plain_number(at.step / self.run.steps_per_epoch)}")
-        total = self.run.cfg.total_steps(self.run.steps_per_epoch)
         if isinstance(self.loss, PseudoLabelLoss) and (line := self.loss.gate.update(self.keep_best.ema_result,
-                                                                                      at.step, total)):
+                                                                                      at.step, self.total_steps)):
             self.run.print(line)
         return evaluation
 
