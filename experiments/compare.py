@@ -27,6 +27,7 @@ from experiments.compare_arms import (
     Setup,
     Stage,
     check_no_gate,
+    config_semi,
     kind,
     parse_arms,
     parse_overrides,
@@ -157,6 +158,7 @@ def check_args(argv: list[str] | None) -> tuple[Setup, Any]:
                   "val" in pool["splits"], arms, args.seeds,
                   {"pretrain": args.pretrain_config, "finetune": args.finetune_config}, overrides, args.out)
     contents = [Path(args.pretrain_config).read_text(), Path(args.finetune_config).read_text(), *read, test_info]
+    setup.config_pool = bool(config_semi(args.finetune_config).get("pool"))
     setup.fingerprint = hashlib.sha256(json.dumps(contents, sort_keys=True).encode()).hexdigest()
     setup.points = label_sweep.parse_points(args.labels_per_class, args.labelled)
     setup.finetune_steps, setup.arm_steps = parse_finetune_steps(args.finetune_steps, setup)

@@ -36,14 +36,19 @@ NO_GATE = ("compare validates every fine-tuning on --test, so a gate there would
            "labels: measure semi.gate with python -m finetune and a validation split of its own (docs/results.md)")
 
 
-def check_no_gate(finetune_config: str) -> None:
-    """Refuse a fine-tuning config that sets `semi.gate` (NO_GATE). A file that is not a mapping of sections is
-    left to the stage's own dry run, which names what is wrong with it."""
+def config_semi(finetune_config: str) -> dict[str, Any]:
+    """The `semi` section a fine-tuning config file sets ({} for none). A file that is not a mapping of sections
+    gives {}: the stage's own dry run names what is wrong with it."""
     try:
         semi = plain(read_yaml(Path(finetune_config).read_text()) or {}).get("semi") or {}
     except (yaml.YAMLError, AttributeError):
-        return
-    gate = semi.get("gate", 0) if isinstance(semi, dict) else 0
+        return {}
+    return semi if isinstance(semi, dict) else {}
+
+
+def check_no_gate(finetune_config: str) -> None:
+    """Refuse a fine-tuning config that sets `semi.gate` (NO_GATE)."""
+    gate = config_semi(finetune_config).get("gate", 0)
     if isinstance(gate, (int, float)) and gate > 0:
         raise ConfigError(f"--finetune-config {finetune_config} sets semi.gate {gate:g}: {NO_GATE}")
 
@@ -68,6 +73,7 @@ class Setup:
     points: list[str] = field(default_factory=lambda: [""])  # the label sweep's points (k2, k20, all); "": none
     finetune_steps: int | None = None  # a sweep's fine-tuning steps at every point (None: the first point's)
     arm_steps: dict[str, int] = field(default_factory=dict)  # an arm's own fine-tuning steps in a sweep
+    config_pool: bool = False  # the fine-tuning config sets semi.pool: the runs without a pool must empty it
 
     def steps_of(self, arm: str) -> int | None:
         """The fine-tuning steps of `arm` at every point of a sweep (None: as many as at the first point)."""
@@ -226,7 +232,10 @@ def arm_stages(setup: Setup, arm: str, seed: int, made: dict[Any, Stage], point:
     where = finetune_stage(point)
     new: list[Stage] = []
 
-    def finetune(init: Stage | None, extra: tuple[str, ...] = ()) -> None:
+    # Compare decides which runs read the pool: one whose fine-tuning config sets a pool is not plain fine-tuning
+    no_pool = ("semi.pool=",) if setup.config_pool else ()
+
+    def finetune(init: Stage | None, extra: tuple[str, ...] = no_pool) -> None:
         checkpoint = f"init.checkpoint={init.run_dir / 'export'}" if init else "init.checkpoint="
         made[arm, point] = Stage(f"{name}/{where}", "finetune", setup.configs["finetune"], base / where,
                                  [f"train.run_dir={base / where}", *stage_overrides(
@@ -240,7 +249,7 @@ def arm_stages(setup: Setup, arm: str, seed: int, made: dict[Any, Stage], point:
                         [f"train.run_dir={base / 'pretrain'}", *stage_overrides(setup, arm, "pretrain", own)])
         else:
             own = [f"data.shards={setup.unlabelled}", f"train.seed={seed}", "data.val_shards=",
-                   f"data.val_split={'val' if setup.pool_val else ''}", "init.checkpoint="]
+                   f"data.val_split={'val' if setup.pool_val else ''}", "init.checkpoint=", *no_pool]
             pre = Stage(f"{name}/pretrain", "finetune", setup.configs["finetune"], base / "pretrain",
                         [f"train.run_dir={base / 'pretrain'}", *stage_overrides(setup, arm, "pretrain", own)])
         command = (pre.module, *pre.overrides[1:])  # its run directory, first, left out
@@ -252,13 +261,13 @@ def arm_stages(setup: Setup, arm: str, seed: int, made: dict[Any, Stage], point:
     if k in ("mpp", "supervised"):
         finetune(made[arm, "pretrain"])
     elif k == "probe":
-        finetune(made[setup.reference, "pretrain"], ("train.mode=linear_probe",))
+        finetune(made[setup.reference, "pretrain"], ("train.mode=linear_probe", *no_pool))
     elif k == "semi":
         finetune(made[setup.reference, "pretrain"], pool)
     elif k == "semi2":  # Semi-ViT's two stages: the reference's fine-tuning, then the pool from its export, head kept
         finetune(made[setup.reference, point], (*pool, "init.keep_head=true"))
     else:
-        finetune(None, pool if k == "semi_scratch" else ())
+        finetune(None, pool if k == "semi_scratch" else no_pool)
     return new
 
 

@@ -46,6 +46,11 @@ def dry_run_text(cmd: list[str]) -> str:
             f"would start a new run in {over['train.run_dir']}, {steps} steps\n")
 
 
+def pool_of(overrides: list[str]) -> str:
+    """The pool a run's command gives it, the last semi.pool= deciding ('' for none)."""
+    return ([o.split("=", 1)[1] for o in overrides if o.startswith("semi.pool=")] or [""])[-1]
+
+
 class FakeStages:
     """Stands for the stages' subprocesses: dry runs answer from the command, a launch writes what a finished run
     leaves (metrics.jsonl up to its last step with a val_top1, config.yaml, an export); records every call."""
@@ -62,8 +67,7 @@ class FakeStages:
     def launch(self, stage, log, threads):
         self.launched.append(stage.name)
         run_dir = stage.run_dir
-        pool = {"pseudo_kept": 0.5, "pseudo_acc": 0.75} if any(o.startswith("semi.pool=") for o in stage.overrides) \
-            else {}
+        pool = {"pseudo_kept": 0.5, "pseudo_acc": 0.75} if pool_of(stage.overrides) else {}
         records = [{"step": s, "loss": 1.0, "elapsed_s": 6.0 * s, **pool} for s in range(1, stage.steps + 1)]
         scored = {"ema_val_pseudo_kept": 0.6, "ema_val_pseudo_acc": 0.7} if pool else {}
         records.append({"step": stage.steps, "val_top1": self.top1(stage), "elapsed_s": 6.0 * stage.steps, **scored})
@@ -174,6 +178,34 @@ def test_the_semi_arms_fine_tune_with_the_unlabelled_set_as_their_pool(tmp_path,
     code, _, err = in_process(compare.main, argv(shards, tmp_path / "o2", "--arms", "mpp,semi", "--set",
                                                  "semi.finetune:semi.pool=elsewhere"), capsys)
     assert code == 2 and "compare sets semi.pool itself" in err
+
+
+def test_a_finetune_config_with_a_pool_reaches_only_the_arms_with_the_pool(tmp_path, monkeypatch, shards):
+    # A config made for the pool (configs/finetune/digits_pool.yaml) once gave its pool to every fine-tuning: the mpp
+    # arm's "plain" fine-tuning and the supervised pretraining read it too, and semi - mpp measured nothing
+    fake = FakeStages(monkeypatch)
+    with_pool = tmp_path / "with_pool.yaml"
+    with_pool.write_text((REPO / "configs/finetune/tiny.yaml").read_text()
+                         + f"  ema_decay: 0.99\nsemi:\n  pool: {shards['labelled']}\n  ratio: 1\n")
+    out = tmp_path / "out"
+    compare.main([*argv(shards, out, "--seeds", "0", "--arms", "mpp,supervised,scratch,probe,semi,semi2,semi_scratch"),
+                  "--finetune-config", str(with_pool)])
+    def pool_read(cmd: list[str]) -> str:  # the command's semi.pool=, else its config file's
+        given = [o for o in cmd if o.startswith("semi.pool=")]
+        return pool_of(given) if given else str(shards["labelled"]) if str(with_pool) in cmd else ""
+
+    pools = {}
+    for side in out.glob(f"seed0/*/*/{run_scheduler.SIDECAR}"):
+        pools[str(side.parent.relative_to(out / "seed0"))] = pool_read(json.loads(side.read_text())["command"])
+    unlabelled = str(shards["pool"])
+    assert pools == {"mpp/pretrain": "", "mpp/finetune": "", "supervised/pretrain": "", "supervised/finetune": "",
+                     "scratch/finetune": "", "probe/finetune": "", "semi/finetune": unlabelled,
+                     "semi2/finetune": unlabelled, "semi_scratch/finetune": unlabelled}
+    assert all(pool_read(cmd) in ("", unlabelled) for cmd in fake.dry_runs)
+    # a config without a pool leaves the commands as they were: the runs of earlier sweeps are reused
+    compare.main(argv(shards, tmp_path / "plain", "--seeds", "0", "--arms", "mpp"))
+    side = tmp_path / "plain/seed0/mpp/finetune" / run_scheduler.SIDECAR
+    assert not any(o.startswith("semi.pool") for o in json.loads(side.read_text())["command"])
 
 
 def test_a_finetune_config_with_a_gate_is_one_line_before_anything_runs(tmp_path, monkeypatch, shards, capsys):
