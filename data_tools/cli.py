@@ -246,6 +246,9 @@ def parse_subset_args(argv: list[str]) -> argparse.Namespace:
                    "the new manifest where they are, not copied)")
     p.add_argument("--shard-size", type=int, default=subset_shards.SHARD_SIZE, help="samples per written shard")
     p.add_argument("--overwrite", action="store_true", help="draw again into an OUT that holds a subset")
+    p.add_argument("--exclude", action="append", default=[], metavar="SUBSET",
+                   help="a subset drawn before from the same SOURCE and split whose samples are not drawn again (a "
+                   "validation set apart from the training labels); may be given more than once")
     p.add_argument("--read-timeout", type=float, default=urls.READ_TIMEOUT_S, metavar="S",
                    help="a remote read that brings no byte for this long is abandoned and retried")
     p.add_argument("--read-retries", type=int, default=urls.READ_RETRIES, metavar="N",
@@ -264,8 +267,8 @@ def subset_main(argv: list[str]) -> dict:
     """`build-shards subset`: K labelled samples of each class as a shard set of their own; returns its manifest."""
     args = parse_subset_args(argv)
     read = ReadPolicy(timeout=args.read_timeout, retries=args.read_retries)
-    return subset_shards.subset(args.source, args.out, args.per_class, args.seed,
-                                subset_shards.SubsetOptions(args.split, args.overwrite, args.shard_size, read))
+    options = subset_shards.SubsetOptions(args.split, args.overwrite, args.shard_size, read, tuple(args.exclude))
+    return subset_shards.subset(args.source, args.out, args.per_class, args.seed, options)
 
 
 def merge_main(argv: list[str]) -> dict:

@@ -27,6 +27,7 @@ from vit_mpp.data import urls
 from vit_mpp.data.labels import BadLabel, cls_label
 from vit_mpp.data.manifest import (
     MANIFEST_NAME,
+    ManifestError,
     check_manifest,
     load_split,
     manifest_classes,
@@ -45,7 +46,7 @@ from vit_mpp.tools.args import check_writable_place
 SHARD_SIZE = 1000  # samples per written shard
 # what a subset's manifest records of how it was drawn, and the flag that sets each: a rerun names those that differ
 DRAWN_WITH = (("of", "SOURCE"), ("split", "--split"), ("per_class", "--per-class"), ("seed", "--seed"),
-              ("shard_size", "--shard-size"))
+              ("shard_size", "--shard-size"), ("exclude", "--exclude"))
 
 
 class SubsetError(UserError):
@@ -92,17 +93,19 @@ class _Everything(frozenset):
 _ALL = _Everything()
 
 
-def draw(labels: list[Picked], per_class: int, seed: int, where: str) -> list[Picked]:
+def draw(labels: list[Picked], per_class: int, seed: int, where: str, classes: int = 0) -> list[Picked]:
     """`per_class` samples of each class, drawn with `seed` (numpy's default generator, a permutation per class in
-    ascending class order), in the source's order; a class with fewer is a SubsetError."""
-    by_class: dict[int, list[Picked]] = {}
+    ascending class order), in the source's order; a class with fewer, or with none of the `classes` the manifest
+    counts, is a SubsetError."""
+    by_class: dict[int, list[Picked]] = {c: [] for c in range(classes)}
     for p in labels:
         by_class.setdefault(p.label, []).append(p)
     short = {c: len(v) for c, v in sorted(by_class.items()) if len(v) < per_class}
     if short:
         listed = ", ".join(f"class {c} has {n}" for c, n in list(short.items())[:5])
+        advice = "give a smaller --per-class" if min(short.values()) else "each class needs samples there"
         raise SubsetError(f"--per-class {per_class}: {where} has fewer samples of {len(short)} class(es) ({listed}): "
-                          "give a smaller --per-class")
+                          + advice)
     rng = np.random.default_rng(seed)
     chosen = {id(v[i]) for _, v in sorted(by_class.items()) for i in rng.permutation(len(v))[:per_class]}
     return [p for p in labels if id(p) in chosen]
@@ -180,9 +183,14 @@ def _differences(info: Any, drawn: dict[str, Any]) -> str:
         return f"its {MANIFEST_NAME} has no fingerprint: an older build-shards subset's, or unreadable"
     differ = []
     for key, flag in DRAWN_WITH:
-        old, new = then.get(key), drawn[key]
+        old, new = then.get(key), drawn.get(key)
         if key == "of":
             old, new = _absolute(str(old)), _absolute(new)
+        elif key == "exclude":  # the sets' places; the same places holding other samples differ by their manifests
+            old, new = (" ".join(e.get("of", "?") for e in v) if isinstance(v, list) else "none" for v in (old, new))
+            if old == new and then.get(key) != drawn.get(key):
+                differ.append(f"--exclude {new} holds other samples than when OUT was drawn")
+                continue
         if old != new:
             differ.append(f"{flag} {old} there, {new} now")
     if differ:
@@ -190,6 +198,31 @@ def _differences(info: Any, drawn: dict[str, Any]) -> str:
     if info.get("tool_version") != __version__:
         return f"build-shards {info.get('tool_version')} there, {__version__} now"
     return f"SOURCE's {MANIFEST_NAME} changed since"
+
+
+def excluded_keys(exclude: tuple[str, ...], split: str, out: Path, read: ReadPolicy,
+                  ) -> tuple[set[str], list[dict[str, str]]]:
+    """The keys of the samples of split `split` of the `exclude` sets (subsets drawn before, or any set of samples
+    of the source), and what the fingerprint records of each: its place and its manifest's hash, so that a redrawn
+    excluded set makes this one another draw. That every key is the source's is checked as the source is read."""
+    keys: set[str] = set()
+    recorded = []
+    for other in exclude:
+        if urls.is_local(other) and Path(urls.local_path(other)).resolve() == out.resolve():
+            raise SubsetError(f"--exclude {other} is OUT itself: exclude the subsets drawn before this one")
+        try:
+            info = read_manifest(other)
+        except ManifestError as e:
+            raise SubsetError(f"--exclude {other}: {e}") from None
+        if split not in info.get("splits", {}):
+            raise SubsetError(f"--exclude {other} has no split '{split}' (it has: {', '.join(info.get('splits', {}))})"
+                              ": exclude a subset of the split drawn from")
+        shards, _ = load_split(other, split)
+        for url in shards.urls:
+            keys.update(key for key, _ in _read_shard(url, frozenset({"cls"}), None, read))
+        manifest = hashlib.sha256(json.dumps(info, sort_keys=True).encode()).hexdigest()
+        recorded.append({"of": _absolute(other), "manifest_sha256": manifest})
+    return keys, recorded
 
 
 @dataclass(frozen=True)
@@ -200,6 +233,7 @@ class SubsetOptions:
     overwrite: bool = False
     shard_size: int = SHARD_SIZE
     read: ReadPolicy = ReadPolicy()
+    exclude: tuple[str, ...] = ()  # sets of the source's samples (subsets drawn before) not drawn again
 
 
 def subset(source: str, out: Path, per_class: int, seed: int, options: SubsetOptions = SubsetOptions(),
@@ -217,7 +251,11 @@ def subset(source: str, out: Path, per_class: int, seed: int, options: SubsetOpt
         raise SubsetError(f"{source} carries no labels (its manifest counts no classes): a subset is drawn per class")
     check_out(out, source, overwrite)
     where = f"{source}:{split}"
-    drawn = {"of": source, "split": split, "per_class": per_class, "seed": seed, "shard_size": shard_size}
+    drawn: dict[str, Any] = {"of": source, "split": split, "per_class": per_class, "seed": seed,
+                             "shard_size": shard_size}
+    leave_out: set[str] = set()
+    if options.exclude:  # only then in the record: the fingerprints of subsets drawn without it stay as they were
+        leave_out, drawn["exclude"] = excluded_keys(options.exclude, split, out, read)
     fp = draw_fingerprint(info, drawn)
     done = None if overwrite else finished(out, drawn, fp)
     if done is not None:  # as a rerun of a complete build: one line, status 0, nothing written
@@ -226,20 +264,29 @@ def subset(source: str, out: Path, per_class: int, seed: int, options: SubsetOpt
         return done
     shards, _ = load_split(source, split)
     labels: list[Picked] = []
-    unlabelled = 0
+    unlabelled = excluded = 0
+    found: set[str] = set()  # the keys of leave_out met in the source
     with progress(f"reading the labels of {where}", len(shards.urls), "shards") as shown:
         for i, url in enumerate(shards.urls):
             for key, data in _read_shard(url, frozenset({"cls"}), None, read):
+                if key in leave_out:
+                    found.add(key)
                 try:
                     label = cls_label(data.get("cls"))
                 except BadLabel:
                     label = -1
                 if label < 0:
                     unlabelled += 1
+                elif key in leave_out:
+                    excluded += 1
                 else:
                     labels.append(Picked(i, key, label))
             shown(1)
-    chosen = draw(labels, per_class, seed, where)
+    if len(found) < len(leave_out):
+        raise SubsetError(f"--exclude {' '.join(options.exclude)}: {len(leave_out) - len(found):,} of its "
+                          f"{len(leave_out):,} samples are not in {where}: exclude sets drawn from that split")
+    chosen = draw(labels, per_class, seed, where + (" less --exclude" if options.exclude else ""),
+                  manifest_classes(info))
 
     holding: dict[int, set[str]] = {}  # the shards read again, for the drawn samples' bytes: shard -> keys
     for p in chosen:
@@ -276,14 +323,15 @@ def subset(source: str, out: Path, per_class: int, seed: int, options: SubsetOpt
             if field in info:
                 made[field] = info[field]
         made["subset"] = {**drawn, "samples": len(chosen), "of_samples": len(labels),
-                          "unlabelled_left_out": unlabelled}
+                          "unlabelled_left_out": unlabelled, **({"excluded": excluded} if options.exclude else {})}
         made["fingerprint"] = fp
 
     made = index_tars.index([str(out)], [split], str(out), IndexOptions(workers=1, pool="thread", overwrite=True,
                                                                          read=read), amend=record)
     print(f"subset: {len(chosen):,} of the {len(labels):,} labelled samples of {where} ({per_class} of each of "
           f"{len({p.label for p in chosen})} classes, seed {seed}) in {out}, {time.perf_counter() - start:.1f} s"
-          + (f"; {unlabelled:,} sample(s) without a label left out" if unlabelled else ""), flush=True)
+          + (f"; {unlabelled:,} sample(s) without a label left out" if unlabelled else "")
+          + (f"; {excluded:,} sample(s) of --exclude left out" if options.exclude else ""), flush=True)
     return made
 
 

@@ -6,6 +6,7 @@ finished one is "already complete" (status 0, nothing written) and one drawn oth
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
 import signal
@@ -325,3 +326,81 @@ def test_a_rerun_of_the_command_is_already_complete(source, tmp_path):
     lines = other.stderr.strip().splitlines()
     assert other.returncode == 2 and len(lines) == 1 and "--seed 0 there, 3 now" in lines[0], other.stderr
     assert snapshot(tmp_path / "s") == before
+
+
+# ------------------------------------------------------------------------------------------- --exclude
+
+
+def keys_of(folder: Path) -> set[str]:
+    return {name.split(".")[0] for name in members(folder)}
+
+
+def test_exclude_draws_a_validation_set_apart_from_the_training_labels(source, tmp_path, capsys):
+    # the gate's validation images must not be the labelled images a run trains on (docs/finetune.md)
+    assert subset(capsys, source, tmp_path / "train", "--per-class", "4", "--seed", "0")[0] == 0
+    code, out, _ = subset(capsys, source, tmp_path / "val", "--per-class", "6", "--seed", "0", "--exclude",
+                          str(tmp_path / "train"))
+    assert code == 0 and "18 of the 21 labelled samples" in out and "12 sample(s) of --exclude left out" in out, out
+    assert labels(tmp_path / "val") == {0: 6, 1: 6, 2: 6}  # of the 11 of each class less the 4 drawn
+    assert not keys_of(tmp_path / "val") & keys_of(tmp_path / "train")
+    info = json.loads((tmp_path / "val" / MANIFEST_NAME).read_text())["subset"]
+    assert info["excluded"] == 12 and info["exclude"][0]["of"] == str(tmp_path / "train")
+    # several: what is left after two draws (1 of each class); one too many of a class is the usual one line
+    assert subset(capsys, source, tmp_path / "third", "--per-class", "1", "--exclude",
+                  str(tmp_path / "train"), "--exclude", str(tmp_path / "val"))[0] == 0
+    assert not keys_of(tmp_path / "third") & (keys_of(tmp_path / "train") | keys_of(tmp_path / "val"))
+    assert labels(tmp_path / "third") == {0: 1, 1: 1, 2: 1}
+    code, _, err = subset(capsys, source, tmp_path / "none", "--per-class", "8", "--exclude", str(tmp_path / "train"))
+    assert code == 2 and "less --exclude has fewer samples of 3 class(es) (class 0 has 7" in err, err
+    assert not (tmp_path / "none").exists()
+    # without --exclude the draw and its fingerprint are as they were: subsets drawn before are still complete
+    first = json.loads((tmp_path / "train" / MANIFEST_NAME).read_text())
+    assert "exclude" not in first["subset"] and "excluded" not in first["subset"]
+
+
+def test_a_rerun_is_complete_and_an_excluded_set_drawn_again_makes_it_another_draw(source, tmp_path, capsys):
+    train, val = tmp_path / "train", tmp_path / "val"
+    assert subset(capsys, source, train, "--per-class", "2", "--seed", "0")[0] == 0
+    draw = ["--per-class", "3", "--exclude", str(train)]
+    assert subset(capsys, source, val, *draw)[0] == 0
+    before = snapshot(val)
+    code, out, _ = subset(capsys, source, val, *draw)
+    assert code == 0 and "is already complete" in out and snapshot(val) == before
+    code, _, err = subset(capsys, source, val, "--per-class", "3")
+    assert code == 2 and f"(--exclude {train} there, none now)" in err, err
+    assert subset(capsys, source, train, "--per-class", "2", "--seed", "5", "--overwrite")[0] == 0
+    code, _, err = subset(capsys, source, val, *draw)
+    assert code == 2 and f"(--exclude {train} holds other samples than when OUT was drawn)" in err, err
+    assert snapshot(val) == before
+
+
+def test_what_cannot_be_excluded_is_one_line_and_nothing_is_written(source, tmp_path, capsys):
+    assert subset(capsys, source, tmp_path / "few", "--per-class", "1")[0] == 0
+    renamed = shutil.copytree(tmp_path / "few", tmp_path / "renamed")  # samples that are not the source's
+    with tarfile.open(renamed / "train-000000.tar") as tar:
+        kept = [(m, tar.extractfile(m).read()) for m in tar.getmembers()]
+    with tarfile.open(renamed / "train-000000.tar", "w") as tar:
+        for m, data in kept:
+            m.name = "x" + m.name
+            tar.addfile(m, io.BytesIO(data))
+    assert in_process(build_main, ["index", str(renamed), "--overwrite"], capsys)[0] == 0
+    for exclude, says in [(tmp_path / "nowhere", f"--exclude {tmp_path / 'nowhere'}: "),
+                          (renamed, "3 of its 3 samples are not in"),
+                          (tmp_path / "out", "is OUT itself"),
+                          (tmp_path / "few", "less --exclude has fewer samples of 3 class(es) (class 0 has 0")]:
+        more = ["--split", "val"] if exclude == tmp_path / "few" else []  # its val is the source's: none left
+        code, _, err = subset(capsys, source, tmp_path / "out", "--per-class", "1", "--exclude", str(exclude), *more)
+        lines = err.strip().splitlines()
+        assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], err
+        assert not (tmp_path / "out").exists()
+
+
+def test_a_class_with_no_sample_in_the_split_is_one_line_not_a_subset_without_it(tmp_path, capsys):
+    # the draw went by the classes it met: a split without class c gave a subset of the others, and none at all
+    # gave an empty OUT and the indexer's error
+    lopsided = write_shard_set(tmp_path / "src", {"train": [6]}, labels={"train": [0, 1, 0, 1, 0, 1]})
+    code, _, err = subset(capsys, lopsided, tmp_path / "out", "--per-class", "1")
+    assert code == 2 and err.strip().splitlines() == [
+        f"error: --per-class 1: {lopsided}:train has fewer samples of 1 class(es) (class 2 has 0): each class needs "
+        "samples there"], err
+    assert not (tmp_path / "out").exists()
