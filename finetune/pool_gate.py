@@ -10,6 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from vit_mpp.config.engine import ConfigError
+from vit_mpp.data.training_data import TrainingData, shard_identity
+
 
 @dataclass
 class PoolGate:
@@ -62,3 +65,17 @@ class PoolGate:
     def describe(self) -> str:
         return (f", on while the teacher's kept pseudo-labels of the validation images are at least "
                 f"{self.least:.0%} right (off until an evaluation says so)" if self.gates else "")
+
+
+def check_validation_apart(least: float, data: TrainingData) -> None:
+    """A gate (`least` > 0) must not judge the teacher on images the run trains on: its validation split may share
+    no shard with a labelled training set (`data.val_split=train` of the labelled set itself, say)."""
+    if least <= 0 or data.val_split is None:
+        return
+    trained = {shard_identity(url) for s in data.sets if s.labelled for url in s.split.urls}
+    shared = [url for url in data.val_split.urls if shard_identity(url) in trained]
+    if shared:
+        raise ConfigError(f"config key 'semi.gate': the validation split ('{data.val_split.name}' of "
+                          f"{data.val_name}) holds the shard {shared[0]} the run trains on, so the gate would judge "
+                          "the teacher on images it learned: give a validation set of its own (build-shards subset "
+                          "SOURCE VAL --per-class K --exclude LABELLED, then data.val_shards=VAL data.val_split=train)")

@@ -25,7 +25,7 @@ from finetune.init_model import build_classifier, resolve_architecture
 from finetune.keep_best import KeepBest
 from finetune.loss import ClassificationLoss
 from finetune.modes import PROBES, set_train_mode
-from finetune.pool_gate import PoolGate
+from finetune.pool_gate import PoolGate, check_validation_apart
 from finetune.semi import PseudoLabelLoss
 from vit_mpp.config.engine import replaced
 from vit_mpp.config.sections import ModelConfig
@@ -41,6 +41,13 @@ from vit_mpp.run.start import dry_run
 from vit_mpp.run.start.run import Resumed, Run, start_run
 
 
+def check_data(cfg: FinetuneConfig, data: TrainingData) -> Classes:
+    """Fine-tuning's own checks of the sets it reads, before the run directory is touched: the gate's validation
+    split apart from the training images, and the classes (returned)."""
+    check_validation_apart(cfg.semi.gate, data)
+    return classes_of(cfg, data)
+
+
 def train(cfg: FinetuneConfig) -> None:
     """The stage, top to bottom: the run (its classes checked against every set it reads), the classifier and its
     optimizer, where it resumes, and the loop (vit_mpp/run/loop.py `fit`), which ends with the exports. Preemption
@@ -50,7 +57,7 @@ def train(cfg: FinetuneConfig) -> None:
     cfg = replaced(cfg, model=resolve_architecture(cfg.init, cfg.model))
     with StopSignals.for_run(cfg.train) as signals:
         pool = Pool(cfg.semi.pool_sets(), cfg.semi.pool_split, cfg.semi.ratio)  # semi-supervised: the unlabelled sets
-        run = start_run(cfg, signals, partial(classes_of, cfg), pool)  # accelerator, checks, data, run directory, logs
+        run = start_run(cfg, signals, partial(check_data, cfg), pool)  # accelerator, checks, data, run directory, logs
         classes: Classes = run.data_check
         # the encoder (pretrained or not) with position embeddings resized to model.img_size and a zero head
         model, mean, std, model_cfg = build_classifier(cfg.init, cfg.model, classes.count,

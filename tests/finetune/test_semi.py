@@ -336,6 +336,8 @@ def test_a_threshold_above_what_a_smoothed_teacher_predicts_is_warned_of():
      "error: config key 'semi.gate' opens the pool when an evaluation finds the teacher's pseudo-labels of the "
      "validation split mostly right, and data.val_split is empty: give a validation split (data.val_shards, "
      "data.val_split), or set semi.gate=0"),
+    (["train.ema_decay=0.9", "semi.gate=0.5", "data.val_split=train"],  # it would judge the teacher on what it learned
+     "error: config key 'semi.gate': the validation split ('train' of test) holds the shard "),
 ])
 def test_a_setting_that_cannot_work_is_one_line_before_anything_is_written(labelled, pool, pretrained, tmp_path,
                                                                           capsys, settings, says):

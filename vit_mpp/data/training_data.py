@@ -110,6 +110,11 @@ def set_name(location: str, manifest: dict[str, Any]) -> str:
     return os.path.basename(location.rstrip("/").removesuffix("/_info.json")) or location
 
 
+def shard_identity(url: str) -> str:
+    """A shard's place however it is named (`sh/a.tar`, `./sh/a.tar`): what tells two sets share it."""
+    return os.path.abspath(local_path(url)) if is_local(url) else url
+
+
 def _check_disjoint(locations: list[str], splits: list[Split], labelled: int) -> None:
     """No shard in two sets of a mixture: the same set named two ways (`sh`, `./sh/`, `sh/_info.json`) would be read
     twice as often as its weight says, and its samples counted twice. The sets from `labelled` on are a pool's: none
@@ -117,7 +122,7 @@ def _check_disjoint(locations: list[str], splits: list[Split], labelled: int) ->
     seen: dict[str, tuple[int, str]] = {}
     for i, (location, split) in enumerate(zip(locations, splits)):
         for url in split.urls:
-            key = os.path.abspath(local_path(url)) if is_local(url) else url
+            key = shard_identity(url)
             first, where = seen.setdefault(key, (i, location))
             if first < labelled <= i:
                 raise ConfigError(f"config key 'semi.pool': {location} holds the shard {url} of data.shards' {where}: "
