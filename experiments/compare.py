@@ -48,7 +48,8 @@ from experiments.run_scheduler import (
 )
 from vit_mpp.cli import ArgumentParser
 from vit_mpp.config.engine import ConfigError
-from vit_mpp.data.manifest import check_manifest, manifest_classes, manifest_file, read_manifest
+from vit_mpp.data.manifest import check_manifest, load_split, manifest_classes, manifest_file, read_manifest
+from vit_mpp.data.training_data import shard_identity
 from vit_mpp.errors import UserError
 from vit_mpp.processes.exits import run_main
 from vit_mpp.processes.run_dir_lock import check_not_locked, lock_run_dir
@@ -80,6 +81,23 @@ def check_shards(location: str, split: str | None, what: str, labelled: bool) ->
     return info
 
 
+def check_val(value: str, test: str, test_split: str, labelled_info: dict[str, Any]) -> tuple[str, str]:
+    """--val SHARDS:SPLIT checked: a labelled split of the classes learned, that shares no shard with --test's."""
+    val, split = parse_test(value)
+    if split is None:
+        raise ConfigError(f"--val {value}: give the split too, SHARDS:SPLIT (a subset's own images are its train "
+                          "split; its val names the source's)")
+    info = check_shards(val, split, "--val", labelled=True)
+    if manifest_classes(info) != manifest_classes(labelled_info):
+        raise ConfigError(f"--val {val} counts {manifest_classes(info)} classes, --labelled "
+                          f"{manifest_classes(labelled_info)}: the classifier is validated on the classes it learns")
+    shards = {shard_identity(u) for u in load_split(val, split)[0].urls}
+    if shared := [u for u in load_split(test, test_split)[0].urls if shard_identity(u) in shards]:
+        raise ConfigError(f"--val {value} holds the shard {shared[0]} of --test: validate on a set apart from the "
+                          "one the table reports")
+    return val, split
+
+
 def build_parser() -> ArgumentParser:
     p = ArgumentParser(prog="python -m experiments.compare", description=__doc__.split("\n\n")[0])
     p.add_argument("--unlabelled", required=True, metavar="SHARDS",
@@ -90,6 +108,10 @@ def build_parser() -> ArgumentParser:
                    "replaced by the seed, for a labelled subset drawn per seed")
     p.add_argument("--test", required=True, metavar="SHARDS[:SPLIT]",
                    help="what every fine-tuning is scored on (default split: test if the set has one, else val)")
+    p.add_argument("--val", metavar="SHARDS:SPLIT", default=None,
+                   help="what every fine-tuning validates on (its logs, its best export, semi.gate) instead of "
+                   "--test, which then scores each final export once (python -m finetune.evaluate): a labelled set "
+                   "apart from --labelled and --test (build-shards subset --exclude); needed for semi.gate")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="one run of every arm per seed")
     p.add_argument("--pretrain-config", required=True, metavar="YAML", help="the MPP pretraining config")
     p.add_argument("--finetune-config", required=True, metavar="YAML",
@@ -133,11 +155,12 @@ def check_args(argv: list[str] | None) -> tuple[Setup, Any]:
     if len(set(args.seeds)) != len(args.seeds) or min(args.seeds) < 0:
         raise ConfigError(f"--seeds must be distinct and >= 0, got {' '.join(map(str, args.seeds))}")
     arms = parse_arms(args.arms)
-    overrides = parse_overrides(args.overrides, arms)
+    overrides = parse_overrides(args.overrides, arms, own_val=args.val is not None)
     for flag, path in (("--pretrain-config", args.pretrain_config), ("--finetune-config", args.finetune_config)):
         if not Path(path).is_file():
             raise ConfigError(f"{flag} {path}: no such file")
-    check_no_gate(args.finetune_config)
+    if args.val is None:
+        check_no_gate(args.finetune_config)
     check_out_folder(args.out)
     pool = check_shards(args.unlabelled, "train", "--unlabelled", labelled=False)
     read = [pool]
@@ -154,14 +177,23 @@ def check_args(argv: list[str] | None) -> tuple[Setup, Any]:
     if manifest_classes(test_info) != manifest_classes(labelled_info):
         raise ConfigError(f"--test {test} counts {manifest_classes(test_info)} classes, --labelled "
                           f"{manifest_classes(labelled_info)}: the classifier is scored on the classes it learns")
+    val, val_split = check_val(args.val, test, split, labelled_info) if args.val is not None else ("", "")
+    if val:
+        read.append(read_manifest(val))
     setup = Setup(args.unlabelled, args.labelled, test, split, test_info["splits"][split]["num_samples"],
                   "val" in pool["splits"], arms, args.seeds,
                   {"pretrain": args.pretrain_config, "finetune": args.finetune_config}, overrides, args.out)
     contents = [Path(args.pretrain_config).read_text(), Path(args.finetune_config).read_text(), *read, test_info]
     setup.config_pool = bool(config_semi(args.finetune_config).get("pool"))
+    setup.val, setup.val_split = val, val_split
     setup.fingerprint = hashlib.sha256(json.dumps(contents, sort_keys=True).encode()).hexdigest()
     setup.points = label_sweep.parse_points(args.labels_per_class, args.labelled)
     setup.finetune_steps, setup.arm_steps = parse_finetune_steps(args.finetune_steps, setup)
+    if val_split == "train" and setup.points != [""] and label_sweep.drawn_from(val, args.labelled):
+        setup.apart = val  # the sweep's subsets are drawn apart from the validation images
+        if "all" in setup.points:
+            setup.notes.append(f"at point all the fine-tunings train on --labelled whole, --val {val}'s images "
+                               "among them")
     if "all" in setup.points and not all(setup.runs(a, "all") for a in setup.arms):
         setup.notes.append("semi-supervised arms not run at point all: their pool, --unlabelled, is the labelled set "
                            "itself there")
@@ -205,8 +237,8 @@ def run_plan(setup: Setup, args: Any, stages: list[Stage]) -> dict[str, int]:
     if not args.dry_run:
         check_not_locked(setup.out, "--out")  # a second compare on DIR: its line now, not after a minute of checks
     with stopped_before_the_runs():
-        moved, draft = label_sweep.draft_subsets(setup.labelled, setup.points, setup.seeds[0], setup.out) if sweep \
-            else ({}, None)
+        moved, draft = label_sweep.draft_subsets(setup.labelled, setup.points, setup.seeds[0], setup.out,
+                                                 setup.apart) if sweep else ({}, None)
         try:
             points = f" x {len(setup.points)} points" if sweep else ""
             print(f"checking {len(stages)} runs ({len(setup.arms)} arms x {len(setup.seeds)} seeds{points}) with the "
@@ -222,12 +254,13 @@ def run_plan(setup: Setup, args: Any, stages: list[Stage]) -> dict[str, int]:
         if args.dry_run:
             for s in stages:
                 print(f"{s.name}: {s.steps} steps x {s.batch}{' (finished)' if finished(s) else ''}\n  "
-                      f"{shlex.join(s.command)}")
+                      f"{shlex.join(s.command)}" + (f"\n  then {shlex.join(s.score_command)}" if s.score_command
+                                                    else ""))
             return epochs
         lock_run_dir(make_out_folder(setup.out), "--out")  # a table of what is there so far may be made meanwhile
         write_cache(cache, known)
         if sweep:
-            label_sweep.make_subsets(setup.labelled, setup.points, setup.seeds, setup.out)
+            label_sweep.make_subsets(setup.labelled, setup.points, setup.seeds, setup.out, setup.apart)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     execute(stages, setup.out, args.jobs, args.threads or max(1, cores // args.jobs))
     return epochs

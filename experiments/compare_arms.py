@@ -31,9 +31,10 @@ KEY_VALUE = re.compile(r"^[A-Za-z_]\w*(\.\w+)*=")
 OWN_KEYS = {"pretrain": {"train.run_dir", "train.seed", "data.shards"},
             "finetune": {"train.run_dir", "train.seed", "data.shards", "init.checkpoint", "data.val_shards",
                          "data.val_split", "semi.pool"}}
-# semi.gate decides with the validation split's labels, and compare's fine-tunings validate on the split it tables
-NO_GATE = ("compare validates every fine-tuning on --test, so a gate there would open the pool with the test split's "
-           "labels: measure semi.gate with python -m finetune and a validation split of its own (docs/results.md)")
+# semi.gate decides with the validation split's labels: without --val compare's fine-tunings validate on --test
+NO_GATE = ("compare validates every fine-tuning on --test unless --val names a validation set of its own, so a gate "
+           "there would open the pool with the test split's labels: give --val SHARDS:SPLIT (docs/experiments.md)")
+SCORES = "test"  # with --val, in a fine-tuning's run directory: its final export scored on --test (evaluation.json)
 
 
 def config_semi(finetune_config: str) -> dict[str, Any]:
@@ -74,6 +75,9 @@ class Setup:
     finetune_steps: int | None = None  # a sweep's fine-tuning steps at every point (None: the first point's)
     arm_steps: dict[str, int] = field(default_factory=dict)  # an arm's own fine-tuning steps in a sweep
     config_pool: bool = False  # the fine-tuning config sets semi.pool: the runs without a pool must empty it
+    val: str = ""  # --val: what the fine-tunings validate on ("": --test), their final exports then scored on --test
+    val_split: str = ""
+    apart: str = ""  # --val when it is a subset of --labelled: the sweep's subsets are drawn apart from it
 
     def steps_of(self, arm: str) -> int | None:
         """The fine-tuning steps of `arm` at every point of a sweep (None: as many as at the first point)."""
@@ -113,6 +117,7 @@ class Stage:
     run_dir: Path
     overrides: list[str]
     needs: Stage | None = None  # a stage whose export this one starts from
+    score: list[str] | None = None  # with --val: finetune.evaluate's arguments that score its export on --test
     steps: int = 0  # planned optimizer steps (0: unknown)
     batch: int = 0
     point: str = ""  # the label sweep's point of a fine-tuning ("": none, or a pretraining shared by every point)
@@ -136,6 +141,10 @@ class Stage:
         return [sys.executable, "-m", self.module, "--config", self.config, *self.overrides]
 
     @property
+    def score_command(self) -> list[str] | None:
+        return [sys.executable, "-m", "finetune.evaluate", *self.score] if self.score else None
+
+    @property
     def work(self) -> int:
         """Planned training images (steps x batch)."""
         return self.steps * self.batch
@@ -157,9 +166,10 @@ def kind(arm: str) -> str:
 # ----------------------------------------------------------------------------------------------- --arms and --set
 
 
-def parse_overrides(items: list[str], arms: list[str]) -> dict[str, list[str]]:
+def parse_overrides(items: list[str], arms: list[str], own_val: bool = False) -> dict[str, list[str]]:
     """`TARGET:KEY=VALUE` items -> target -> ['KEY=VALUE', ...]; TARGET is pretrain, finetune, ARM.pretrain or
-    ARM.finetune (ARM one of --arms, with that stage)."""
+    ARM.finetune (ARM one of --arms, with that stage); `semi.gate` only with a validation set of its own (`own_val`,
+    --val)."""
     found: dict[str, list[str]] = {}
     for item in items:
         target, sep, setting = item.partition(":")
@@ -177,7 +187,7 @@ def parse_overrides(items: list[str], arms: list[str]) -> dict[str, list[str]]:
         key = setting.split("=", 1)[0]
         config = "finetune" if stage == "finetune" or kind(arm) == "supervised" else "pretrain"
         computed = dot and (kind(arm), stage) in EQUAL_COMPUTE
-        if key == "semi.gate" and config == "finetune":
+        if key == "semi.gate" and config == "finetune" and not own_val:
             raise ConfigError(f"--set {item!r}: {NO_GATE}")
         if key in OWN_KEYS[config] or (key == "train.epochs" and computed):
             raise ConfigError(f"--set {item!r}: compare sets {key} itself (see python -m experiments.compare --help)")
@@ -227,8 +237,11 @@ def arm_stages(setup: Setup, arm: str, seed: int, made: dict[Any, Stage], point:
     plan."""
     base = setup.out / f"seed{seed}" / arm
     k, name = kind(arm), f"seed{seed}/{arm}"
-    scored = [f"data.shards={setup.labelled_of(seed, point)}", f"train.seed={seed}",
-              f"data.val_shards={setup.test}", f"data.val_split={setup.test_split}"]
+    val, val_split = (setup.val, setup.val_split) if setup.val else (setup.test, setup.test_split)
+    scored = [f"data.shards={setup.labelled_of(seed, point)}", f"train.seed={seed}", f"data.val_shards={val}",
+              f"data.val_split={val_split}"]
+    score = ["--checkpoint", str(base / finetune_stage(point) / "export"), "--shards", setup.test, "--split",
+             setup.test_split, "--out", str(base / finetune_stage(point) / SCORES)] if setup.val else None
     where = finetune_stage(point)
     new: list[Stage] = []
 
@@ -239,7 +252,8 @@ def arm_stages(setup: Setup, arm: str, seed: int, made: dict[Any, Stage], point:
         checkpoint = f"init.checkpoint={init.run_dir / 'export'}" if init else "init.checkpoint="
         made[arm, point] = Stage(f"{name}/{where}", "finetune", setup.configs["finetune"], base / where,
                                  [f"train.run_dir={base / where}", *stage_overrides(
-                                     setup, arm, "finetune", [*scored, checkpoint, *extra])], init, point=point)
+                                     setup, arm, "finetune", [*scored, checkpoint, *extra])], init, score=score,
+                                 point=point)
         new.append(made[arm, point])
 
     if k in ("mpp", "supervised") and (arm, "pretrain") not in made:

@@ -15,6 +15,7 @@ import yaml
 
 from experiments import label_sweep, monitor_ranks
 from experiments.compare_arms import POOL_KINDS, Setup, Stage, kind
+from experiments.run_scheduler import scored_top1
 from vit_mpp.run.metering.metrics_log import read_metrics
 from vit_mpp.run.metering.summary import covers_last_step, read_summary, wall_time_s
 from vit_mpp.tools.args import make_out_folder, open_out_file
@@ -91,8 +92,10 @@ def markdown(report: dict[str, Any]) -> str:
     """The report as markdown: the arms, then the differences paired by seed, then the notes."""
     seeds = report["seeds"]
     cells = " | ".join(f"seed {s}" for s in seeds)
+    validated = (f"; each run validated on {report['val']}:{report['val_split']}, its final export scored on the "
+                 "test images" if "val" in report else "")
     lines = [f"Final test top-1 on {report['test_samples']:,} images ({report['test']}:{report['test_split']}), "
-             f"seeds {', '.join(map(str, seeds))}; mean ± sample std over seeds", "",
+             f"seeds {', '.join(map(str, seeds))}; mean ± sample std over seeds{validated}", "",
              f"| arm | mean ± std | {cells} | training images | minutes |", "|" + " --- |" * (len(seeds) + 4)]
     for arm, row in report["table"]["arms"].items():
         per = " | ".join("–" if row["per_seed"][s] is None else f"{row['per_seed'][s]:.3f}" for s in seeds)
@@ -111,7 +114,7 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append("Equal-compute epochs: " + ", ".join(f"{a} {e}" for a, e in report["epochs"].items()) + ".")
     lines += [f"Note: {n}" for n in report["notes"]]
     if "pool" in report:
-        lines += pool_markdown(report["pool"], seeds)
+        lines += pool_markdown(report["pool"], seeds, "val" if "val" in report else "test")
     if "monitors" in report:
         lines += ["", monitor_ranks.monitor_markdown(report["monitors"]).rstrip("\n")]
     return "\n".join(lines) + "\n"
@@ -145,7 +148,8 @@ def make_report(setup: Setup, of_arm: dict[tuple[int, str, str], list[Stage]], e
             if not stages:  # not run at this point
                 top1[arm][seed] = None
                 continue
-            top1[arm][seed] = final_top1(stages[-1].run_dir)
+            last = stages[-1].run_dir
+            top1[arm][seed] = scored_top1(last) if setup.val else final_top1(last)
             if top1[arm][seed] is None:
                 notes.append(f"{stages[-1].name}: no test result in {stages[-1].run_dir} (not run, or not finished)")
                 continue  # its cost is not an arm's: the mean is over the seeds with a result
@@ -159,6 +163,7 @@ def make_report(setup: Setup, of_arm: dict[tuple[int, str, str], list[Stage]], e
     monitors = monitor_ranks.monitor_table(mpp)
     pool = pool_table(setup, of_arm, point)
     return {"test": setup.test, "test_split": setup.test_split, "test_samples": setup.test_samples,
+            **({"val": setup.val, "val_split": setup.val_split} if setup.val else {}),
             "seeds": setup.seeds, "table": table(top1, setup.arms, setup.seeds), "cost": cost, "epochs": here,
             "notes": notes, "runs": runs, **({"pool": pool} if pool else {}),
             **({"monitors": monitors} if monitors["spearman"] else {})}
@@ -196,19 +201,20 @@ def pool_table(setup: Setup, of_arm: dict[tuple[int, str, str], list[Stage]], po
     return rows
 
 
-def pool_markdown(pool: dict[str, Any], seeds: list[int]) -> list[str]:
-    """The pool table's lines: per arm, kept and right at the last log, mean and per seed."""
+def pool_markdown(pool: dict[str, Any], seeds: list[int], scored: str = "test") -> list[str]:
+    """The pool table's lines: per arm, kept and right at the last log, mean and per seed; in brackets the
+    teacher's on the images the runs evaluated (`scored`: test, or val with --val)."""
     def cell(v: dict[str, float] | None) -> str:
         if v is None:
             return "–"
         text = f"{v['pseudo_kept']:.2f}" + (f" / {v['pseudo_acc']:.2f}" if "pseudo_acc" in v else "")
         if "test_pseudo_kept" in v and "test_pseudo_acc" in v:
-            text += f" (test {v['test_pseudo_kept']:.2f} / {v['test_pseudo_acc']:.2f})"
+            text += f" ({scored} {v['test_pseudo_kept']:.2f} / {v['test_pseudo_acc']:.2f})"
         return text
 
     lines = ["", "The pool at the last log: share of pool images kept / share of those pseudo-labels right (a "
-             "labelled pool only); in brackets, the teacher's pseudo-labels of the test images by the same rule at "
-             "the last evaluation", "", f"| arm | mean | {' | '.join(f'seed {s}' for s in seeds)} |",
+             f"labelled pool only); in brackets, the teacher's pseudo-labels of the {scored} images by the same rule "
+             "at the last evaluation", "", f"| arm | mean | {' | '.join(f'seed {s}' for s in seeds)} |",
              "|" + " --- |" * (len(seeds) + 2)]
     for arm, row in pool.items():
         mean = {k: row[k] for k in POOL_KEYS if row.get(k) is not None}

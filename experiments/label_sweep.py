@@ -48,41 +48,58 @@ def subset_folder(out: Path, point: str, seed: int) -> Path:
     return out / SUBSETS / f"{point}_s{seed}"
 
 
-def make_subsets(labelled: str, points: list[str], seeds: list[int], root: Path) -> None:
-    """Draw every (point, seed) subset not drawn yet under `root` (`subset_folder`); an existing one is reused when
-    it was drawn from the same set with the same count and seed, else one line."""
+def same_place(a: str, b: str) -> bool:
+    return a == b or Path(a).resolve() == Path(b).resolve()
+
+
+def drawn_from(location: str, labelled: str) -> bool:
+    """Whether the set at `location` is a subset of --labelled's train split (build-shards subset's record)."""
+    drawn = read_manifest(location).get("subset") or {}
+    return same_place(str(drawn.get("of")), labelled) and drawn.get("split", "train") == "train"
+
+
+def make_subsets(labelled: str, points: list[str], seeds: list[int], root: Path, exclude: str = "") -> None:
+    """Draw every (point, seed) subset not drawn yet under `root` (`subset_folder`), apart from the subset `exclude`
+    (--val drawn from --labelled); an existing one is reused when it was drawn from the same set with the same count,
+    seed and exclusion, else one line."""
     for point in (p for p in points if p.startswith("k")):
         for seed in seeds:
             folder = subset_folder(root, point, seed)
             if (folder / MANIFEST_NAME).is_file():
                 drawn = read_manifest(folder).get("subset") or {}
-                of = str(drawn.get("of"))
-                same = of == labelled or Path(of).resolve() == Path(labelled).resolve()
-                if not same or (drawn.get("per_class"), drawn.get("seed")) != (per_class(point), seed):
+                apart = [e.get("of") for e in drawn.get("exclude") or [] if isinstance(e, dict)]
+                same = same_place(str(drawn.get("of")), labelled) and (drawn.get("per_class"), drawn.get("seed")) \
+                    == (per_class(point), seed) and len(apart) == bool(exclude) and \
+                    all(same_place(str(a), exclude) for a in apart)
+                if not same:
                     raise ConfigError(f"{folder} holds another subset ({drawn.get('per_class')} per class of "
-                                      f"{drawn.get('of')}, seed {drawn.get('seed')}): give another --out")
+                                      f"{drawn.get('of')}, seed {drawn.get('seed')}"
+                                      f"{', apart from ' + ', '.join(map(str, apart)) if apart else ''}): give "
+                                      "another --out")
             else:
-                draw_subset(labelled, folder, per_class(point), seed)
+                draw_subset(labelled, folder, per_class(point), seed, exclude)
 
 
-def draw_subset(labelled: str, folder: Path, count: int, seed: int) -> None:
+def draw_subset(labelled: str, folder: Path, count: int, seed: int, exclude: str = "") -> None:
     """`build-shards subset` into `folder` (the product's command, in a child process); its error is this
     command's one line, in compare's words: the count is compare's --labels-per-class."""
     try:
         run_build_shards(["subset", labelled, str(folder), "--per-class", str(count), "--seed", str(seed),
-                          "--overwrite"], f"build-shards subset {labelled}")
+                          "--overwrite", *(["--exclude", exclude] if exclude else [])],
+                         f"build-shards subset {labelled}")
     except UserError as e:
         raise ConfigError(f"--labels-per-class {count}: " + str(e).replace("--per-class", "--labels-per-class")
                           .replace(f"--labels-per-class {count}: ", "")) from None
 
 
-def draft_subsets(labelled: str, points: list[str], seed: int, out: Path) -> tuple[dict[str, str], Any]:
+def draft_subsets(labelled: str, points: list[str], seed: int, out: Path, exclude: str = "",
+                  ) -> tuple[dict[str, str], Any]:
     """A --dry-run's subsets of one seed, drawn into a temporary folder (nothing is written under --out): returns
     (the folder under --out -> the temporary one, the TemporaryDirectory to keep alive)."""
     tmp = tempfile.TemporaryDirectory(prefix="compare-dry-run-")
     moved = {str(subset_folder(out, p, seed)): str(subset_folder(Path(tmp.name), p, seed))
              for p in points if p.startswith("k")}
-    make_subsets(labelled, points, [seed], Path(tmp.name))
+    make_subsets(labelled, points, [seed], Path(tmp.name), exclude)
     return moved, tmp
 
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import yaml
 
-from experiments.compare_arms import Lengths, Stage
+from experiments.compare_arms import SCORES, Lengths, Stage
 from vit_mpp.config.engine import ConfigError
 from vit_mpp.config.sections import ARCH_KEYS
 from vit_mpp.durable import write_atomic
@@ -224,10 +224,24 @@ def write_cache(cache: Path, known: dict[str, Any]) -> None:
 # ------------------------------------------------------------------------------------------------------- the runs
 
 
-def finished(stage: Stage) -> bool:
+def trained(stage: Stage) -> bool:
     """The stage's run reached its last step and wrote its export."""
     steps = [int(r["step"]) for r in read_metrics(stage.run_dir) if isinstance(r.get("step"), int)]
     return is_export(stage.run_dir / "export") and bool(steps) and max(steps) >= stage.steps > 0
+
+
+def scored_top1(run_dir: Path) -> float | None:
+    """The top-1 of a run's final export on --test, as `finetune.evaluate` wrote it (--val); None before (or torn)."""
+    try:
+        value = json.loads((run_dir / SCORES / "evaluation.json").read_text())["metrics"]["val_top1"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+def finished(stage: Stage) -> bool:
+    """The stage's run is trained and, with --val, its export scored on --test."""
+    return trained(stage) and (stage.score is None or scored_top1(stage.run_dir) is not None)
 
 
 def check_run_dirs(stages: list[Stage]) -> None:
@@ -248,12 +262,18 @@ def check_run_dirs(stages: list[Stage]) -> None:
 
 
 def launch(stage: Stage, log: Path, threads: int) -> int:
-    """Run one stage as a subprocess, its output appended to `log`; its exit status."""
+    """Run one stage as a subprocess (a trained one is not run again), then with --val its export's scoring on
+    --test, their output appended to `log`; the exit status of the first that failed, else 0."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
+    todo = [] if trained(stage) else [stage.command]
+    todo += [stage.score_command] if stage.score_command and scored_top1(stage.run_dir) is None else []
     with log.open("a") as f:
-        f.write(f"$ {shlex.join(stage.command)}\n")
-        f.flush()
-        return children.run(stage.command, stdout=f, stderr=subprocess.STDOUT, env=env)
+        for command in todo:
+            f.write(f"$ {shlex.join(command)}\n")
+            f.flush()
+            if status := children.run(command, stdout=f, stderr=subprocess.STDOUT, env=env):
+                return status
+    return 0
 
 
 @dataclass

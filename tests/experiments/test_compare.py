@@ -12,6 +12,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tarfile
 import threading
 import time
 from pathlib import Path
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from data_tools.cli import main as build_main
 from experiments import compare, compare_arms, compare_report, run_scheduler
 from tests.helpers.processes import REPO, Background, in_process, run_module, subprocess_env
 from tests.helpers.runs import read_metrics
@@ -26,6 +28,7 @@ from tests.helpers.shards import write_shard_set
 from vit_mpp.data.manifest import read_manifest
 
 PRE_STEPS, PRE_BATCH, FT_EPOCHS, FT_BATCH = 20, 8, 3, 4
+REAL_LAUNCH = run_scheduler.launch  # FakeStages replaces it
 
 
 def dry_run_text(cmd: list[str]) -> str:
@@ -55,8 +58,8 @@ class FakeStages:
     """Stands for the stages' subprocesses: dry runs answer from the command, a launch writes what a finished run
     leaves (metrics.jsonl up to its last step with a val_top1, config.yaml, an export); records every call."""
 
-    def __init__(self, monkeypatch, top1=lambda stage: 0.5) -> None:
-        self.dry_runs, self.launched, self.top1 = [], [], top1
+    def __init__(self, monkeypatch, top1=lambda stage: 0.5, scored=lambda stage: 0.55) -> None:
+        self.dry_runs, self.launched, self.top1, self.scored = [], [], top1, scored
         monkeypatch.setattr(run_scheduler, "dry_run", self.dry_run)
         monkeypatch.setattr(run_scheduler, "launch", self.launch)
 
@@ -77,6 +80,10 @@ class FakeStages:
         (run_dir / "export").mkdir(exist_ok=True)
         (run_dir / "export" / "config.json").write_text("{}")
         (run_dir / "export" / "model.safetensors").write_bytes(b"")
+        if stage.score:  # --val: its export scored on --test, as finetune.evaluate writes it
+            (run_dir / compare_arms.SCORES).mkdir(exist_ok=True)
+            (run_dir / compare_arms.SCORES / "evaluation.json").write_text(
+                json.dumps({"metrics": {"val_top1": self.scored(stage)}}))
         return 0
 
 
@@ -217,8 +224,87 @@ def test_a_finetune_config_with_a_gate_is_one_line_before_anything_runs(tmp_path
                                              "--finetune-config", str(gated)], capsys)
     assert code == 2 and err.count("\n") == 1, err
     assert err.startswith(f"error: --finetune-config {gated} sets semi.gate 0.5: compare validates every fine-tuning "
-                          "on --test, so a gate there would open the pool with the test split's labels"), err
+                          "on --test unless --val names a validation set of its own"), err
     assert not fake.dry_runs and not fake.launched and not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------------------------------------------ --val
+
+
+def test_with_val_the_runs_validate_on_it_and_the_table_is_their_exports_on_test(tmp_path, monkeypatch, shards):
+    # the gate needs a validation set apart from the one reported: with --val compare can measure it
+    FakeStages(monkeypatch, top1=lambda stage: 0.9, scored=lambda stage: {"mpp": 0.4}.get(stage.arm, 0.6))
+    out = tmp_path / "out"
+    val = f"{shards['pool']}:val"
+    report = compare.main(argv(shards, out, "--seeds", "0", "--arms", "mpp,scratch,semi", "--val", val, "--set",
+                               "semi.finetune:train.ema_decay=0.99", "semi.finetune:semi.gate=0.5"))
+    assert report["table"]["arms"]["mpp"]["per_seed"] == {0: 0.4}  # the export on --test, not the last val_top1
+    assert report["table"]["differences"]["semi - mpp"]["per_seed"] == {0: pytest.approx(0.2)}
+    assert report["val"] == str(shards["pool"]) and report["val_split"] == "val"
+    semi = json.loads((out / "seed0/semi/finetune" / run_scheduler.SIDECAR).read_text())["command"]
+    assert f"data.val_shards={shards['pool']}" in semi and "data.val_split=val" in semi and "semi.gate=0.5" in semi
+    text = (out / "compare.md").read_text()
+    assert f"each run validated on {shards['pool']}:val, its final export scored on the test images" in text
+    assert "(val 0.60 / 0.70)" in text  # the teacher's pseudo-labels of the images it validated on
+    stage = next(s for s in compare_arms.plan_runs(compare.check_args(argv(
+        shards, out, "--seeds", "0", "--arms", "mpp", "--val", val))[0])[0] if s.name == "seed0/mpp/finetune")
+    assert stage.score_command[2:] == ["finetune.evaluate", "--checkpoint", str(out / "seed0/mpp/finetune/export"),
+                                       "--shards", str(shards["test"]), "--split", "test", "--out",
+                                       str(out / "seed0/mpp/finetune/test")]
+    # a run trained whose scoring did not end is not finished: the same command scores it, and trains nothing
+    stage.steps = 9  # as its dry run sized it: 3 epochs of 3 steps
+    (out / "seed0/mpp/finetune/test/evaluation.json").write_text('{"metrics": {"val_')  # torn
+    assert not run_scheduler.finished(stage) and run_scheduler.trained(stage)
+    ran = []
+    monkeypatch.setattr(run_scheduler.children, "run", lambda command, **kw: ran.append(command) or 0)
+    assert REAL_LAUNCH(stage, tmp_path / "log", 1) == 0
+    assert [c[2] for c in ran] == ["finetune.evaluate"]
+
+
+@pytest.mark.parametrize("val, says", [
+    ("{test}", "--val {test}: give the split too, SHARDS:SPLIT"),
+    ("{pool}:nope", "--val {pool} has no split 'nope'"),
+    ("{test}:test", "--val {test}:test holds the shard {test}/test-000000.tar of --test: validate on a set apart"),
+    ("{unlabelled_pool}:train", "--val {unlabelled_pool} carries no labels"),
+    ("{nowhere}:val", "--val: "),
+])
+def test_a_bad_val_is_one_line_before_anything_runs(tmp_path, monkeypatch, shards, capsys, val, says):
+    fake = FakeStages(monkeypatch)
+    where = {**{k: str(v) for k, v in shards.items()}, "nowhere": str(tmp_path / "nowhere")}
+    code, _, err = in_process(compare.main, argv(shards, tmp_path / "out", "--val", val.format(**where)), capsys)
+    assert code == 2 and err.startswith(f"error: {says.format(**where)}") and err.count("\n") == 1, err
+    assert not fake.dry_runs and not (tmp_path / "out").exists()
+
+
+def test_a_sweep_with_a_val_drawn_from_labelled_draws_its_subsets_apart_from_it(tmp_path, monkeypatch, shards,
+                                                                               capsys):
+    FakeStages(monkeypatch)
+    val = tmp_path / "val"
+    assert in_process(build_main, ["subset", str(shards["labelled"]), str(val), "--per-class", "2"], capsys)[0] == 0
+    out = tmp_path / "out"
+    report = compare.main(argv(shards, out, "--seeds", "0", "1", "--arms", "mpp", "--labels-per-class", "2", "all",
+                               "--val", f"{val}:train"))
+    assert any("at point all the fine-tunings train on --labelled whole" in n for n in report["points"]["k2"]["notes"])
+    held = keys(val)
+    for seed in (0, 1):
+        drawn = out / f"labelled/k2_s{seed}"
+        assert len(keys(drawn)) == 6 and not keys(drawn) & held  # 4 of each class, 2 of them --val's: 2 left
+        assert read_manifest(drawn)["subset"]["exclude"][0]["of"] == str(val)
+    # without --val the subsets left in out were drawn otherwise: one line, not a silent mix
+    for seed in (0, 1):
+        shutil.rmtree(out / f"seed{seed}")  # (its runs validated on --val, which says so first)
+    code, _, err = in_process(compare.main, argv(shards, out, "--seeds", "0", "--arms", "mpp", "--labels-per-class",
+                                                 "2"), capsys)
+    assert code == 2 and f"apart from {val}): give another --out" in err, err
+
+
+def keys(folder: Path) -> set[str]:
+    """The sample keys of a set's train split."""
+    found = set()
+    for tar in sorted(folder.glob("train-*.tar")):
+        with tarfile.open(tar) as t:
+            found |= {m.name.split(".")[0] for m in t.getmembers()}
+    return found
 
 
 # --------------------------------------------------------------------------------------------------- resuming
@@ -542,8 +628,9 @@ def test_a_sweep_needs_one_labelled_set(tmp_path, monkeypatch, shards, capsys):
     (["--set", "scratch.pretrain:train.steps=3"], "arm scratch has no pretrain stage"),
     (["--set", "finetune:train.seed=3"], "compare sets train.seed itself"),
     (["--set", "scratch_equal.finetune:train.epochs=3"], "compare sets train.epochs itself"),
-    (["--set", "finetune:semi.gate=0.5"], "validates every fine-tuning on --test, so a gate there would open the "
-                                          "pool with the test split's labels"),
+    (["--set", "finetune:semi.gate=0.5"], "validates every fine-tuning on --test unless --val names a validation "
+                                          "set of its own, so a gate there would open the pool with the test split's "
+                                          "labels"),
     (["--seeds", "0", "0"], "--seeds must be distinct"),
     (["--jobs", "0"], "--jobs 0: give at least 1 (runs at a time)"),
     (["--threads", "-1"], "--threads -1: give at least 1 (threads per run)"),
@@ -756,6 +843,34 @@ def test_a_tiny_real_comparison_runs_and_resumes(tmp_path, monkeypatch, shards):
     launched = []
     monkeypatch.setattr(run_scheduler, "launch", lambda *a: launched.append(a) or 0)
     assert compare.main(args)["table"] == report["table"] and not launched
+
+
+@pytest.mark.slow
+def test_a_tiny_real_comparison_with_val_scores_each_export_on_test_and_a_lost_score_is_made_again(tmp_path,
+                                                                                                   shards):
+    """The real stages and the real finetune.evaluate: each fine-tuning validates on --val (the gate with it), its
+    export is scored on --test, the table is those scores; a score lost is made again by the same command, which
+    trains nothing."""
+    tiny = ["--set", "finetune:model.patch_size=4", "finetune:model.embed_dim=32", "finetune:model.depth=2",
+            "finetune:model.num_heads=2", "finetune:model.img_size=16", "pretrain:train.steps=4",
+            "finetune:train.epochs=1", "finetune:data.num_workers=0", "pretrain:data.num_workers=0",
+            "semi.finetune:train.ema_decay=0.9", "semi.finetune:semi.gate=0.5"]
+    out = tmp_path / "out"
+    args = argv(shards, out, "--seeds", "0", "--arms", "mpp,semi", "--val", f"{shards['pool']}:val", "--threads", "1",
+                *tiny)
+    report = compare.main(args)
+    for arm in ("mpp", "semi"):
+        scored = json.loads((out / f"seed0/{arm}/finetune/test/evaluation.json").read_text())
+        assert report["table"]["arms"][arm]["per_seed"][0] == scored["metrics"]["val_top1"]
+        assert scored["metrics"]["val_samples"] == 9  # --test's 9 images; the runs validated on --val's 6
+        assert {r["val_samples"] for r in read_metrics(out / f"seed0/{arm}/finetune") if "val_samples" in r} == {6}
+    trained = (out / "seed0/mpp/finetune/metrics.jsonl").read_text()
+    shutil.rmtree(out / "seed0/mpp/finetune/test")
+    again = compare.main(args)
+    assert again["table"] == report["table"]
+    assert (out / "seed0/mpp/finetune/metrics.jsonl").read_text() == trained  # scored again, not trained again
+    log = (out / "logs/seed0_mpp_finetune.log").read_text()
+    assert log.count("-m finetune.evaluate") == 2 and log.count("-m finetune --config") == 1
 
 
 @pytest.mark.slow
