@@ -7,7 +7,6 @@ identical rerun say "already complete" and write nothing. See docs/build_shards.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import sys
@@ -31,6 +30,7 @@ from vit_mpp.data.manifest import (
     check_manifest,
     load_split,
     manifest_classes,
+    manifest_digest,
     manifest_file,
     read_manifest,
     shard_base,
@@ -124,8 +124,7 @@ def draw_fingerprint(info: dict[str, Any], drawn: dict[str, Any]) -> str:
     """A subset's fingerprint, made as a build's (data_tools/builder/journal.py `fingerprint`): how it is drawn
     (`drawn`, the source where it is), the tool's version and the source's manifest (its shards, their sizes and
     sums, its classes): an identical rerun finds it in OUT's manifest and writes nothing."""
-    source = hashlib.sha256(json.dumps(info, sort_keys=True).encode()).hexdigest()
-    return fingerprint(source, {**drawn, "of": _absolute(drawn["of"]), "tool_version": __version__})
+    return fingerprint(manifest_digest(info), {**drawn, "of": _absolute(drawn["of"]), "tool_version": __version__})
 
 
 def check_out(out: Path, source: str, overwrite: bool) -> None:
@@ -220,8 +219,7 @@ def excluded_keys(exclude: tuple[str, ...], split: str, out: Path, read: ReadPol
         shards, _ = load_split(other, split)
         for url in shards.urls:
             keys.update(key for key, _ in _read_shard(url, frozenset({"cls"}), None, read))
-        manifest = hashlib.sha256(json.dumps(info, sort_keys=True).encode()).hexdigest()
-        recorded.append({"of": _absolute(other), "manifest_sha256": manifest})
+        recorded.append({"of": _absolute(other), "manifest_sha256": manifest_digest(info)})
     return keys, recorded
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from experiments.digits import run_build_shards
 from vit_mpp.config.engine import ConfigError
-from vit_mpp.data.manifest import MANIFEST_NAME, manifest_classes, read_manifest
+from vit_mpp.data.manifest import MANIFEST_NAME, manifest_classes, manifest_digest, read_manifest
 from vit_mpp.errors import UserError
 
 SUBSETS = "labelled"  # in --out: the subsets, labelled/k<K>_s<seed>
@@ -67,10 +67,12 @@ def make_subsets(labelled: str, points: list[str], seeds: list[int], root: Path,
             folder = subset_folder(root, point, seed)
             if (folder / MANIFEST_NAME).is_file():
                 drawn = read_manifest(folder).get("subset") or {}
-                apart = [e.get("of") for e in drawn.get("exclude") or [] if isinstance(e, dict)]
+                excluded = [e for e in drawn.get("exclude") or [] if isinstance(e, dict)]
+                apart = [e.get("of") for e in excluded]
+                now = manifest_digest(read_manifest(exclude)) if exclude else None  # --val drawn again since?
                 same = same_place(str(drawn.get("of")), labelled) and (drawn.get("per_class"), drawn.get("seed")) \
                     == (per_class(point), seed) and len(apart) == bool(exclude) and \
-                    all(same_place(str(a), exclude) for a in apart)
+                    all(same_place(str(e.get("of")), exclude) and e.get("manifest_sha256") == now for e in excluded)
                 if not same:
                     raise ConfigError(f"{folder} holds another subset ({drawn.get('per_class')} per class of "
                                       f"{drawn.get('of')}, seed {drawn.get('seed')}"

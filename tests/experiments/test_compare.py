@@ -296,6 +296,12 @@ def test_a_sweep_with_a_val_drawn_from_labelled_draws_its_subsets_apart_from_it(
     code, _, err = in_process(compare.main, argv(shards, out, "--seeds", "0", "--arms", "mpp", "--labels-per-class",
                                                  "2"), capsys)
     assert code == 2 and f"apart from {val}): give another --out" in err, err
+    # nor with a --val drawn again since: the subsets were drawn apart from other images
+    assert in_process(build_main, ["subset", str(shards["labelled"]), str(val), "--per-class", "2", "--seed", "9",
+                                   "--overwrite"], capsys)[0] == 0
+    code, _, err = in_process(compare.main, argv(shards, out, "--seeds", "0", "--arms", "mpp", "--labels-per-class",
+                                                 "2", "--val", f"{val}:train"), capsys)
+    assert code == 2 and f"apart from {val}): give another --out" in err, err
 
 
 def keys(folder: Path) -> set[str]:

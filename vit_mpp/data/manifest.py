@@ -6,6 +6,7 @@ timm's `wds/` info file extended with what a user needs to trust the shards. `re
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import urllib.error
@@ -138,6 +139,12 @@ def check_manifest(info: dict[str, Any], where: str) -> None:
         raise bad("'class_names' must be a list of names")
     if names and info.get("num_classes") and len(names) != info["num_classes"]:
         raise bad(f"'class_names' names {len(names)} classes but 'num_classes' is {info['num_classes']}")
+
+
+def manifest_digest(info: dict[str, Any]) -> str:
+    """A manifest's contents as one hash (sha256 of its canonical JSON): what tells a set changed, or another set,
+    in a fingerprint or a record of it."""
+    return hashlib.sha256(json.dumps(info, sort_keys=True).encode()).hexdigest()
 
 
 def manifest_classes(info: dict[str, Any]) -> int:
