@@ -156,6 +156,10 @@ class SemiConfig:
         """The pool's shard-set locations ([] when off)."""
         return [str(x) for x in self.pool] if isinstance(self.pool, list) else [self.pool] if self.pool else []
 
+    def unused(self) -> list[str]:
+        """The semi.* settings given (in the YAML or as key=value) that do nothing: without a pool, every one."""
+        return [] if self.pool_sets() else sorted(f"semi.{k}" for k in given_keys(self) - {"pool", "pool_split"})
+
 
 @dataclass
 class FinetuneConfig:

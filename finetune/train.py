@@ -74,6 +74,9 @@ def train(cfg: FinetuneConfig) -> None:
                                    pool_labelled=pool_labelled(run.data))
             if (warning := loss.warning(classes.count)) and run.accelerator.is_main_process:
                 print(warning, file=sys.stderr, flush=True)
+        if (unused := cfg.semi.unused()) and run.accelerator.is_main_process:
+            print(f"warning: {', '.join(unused)} set without semi.pool: this run fine-tunes on the labels alone, and "
+                  f"{'they do' if len(unused) > 1 else 'it does'} nothing", file=sys.stderr, flush=True)
         about = summary(run, model, model_cfg, schedule.warmup, loss)
         if run.dry_run:
             return dry_run.report(run, about, schedule)

@@ -507,3 +507,15 @@ def test_a_closed_gate_leaves_the_labelled_loss_alone_and_says_so_in_the_metrics
     loss.gate.open = True
     opened = loss(got["model"], got["batch"])
     assert opened["loss"].item() == got["out"]["loss"].item() and opened["metrics"]["pool_on"] == 1
+
+
+def test_semi_settings_without_a_pool_are_named_in_one_warning(labelled, pretrained, tmp_path, capsys):
+    # a user who set the gate or the strong view and forgot the pool would otherwise measure plain fine-tuning
+    base = ["--config", "configs/finetune/tiny.yaml", "--dry-run", f"data.shards={labelled}",
+            f"init.checkpoint={pretrained}", f"train.run_dir={tmp_path / 'run'}"]
+    code, _, err = in_process(finetune_main, [*base, "semi.gate=0.5", "semi.strong=rand-n2-m10-mstd101"], capsys)
+    warned = [ln for ln in err.splitlines() if ln.startswith("warning: ")]
+    assert code == 0 and warned == ["warning: semi.gate, semi.strong set without semi.pool: this run fine-tunes on the "
+                                    "labels alone, and they do nothing"], err
+    code, _, err = in_process(finetune_main, base, capsys)
+    assert code == 0 and "semi." not in err, err

@@ -9,6 +9,7 @@ import pytest
 
 from finetune.config import FinetuneConfig
 from pretrain.config import PretrainConfig
+from vit_mpp.cli import UsageError
 from vit_mpp.config.engine import (
     ConfigError,
     given_keys,
@@ -171,6 +172,16 @@ def test_a_replaced_config_keeps_dry_run_and_the_keys_the_user_set():
     new = replaced(cfg, model=replaced(cfg.model, embed_dim=64))
     assert is_dry_run(new) and new.model.embed_dim == 64 and new.train == cfg.train
     assert "name" in given_keys(new.model) and given_keys(new.model) == given_keys(cfg.model)
+
+
+def test_overrides_may_stand_on_both_sides_of_dry_run():
+    # `finetune --config c.yaml a=1 --dry-run b=2` was "unrecognized arguments: b=2"
+    cfg = parse_args(FinetuneConfig, ["--config", "configs/finetune/tiny.yaml", "train.epochs=5", "--dry-run",
+                                      "train.batch_size=3"], prog="finetune", description="")
+    assert is_dry_run(cfg) and cfg.train.epochs == 5 and cfg.train.batch_size == 3
+    with pytest.raises(UsageError, match="unrecognized arguments: --bogus"):
+        parse_args(FinetuneConfig, ["--config", "configs/finetune/tiny.yaml", "--dry-run", "--bogus"], prog="finetune",
+                   description="")
 
 
 def test_a_brace_pattern_override_is_a_string_and_a_broken_list_is_an_error():

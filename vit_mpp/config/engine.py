@@ -348,7 +348,7 @@ def parse_args(cls: type[T], argv: list[str] | None, prog: str, description: str
                         help="overrides, e.g. train.batch_size=256 optim.base_lr=1e-3")
     parser.add_argument("--dry-run", action="store_true",
                         help="check everything a run checks at start, print what it would do, write nothing")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # key=value on both sides of --dry-run, as a user types them
     cfg = load_config(cls, args.config, args.overrides)
     object.__setattr__(cfg, DRY_RUN, args.dry_run)  # beside the fields, not one of them: not saved with the config
     return cfg
