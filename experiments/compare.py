@@ -81,8 +81,9 @@ def check_shards(location: str, split: str | None, what: str, labelled: bool) ->
     return info
 
 
-def check_val(value: str, test: str, test_split: str, labelled_info: dict[str, Any]) -> tuple[str, str]:
-    """--val SHARDS:SPLIT checked: a labelled split of the classes learned, that shares no shard with --test's."""
+def check_val(value: str, apart: list[tuple[str, str, str]], labelled_info: dict[str, Any]) -> tuple[str, str]:
+    """--val SHARDS:SPLIT checked: a labelled split of the classes learned, that shares no shard with the sets it
+    must stand apart from (`apart`: (flag, location, split): --test's, each seed's --labelled train split)."""
     val, split = parse_test(value)
     if split is None:
         raise ConfigError(f"--val {value}: give the split too, SHARDS:SPLIT (a subset's own images are its train "
@@ -92,9 +93,11 @@ def check_val(value: str, test: str, test_split: str, labelled_info: dict[str, A
         raise ConfigError(f"--val {val} counts {manifest_classes(info)} classes, --labelled "
                           f"{manifest_classes(labelled_info)}: the classifier is validated on the classes it learns")
     shards = {shard_identity(u) for u in load_split(val, split)[0].urls}
-    if shared := [u for u in load_split(test, test_split)[0].urls if shard_identity(u) in shards]:
-        raise ConfigError(f"--val {value} holds the shard {shared[0]} of --test: validate on a set apart from the "
-                          "one the table reports")
+    for flag, location, its_split in apart:
+        if shared := [u for u in load_split(location, its_split)[0].urls if shard_identity(u) in shards]:
+            raise ConfigError(f"--val {value} holds the shard {shared[0]} of {flag}: validate on a set apart from "
+                              + ("the one the table reports" if flag == "--test" else "the images the runs train on "
+                                 "(build-shards subset --exclude draws one)"))
     return val, split
 
 
@@ -177,7 +180,9 @@ def check_args(argv: list[str] | None) -> tuple[Setup, Any]:
     if manifest_classes(test_info) != manifest_classes(labelled_info):
         raise ConfigError(f"--test {test} counts {manifest_classes(test_info)} classes, --labelled "
                           f"{manifest_classes(labelled_info)}: the classifier is scored on the classes it learns")
-    val, val_split = check_val(args.val, test, split, labelled_info) if args.val is not None else ("", "")
+    apart = [("--test", test, split), *(("--labelled", args.labelled.replace("{seed}", str(s)), "train")
+                                        for s in args.seeds)]
+    val, val_split = check_val(args.val, apart, labelled_info) if args.val is not None else ("", "")
     if val:
         read.append(read_manifest(val))
     setup = Setup(args.unlabelled, args.labelled, test, split, test_info["splits"][split]["num_samples"],

@@ -266,6 +266,8 @@ def test_with_val_the_runs_validate_on_it_and_the_table_is_their_exports_on_test
     ("{pool}:nope", "--val {pool} has no split 'nope'"),
     ("{test}:test", "--val {test}:test holds the shard {test}/test-000000.tar of --test: validate on a set apart"),
     ("{unlabelled_pool}:train", "--val {unlabelled_pool} carries no labels"),
+    ("{labelled}:train", "--val {labelled}:train holds the shard {labelled}/train-000000.tar of --labelled: validate "
+                         "on a set apart from the images the runs train on"),
     ("{nowhere}:val", "--val: "),
 ])
 def test_a_bad_val_is_one_line_before_anything_runs(tmp_path, monkeypatch, shards, capsys, val, says):
