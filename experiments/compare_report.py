@@ -169,35 +169,40 @@ def make_report(setup: Setup, of_arm: dict[tuple[int, str, str], list[Stage]], e
             **({"monitors": monitors} if monitors["spearman"] else {})}
 
 
-LOGGED = ("pseudo_kept", "pseudo_acc")  # a pool run's per-step metrics; test_*: its evaluations' ema_val_*
-POOL_KEYS = (*LOGGED, *(f"test_{k}" for k in LOGGED))
+LOGGED = ("pseudo_kept", "pseudo_acc")  # a pool run's per-step metrics; test_*: its evaluations' ema_val_* (val_*
+                                         # with --val: the images the runs evaluate are then --val's)
 
 
-def pool_at_end(run_dir: Path) -> dict[str, float] | None:
+def pool_keys(scored: str) -> tuple[str, ...]:
+    return (*LOGGED, *(f"{scored}_{k}" for k in LOGGED))
+
+
+def pool_at_end(run_dir: Path, scored: str = "test") -> dict[str, float] | None:
     """What the pool did in a run with one, at its last log: the share of pool images kept (`pseudo_kept`) and, for
     a pool with labels (a proxy experiment's), how many of those pseudo-labels were right (`pseudo_acc`); at its last
-    evaluation, the same two of the teacher on the test images (`test_pseudo_kept`, `test_pseudo_acc`: the run's
-    `ema_val_pseudo_*`, which need no labels on the pool); None for a run without a pool."""
+    evaluation, the same two of the teacher on the images the run evaluates (`test_pseudo_kept`, `test_pseudo_acc`,
+    or `val_*` when `scored` says they are --val's: the run's `ema_val_pseudo_*`, which need no labels on the pool);
+    None for a run without a pool."""
     records = read_metrics(run_dir)
     last = next((r for r in reversed(records) if "pseudo_kept" in r), None)
     if last is None:
         return None
-    scored = next((r for r in reversed(records) if "ema_val_pseudo_kept" in r), {})
-    found = {**{k: last.get(k) for k in LOGGED}, **{f"test_{k}": scored.get(f"ema_val_{k}") for k in LOGGED}}
+    evaluated = next((r for r in reversed(records) if "ema_val_pseudo_kept" in r), {})
+    found = {**{k: last.get(k) for k in LOGGED}, **{f"{scored}_{k}": evaluated.get(f"ema_val_{k}") for k in LOGGED}}
     return {k: float(v) for k, v in found.items() if isinstance(v, (int, float))}
 
 
 def pool_table(setup: Setup, of_arm: dict[tuple[int, str, str], list[Stage]], point: str) -> dict[str, Any]:
     """Per arm with a pool: its last `pseudo_kept` and `pseudo_acc` per seed, and their means: why a pool paid or
     did not."""
-    rows = {}
+    rows, scored = {}, "val" if setup.val else "test"
     for arm in setup.arms:
-        seen = {seed: pool_at_end(of_arm[seed, arm, point][-1].run_dir) for seed in setup.seeds
+        seen = {seed: pool_at_end(of_arm[seed, arm, point][-1].run_dir, scored) for seed in setup.seeds
                 if (seed, arm, point) in of_arm}
         seen = {seed: v for seed, v in seen.items() if v is not None}
         if seen:
             rows[arm] = {"per_seed": seen, **{k: mean_std([v[k] for v in seen.values() if k in v])[0]
-                                              for k in POOL_KEYS}}
+                                              for k in pool_keys(scored)}}
     return rows
 
 
@@ -208,8 +213,8 @@ def pool_markdown(pool: dict[str, Any], seeds: list[int], scored: str = "test") 
         if v is None:
             return "–"
         text = f"{v['pseudo_kept']:.2f}" + (f" / {v['pseudo_acc']:.2f}" if "pseudo_acc" in v else "")
-        if "test_pseudo_kept" in v and "test_pseudo_acc" in v:
-            text += f" ({scored} {v['test_pseudo_kept']:.2f} / {v['test_pseudo_acc']:.2f})"
+        if f"{scored}_pseudo_kept" in v and f"{scored}_pseudo_acc" in v:
+            text += f" ({scored} {v[f'{scored}_pseudo_kept']:.2f} / {v[f'{scored}_pseudo_acc']:.2f})"
         return text
 
     lines = ["", "The pool at the last log: share of pool images kept / share of those pseudo-labels right (a "
@@ -217,7 +222,7 @@ def pool_markdown(pool: dict[str, Any], seeds: list[int], scored: str = "test") 
              "at the last evaluation", "", f"| arm | mean | {' | '.join(f'seed {s}' for s in seeds)} |",
              "|" + " --- |" * (len(seeds) + 2)]
     for arm, row in pool.items():
-        mean = {k: row[k] for k in POOL_KEYS if row.get(k) is not None}
+        mean = {k: row[k] for k in pool_keys(scored) if row.get(k) is not None}
         lines.append(f"| {arm} | {cell(mean)} | {' | '.join(cell(row['per_seed'].get(s)) for s in seeds)} |")
     return lines
 

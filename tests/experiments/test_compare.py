@@ -246,6 +246,7 @@ def test_with_val_the_runs_validate_on_it_and_the_table_is_their_exports_on_test
     text = (out / "compare.md").read_text()
     assert f"each run validated on {shards['pool']}:val, its final export scored on the test images" in text
     assert "(val 0.60 / 0.70)" in text  # the teacher's pseudo-labels of the images it validated on
+    assert report["pool"]["semi"]["val_pseudo_acc"] == 0.7 and "test_pseudo_acc" not in report["pool"]["semi"]
     stage = next(s for s in compare_arms.plan_runs(compare.check_args(argv(
         shards, out, "--seeds", "0", "--arms", "mpp", "--val", val))[0])[0] if s.name == "seed0/mpp/finetune")
     assert stage.score_command[2:] == ["finetune.evaluate", "--checkpoint", str(out / "seed0/mpp/finetune/export"),
