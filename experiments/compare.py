@@ -81,9 +81,11 @@ def check_shards(location: str, split: str | None, what: str, labelled: bool) ->
     return info
 
 
-def check_val(value: str, apart: list[tuple[str, str, str]], labelled_info: dict[str, Any]) -> tuple[str, str]:
+def check_val(value: str, apart: list[tuple[str, str, str]], labelled_info: dict[str, Any],
+              ) -> tuple[str, str, dict[str, Any]]:
     """--val SHARDS:SPLIT checked: a labelled split of the classes learned, that shares no shard with the sets it
-    must stand apart from (`apart`: (flag, location, split): --test's, each seed's --labelled train split)."""
+    must stand apart from (`apart`: (flag, location, split): --test's, each seed's --labelled train split); returns
+    (location, split, manifest)."""
     val, split = parse_test(value)
     if split is None:
         raise ConfigError(f"--val {value}: give the split too, SHARDS:SPLIT (a subset's own images are its train "
@@ -98,7 +100,7 @@ def check_val(value: str, apart: list[tuple[str, str, str]], labelled_info: dict
             raise ConfigError(f"--val {value} holds the shard {shared[0]} of {flag}: validate on a set apart from "
                               + ("the one the table reports" if flag == "--test" else "the images the runs train on "
                                  "(build-shards subset --exclude draws one)"))
-    return val, split
+    return val, split, info
 
 
 def build_parser() -> ArgumentParser:
@@ -182,9 +184,9 @@ def check_args(argv: list[str] | None) -> tuple[Setup, Any]:
                           f"{manifest_classes(labelled_info)}: the classifier is scored on the classes it learns")
     apart = [("--test", test, split), *(("--labelled", args.labelled.replace("{seed}", str(s)), "train")
                                         for s in args.seeds)]
-    val, val_split = check_val(args.val, apart, labelled_info) if args.val is not None else ("", "")
+    val, val_split, val_info = check_val(args.val, apart, labelled_info) if args.val is not None else ("", "", {})
     if val:
-        read.append(read_manifest(val))
+        read.append(val_info)
     setup = Setup(args.unlabelled, args.labelled, test, split, test_info["splits"][split]["num_samples"],
                   "val" in pool["splits"], arms, args.seeds,
                   {"pretrain": args.pretrain_config, "finetune": args.finetune_config}, overrides, args.out)
@@ -194,7 +196,7 @@ def check_args(argv: list[str] | None) -> tuple[Setup, Any]:
     setup.fingerprint = hashlib.sha256(json.dumps(contents, sort_keys=True).encode()).hexdigest()
     setup.points = label_sweep.parse_points(args.labels_per_class, args.labelled)
     setup.finetune_steps, setup.arm_steps = parse_finetune_steps(args.finetune_steps, setup)
-    if val_split == "train" and setup.points != [""] and label_sweep.drawn_from(val, args.labelled):
+    if val_split == "train" and setup.points != [""] and label_sweep.drawn_from(val_info, args.labelled):
         setup.apart = val  # the sweep's subsets are drawn apart from the validation images
         if "all" in setup.points:
             setup.notes.append(f"at point all the fine-tunings train on --labelled whole, --val {val}'s images "

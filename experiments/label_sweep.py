@@ -52,9 +52,9 @@ def same_place(a: str, b: str) -> bool:
     return a == b or Path(a).resolve() == Path(b).resolve()
 
 
-def drawn_from(location: str, labelled: str) -> bool:
-    """Whether the set at `location` is a subset of --labelled's train split (build-shards subset's record)."""
-    drawn = read_manifest(location).get("subset") or {}
+def drawn_from(info: dict[str, Any], labelled: str) -> bool:
+    """Whether the set of manifest `info` is a subset of --labelled's train split (build-shards subset's record)."""
+    drawn = info.get("subset") or {}
     return same_place(str(drawn.get("of")), labelled) and drawn.get("split", "train") == "train"
 
 
@@ -62,6 +62,7 @@ def make_subsets(labelled: str, points: list[str], seeds: list[int], root: Path,
     """Draw every (point, seed) subset not drawn yet under `root` (`subset_folder`), apart from the subset `exclude`
     (--val drawn from --labelled); an existing one is reused when it was drawn from the same set with the same count,
     seed and exclusion, else one line."""
+    now = manifest_digest(read_manifest(exclude)) if exclude else None  # drawn apart from an older --val: differs
     for point in (p for p in points if p.startswith("k")):
         for seed in seeds:
             folder = subset_folder(root, point, seed)
@@ -69,7 +70,6 @@ def make_subsets(labelled: str, points: list[str], seeds: list[int], root: Path,
                 drawn = read_manifest(folder).get("subset") or {}
                 excluded = [e for e in drawn.get("exclude") or [] if isinstance(e, dict)]
                 apart = [e.get("of") for e in excluded]
-                now = manifest_digest(read_manifest(exclude)) if exclude else None  # --val drawn again since?
                 same = same_place(str(drawn.get("of")), labelled) and (drawn.get("per_class"), drawn.get("seed")) \
                     == (per_class(point), seed) and len(apart) == bool(exclude) and \
                     all(same_place(str(e.get("of")), exclude) and e.get("manifest_sha256") == now for e in excluded)
