@@ -24,6 +24,7 @@ from data_tools.indexer.index_tars import IndexOptions
 from vit_mpp import __version__
 from vit_mpp.data import urls
 from vit_mpp.data.labels import BadLabel, cls_label
+from vit_mpp.data.lineage import SplitOf, split_keys
 from vit_mpp.data.manifest import (
     MANIFEST_NAME,
     ManifestError,
@@ -216,9 +217,10 @@ def excluded_keys(exclude: tuple[str, ...], split: str, out: Path, read: ReadPol
         if split not in info.get("splits", {}):
             raise SubsetError(f"--exclude {other} has no split '{split}' (it has: {', '.join(info.get('splits', {}))})"
                               ": exclude a subset of the split drawn from")
-        shards, _ = load_split(other, split)
-        for url in shards.urls:
-            keys.update(key for key, _ in _read_shard(url, frozenset({"cls"}), None, read))
+        try:
+            keys.update(split_keys(SplitOf(other, split, info), read))
+        except ManifestError as e:
+            raise SubsetError(f"--exclude {other}: {e}") from None
         recorded.append({"of": _absolute(other), "manifest_sha256": manifest_digest(info)})
     return keys, recorded
 
@@ -283,6 +285,9 @@ def subset(source: str, out: Path, per_class: int, seed: int, options: SubsetOpt
     if len(found) < len(leave_out):
         raise SubsetError(f"--exclude {' '.join(options.exclude)}: {len(leave_out) - len(found):,} of its "
                           f"{len(leave_out):,} samples are not in {where}: exclude sets drawn from that split")
+    if excluded and not labels:  # e.g. --exclude SRC itself, or a subset's val split, which is the source's
+        raise SubsetError(f"--exclude {' '.join(options.exclude)} holds every labelled sample of {where}: nothing is "
+                          "left to draw (a subset's own images are its train split; its val names the source's)")
     chosen = draw(labels, per_class, seed, where + (" less --exclude" if options.exclude else ""),
                   manifest_classes(info))
 

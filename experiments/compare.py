@@ -48,6 +48,7 @@ from experiments.run_scheduler import (
 )
 from vit_mpp.cli import ArgumentParser
 from vit_mpp.config.engine import ConfigError
+from vit_mpp.data.lineage import SplitOf, shared_samples
 from vit_mpp.data.manifest import check_manifest, load_split, manifest_classes, manifest_file, read_manifest
 from vit_mpp.data.training_data import shard_identity
 from vit_mpp.errors import UserError
@@ -87,6 +88,8 @@ def check_val(value: str, apart: list[tuple[str, str, str]], labelled_info: dict
     must stand apart from (`apart`: (flag, location, split): --test's, each seed's --labelled train split); returns
     (location, split, manifest)."""
     val, split = parse_test(value)
+    if value.startswith(":"):
+        raise ConfigError(f"--val {value}: give the shards before the split, SHARDS:SPLIT")
     if split is None:
         raise ConfigError(f"--val {value}: give the split too, SHARDS:SPLIT (a subset's own images are its train "
                           "split; its val names the source's)")
@@ -101,6 +104,39 @@ def check_val(value: str, apart: list[tuple[str, str, str]], labelled_info: dict
                               + ("the one the table reports" if flag == "--test" else "the images the runs train on "
                                  "(build-shards subset --exclude draws one)"))
     return val, split, info
+
+
+def val_overlap(setup: Setup, labelled: str | Path) -> int:
+    """How many of --val's images the train split of `labelled` holds, as far as the subset records tell
+    (vit_mpp/data/lineage.py: sets of unrelated origins share none)."""
+    return shared_samples(SplitOf(str(labelled), "train", read_manifest(labelled)),
+                          SplitOf(setup.val, setup.val_split, read_manifest(setup.val)))
+
+
+def check_val_samples(setup: Setup) -> None:
+    """--val holds none of the images the fine-tunings train on: each seed's --labelled without a sweep (a sweep's
+    subsets are checked as they are drawn, `check_subsets_apart`); at point all, a note."""
+    if setup.points == [""]:
+        for seed in setup.seeds:
+            labelled = setup.labelled.replace("{seed}", str(seed))
+            if n := val_overlap(setup, labelled):
+                raise ConfigError(f"--val {setup.val}:{setup.val_split} holds {n} of the images of --labelled "
+                                  f"{labelled} (drawn from the same source): validate on a set apart from the images "
+                                  "the runs train on (build-shards subset --exclude draws one)")
+    elif "all" in setup.points and (n := val_overlap(setup, setup.labelled)):
+        setup.notes.append(f"at point all the fine-tunings train on --labelled whole, {n} of --val {setup.val}'s "
+                           "images among them")
+
+
+def check_subsets_apart(setup: Setup, root: Path, seeds: list[int]) -> None:
+    """Each label-sweep subset drawn under `root` holds none of --val's images (drawn apart from it when --val is a
+    subset of --labelled; a --val drawn otherwise from the same source may not be)."""
+    for point in (p for p in setup.points if p.startswith("k")):
+        for seed in seeds:
+            if setup.val and (n := val_overlap(setup, label_sweep.subset_folder(root, point, seed))):
+                raise ConfigError(f"--val {setup.val}:{setup.val_split} holds {n} of the images of the subset "
+                                  f"{point} of seed {seed} (drawn from the same source): draw --val from --labelled "
+                                  "(build-shards subset LABELLED VAL ...), and the sweep draws its subsets apart")
 
 
 def build_parser() -> ArgumentParser:
@@ -198,9 +234,8 @@ def check_args(argv: list[str] | None) -> tuple[Setup, Any]:
     setup.finetune_steps, setup.arm_steps = parse_finetune_steps(args.finetune_steps, setup)
     if val_split == "train" and setup.points != [""] and label_sweep.drawn_from(val_info, args.labelled):
         setup.apart = val  # the sweep's subsets are drawn apart from the validation images
-        if "all" in setup.points:
-            setup.notes.append(f"at point all the fine-tunings train on --labelled whole, --val {val}'s images "
-                               "among them")
+    if val:
+        check_val_samples(setup)
     if "all" in setup.points and not all(setup.runs(a, "all") for a in setup.arms):
         setup.notes.append("semi-supervised arms not run at point all: their pool, --unlabelled, is the labelled set "
                            "itself there")
@@ -247,6 +282,8 @@ def run_plan(setup: Setup, args: Any, stages: list[Stage]) -> dict[str, int]:
         moved, draft = label_sweep.draft_subsets(setup.labelled, setup.points, setup.seeds[0], setup.out,
                                                  setup.apart) if sweep else ({}, None)
         try:
+            if draft is not None:
+                check_subsets_apart(setup, Path(draft.name), setup.seeds[:1])
             points = f" x {len(setup.points)} points" if sweep else ""
             print(f"checking {len(stages)} runs ({len(setup.arms)} arms x {len(setup.seeds)} seeds{points}) with the "
                   "stages' own --dry-run ...", flush=True)
@@ -268,6 +305,7 @@ def run_plan(setup: Setup, args: Any, stages: list[Stage]) -> dict[str, int]:
         write_cache(cache, known)
         if sweep:
             label_sweep.make_subsets(setup.labelled, setup.points, setup.seeds, setup.out, setup.apart)
+            check_subsets_apart(setup, setup.out, setup.seeds)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     execute(stages, setup.out, args.jobs, args.threads or max(1, cores // args.jobs))
     return epochs

@@ -13,6 +13,8 @@ from typing import Any
 
 from experiments.digits import run_build_shards
 from vit_mpp.config.engine import ConfigError
+from vit_mpp.data import lineage
+from vit_mpp.data.lineage import same_place
 from vit_mpp.data.manifest import MANIFEST_NAME, manifest_classes, manifest_digest, read_manifest
 from vit_mpp.errors import UserError
 
@@ -48,14 +50,10 @@ def subset_folder(out: Path, point: str, seed: int) -> Path:
     return out / SUBSETS / f"{point}_s{seed}"
 
 
-def same_place(a: str, b: str) -> bool:
-    return a == b or Path(a).resolve() == Path(b).resolve()
-
-
 def drawn_from(info: dict[str, Any], labelled: str) -> bool:
     """Whether the set of manifest `info` is a subset of --labelled's train split (build-shards subset's record)."""
-    drawn = info.get("subset") or {}
-    return same_place(str(drawn.get("of")), labelled) and drawn.get("split", "train") == "train"
+    source = lineage.drawn_from(info)
+    return source is not None and same_place(source[0], labelled) and source[1] == "train"
 
 
 def make_subsets(labelled: str, points: list[str], seeds: list[int], root: Path, exclude: str = "") -> None:

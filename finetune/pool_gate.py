@@ -11,7 +11,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from vit_mpp.config.engine import ConfigError
+from vit_mpp.data.lineage import SplitOf, shared_samples
 from vit_mpp.data.training_data import TrainingData, shard_identity
+from vit_mpp.data.urls import ReadPolicy
 
 
 @dataclass
@@ -67,15 +69,25 @@ class PoolGate:
                 f"{self.least:.0%} right (off until an evaluation says so)" if self.gates else "")
 
 
-def check_validation_apart(least: float, data: TrainingData) -> None:
+def check_validation_apart(least: float, data: TrainingData, read: ReadPolicy = ReadPolicy()) -> None:
     """A gate (`least` > 0) must not judge the teacher on images the run trains on: its validation split may share
-    no shard with a labelled training set (`data.val_split=train` of the labelled set itself, say)."""
+    no shard with a labelled training set (`data.val_split=train` of the labelled set itself, say), nor samples
+    that the subset records tell are the same (a labelled subset drawn from the validation split, a validation
+    subset drawn from the training set, two subsets of one source drawn without `--exclude`)."""
     if least <= 0 or data.val_split is None:
         return
     trained = {shard_identity(url) for s in data.sets if s.labelled for url in s.split.urls}
     shared = [url for url in data.val_split.urls if shard_identity(url) in trained]
+    where = f"the validation split ('{data.val_split.name}' of {data.val_name})"
+    advice = ("so the gate would judge the teacher on images it learned: give a validation set of its own "
+              "(build-shards subset SOURCE VAL --per-class K --exclude LABELLED, then data.val_shards=VAL "
+              "data.val_split=train)")
     if shared:
-        raise ConfigError(f"config key 'semi.gate': the validation split ('{data.val_split.name}' of "
-                          f"{data.val_name}) holds the shard {shared[0]} the run trains on, so the gate would judge "
-                          "the teacher on images it learned: give a validation set of its own (build-shards subset "
-                          "SOURCE VAL --per-class K --exclude LABELLED, then data.val_shards=VAL data.val_split=train)")
+        raise ConfigError(f"config key 'semi.gate': {where} holds the shard {shared[0]} the run trains on, {advice}")
+    val_info = (data.manifests[data.locations.index(data.val_location)] if data.val_location in data.locations
+                else data.val_manifest or {})
+    val = SplitOf(data.val_location, data.val_split.name, val_info)
+    for location, info, train_set in zip(data.locations, data.manifests, data.sets):
+        if train_set.labelled and (n := shared_samples(SplitOf(location, train_set.split.name, info), val, read)):
+            raise ConfigError(f"config key 'semi.gate': {where} holds {n} of the {train_set.split.num_samples} "
+                              f"images the run trains on ({train_set.name}, drawn from the same source), {advice}")

@@ -31,6 +31,7 @@ from vit_mpp.config.engine import replaced
 from vit_mpp.config.sections import ModelConfig
 from vit_mpp.data.manifest import ManifestError, check_every_sample_labelled
 from vit_mpp.data.training_data import Pool, TrainingData
+from vit_mpp.data.urls import ReadPolicy
 from vit_mpp.models.vit import count_params
 from vit_mpp.processes.stop_signals import StopSignals
 from vit_mpp.run.loop import At, Finished, Objective, Schedule, describe_lr, fit
@@ -44,7 +45,7 @@ from vit_mpp.run.start.run import Resumed, Run, start_run
 def check_data(cfg: FinetuneConfig, data: TrainingData) -> Classes:
     """Fine-tuning's own checks of the sets it reads, before the run directory is touched: the gate's validation
     split apart from the training images, and the classes (returned)."""
-    check_validation_apart(cfg.semi.gate, data)
+    check_validation_apart(cfg.semi.gate, data, ReadPolicy(cfg.data.read_timeout_s, cfg.data.read_retries))
     return classes_of(cfg, data)
 
 

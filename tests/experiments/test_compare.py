@@ -264,6 +264,7 @@ def test_with_val_the_runs_validate_on_it_and_the_table_is_their_exports_on_test
 
 @pytest.mark.parametrize("val, says", [
     ("{test}", "--val {test}: give the split too, SHARDS:SPLIT"),
+    (":train", "--val :train: give the shards before the split, SHARDS:SPLIT"),
     ("{pool}:nope", "--val {pool} has no split 'nope'"),
     ("{test}:test", "--val {test}:test holds the shard {test}/test-000000.tar of --test: validate on a set apart"),
     ("{unlabelled_pool}:train", "--val {unlabelled_pool} carries no labels"),
@@ -305,6 +306,45 @@ def test_a_sweep_with_a_val_drawn_from_labelled_draws_its_subsets_apart_from_it(
     code, _, err = in_process(compare.main, argv(shards, out, "--seeds", "0", "--arms", "mpp", "--labels-per-class",
                                                  "2", "--val", f"{val}:train"), capsys)
     assert code == 2 and f"apart from {val}): give another --out" in err, err
+
+
+def test_a_val_drawn_from_the_same_source_as_the_labels_is_refused_where_they_overlap(tmp_path, monkeypatch, shards,
+                                                                                       capsys):
+    # a --val that is not a subset of --labelled but of the same source: the records tell, and the keys count
+    fake = FakeStages(monkeypatch)
+    source = write_shard_set(tmp_path / "source", {"train": [30], "val": [6]})
+
+    def subset(out: Path, *more: str) -> int:
+        return in_process(build_main, ["subset", str(source), str(out), *more], capsys)[0]
+
+    assert subset(tmp_path / "k4_s0", "--per-class", "4") == 0
+    assert subset(tmp_path / "val", "--per-class", "6", "--seed", "1") == 0  # 18 of 30: shares some of the 12
+    val, labelled = tmp_path / "val", tmp_path / "k4_s{seed}"
+    n = len(keys(val) & keys(tmp_path / "k4_s0"))
+    assert n
+    without_sweep = argv({**shards, "labelled": labelled}, tmp_path / "out", "--seeds", "0", "--arms", "mpp", "--val",
+                         f"{val}:train")
+    code, _, err = in_process(compare.main, without_sweep, capsys)
+    assert code == 2 and err.strip().splitlines() == [
+        f"error: --val {val}:train holds {n} of the images of --labelled {tmp_path / 'k4_s0'} (drawn from the same "
+        "source): validate on a set apart from the images the runs train on (build-shards subset --exclude draws "
+        "one)"], err
+    # a sweep over --labelled = the source: its subsets are drawn apart only from a --val drawn from it, so a --val
+    # drawn from a subset of it is found in the first seed's subsets, checked before anything is written
+    assert subset(tmp_path / "val2", "--per-class", "8", "--seed", "3") == 0
+    assert in_process(build_main, ["subset", str(tmp_path / "val2"), str(tmp_path / "val3"), "--per-class", "6"],
+                      capsys)[0] == 0
+    sweep = argv({**shards, "labelled": source}, tmp_path / "out", "--seeds", "0", "--arms", "mpp", "--val",
+                 f"{tmp_path / 'val3'}:train", "--labels-per-class", "4")
+    code, _, err = in_process(compare.main, sweep, capsys)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith(f"error: --val {tmp_path / 'val3'}:train holds ") \
+        and "of the images of the subset k4 of seed 0 (drawn from the same source)" in lines[0], err
+    assert not fake.dry_runs and not (tmp_path / "out").exists()
+    # drawn apart (from the labels, or by the sweep from --val): accepted
+    assert subset(tmp_path / "apart", "--per-class", "4", "--seed", "1", "--exclude", str(tmp_path / "k4_s0")) == 0
+    assert compare.main(argv({**shards, "labelled": labelled}, tmp_path / "ok", "--seeds", "0", "--arms", "mpp",
+                             "--val", f"{tmp_path / 'apart'}:train"))
 
 
 def keys(folder: Path) -> set[str]:

@@ -27,9 +27,11 @@ from tests.helpers.shards import write_shard_set
 from vit_mpp.config.engine import load_config
 from vit_mpp.config.sections import DataConfig
 from vit_mpp.data.image_decoder import ImageDecoder
-from vit_mpp.data.manifest import load_split
+from vit_mpp.data.lineage import SplitOf, split_keys
+from vit_mpp.data.manifest import load_split, read_manifest
 from vit_mpp.data.stream import ReadSettings, TrainSet, TrainStream
 from vit_mpp.data.stream_plan import Layout, first_generation
+from vit_mpp.data.training_data import set_name
 
 LABELLED, POOL = 24, 96  # the labelled set (tests/finetune/conftest.py `shards`) and the pool's training images
 
@@ -519,3 +521,35 @@ def test_semi_settings_without_a_pool_are_named_in_one_warning(labelled, pretrai
                                     "labels alone, and they do nothing"], err
     code, _, err = in_process(finetune_main, base, capsys)
     assert code == 0 and "semi." not in err, err
+
+
+def test_a_gate_whose_validation_subset_shares_images_with_the_labelled_subset_is_one_line(labelled, pool, pretrained,
+                                                                                          tmp_path, capsys):
+    # the earlier gate runs drew their validation images from the source the labels came from, without --exclude:
+    # 3 and 5 of 20 training images were among them, in shards of their own that a shard check cannot tell apart
+    from data_tools.cli import main as build_main
+
+    def draw(out: Path, seed: int, *more: str) -> Path:
+        assert in_process(build_main, ["subset", str(labelled), str(out), "--per-class", "5", "--seed", str(seed),
+                                       *more], capsys)[0] == 0
+        return out
+
+    train = draw(tmp_path / "train", 0)
+    run = ["--config", "configs/finetune/tiny.yaml", f"data.shards={train}", f"semi.pool={pool}", "train.ema_decay=0.9",
+           f"init.checkpoint={pretrained}", f"train.run_dir={tmp_path / 'run'}", "semi.gate=0.5",
+           "data.val_split=train", "--dry-run"]
+    for val, n in [(draw(tmp_path / "val", 1), None), (labelled, 15)]:
+        n = n or len(split_keys(SplitOf(str(val), "train", read_manifest(val)))
+                     & split_keys(SplitOf(str(train), "train", read_manifest(train))))
+        assert n  # seeds 0 and 1 draw 15 of the 24 images each: they share some
+        code, _, err = in_process(finetune_main, [*run, f"data.val_shards={val}"], capsys)
+        name = set_name(str(val), read_manifest(val))
+        assert code == 2 and err.strip().splitlines() == [
+            f"error: config key 'semi.gate': the validation split ('train' of {name}) holds {n} of the 15 images "
+            "the run trains on (train, drawn from the same source), so the gate would judge the teacher on images it "
+            "learned: give a validation set of its own (build-shards subset SOURCE VAL --per-class K --exclude "
+            "LABELLED, then data.val_shards=VAL data.val_split=train)"], err
+    apart = draw(tmp_path / "apart", 1, "--exclude", str(train), "--per-class", "3")
+    code, out, err = in_process(finetune_main, [*run, f"data.val_shards={apart}"], capsys)
+    assert code == 0 and "would start a new run" in out, err
+    assert not (tmp_path / "run").exists()
