@@ -95,7 +95,11 @@ def bad(shards, tmp_path_factory) -> dict[str, Path]:
     info = json.loads((unlabelled / "_info.json").read_text())
     info["splits"]["val"].update(num_unlabelled=2, num_bad_labels=1)
     (unlabelled / "_info.json").write_text(json.dumps(info))
-    return {"encoder": write_encoder_export(root / "encoder", create_vit(ModelConfig(img_size=16, **SMALL)),
+    run = root / "run"  # a training run's directory, with the confusion matrix its last evaluation wrote
+    (run / "checkpoints").mkdir(parents=True)
+    for name in ("config.yaml", "metrics.jsonl", "confusion_matrix.json"):
+        (run / name).write_text("{}\n")
+    return {"run": run, "encoder": write_encoder_export(root / "encoder", create_vit(ModelConfig(img_size=16, **SMALL)),
                                             ModelConfig(img_size=16, **SMALL)),
             "two": classifier(root / "two", 2, ["a", "b"]), "two_unnamed": classifier(root / "two_unnamed", 2, None),
             "renamed": classifier(root / "renamed", 3, ["a", "b", "x"]),
@@ -121,6 +125,8 @@ BAD_INPUTS = [  # (id, arguments, what the one line must say)
     ("class order", ["--checkpoint", "{reordered}", "--shards", "{shards}"], "the same names in another order"),
     ("out is an export", ["--checkpoint", "{renamed}", "--shards", "{shards}", "--out", "{two}"],
      "is an export: give a folder for the results"),
+    ("out is a training run", ["--checkpoint", "{renamed}", "--shards", "{shards}", "--out", "{run}"],
+     "is a training run's directory (config.yaml, metrics.jsonl): give a folder for the results"),
     ("batch size", ["--checkpoint", "{renamed}", "--shards", "{shards}", "--batch-size", "0"],
      "--batch-size must be at least 1"),
 ]

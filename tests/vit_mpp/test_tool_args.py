@@ -49,6 +49,13 @@ def test_out_folders(tmp_path):
     (tmp_path / "shards" / "_info.json").write_text("{}")
     with pytest.raises(ConfigError, match=r"is a shard set \(_info.json\): give a folder"):
         check_out_folder(tmp_path / "shards")
+    # evaluate into a training run's directory wrote over the confusion matrix the run had made
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.yaml").write_text("train: {}\n")
+    with pytest.raises(ConfigError, match=r"is a training run's directory \(config.yaml, metrics.jsonl\): give a fold"):
+        check_out_folder(run)
+    assert check_out_folder(run / "test") == run / "test"  # a folder of its own inside it: compare --val's scores
     assert check_out_folder(tmp_path / "results") == tmp_path / "results"
 
 

@@ -66,11 +66,21 @@ def check_out_file(path: str, flag: str = "--out") -> Path:
     return out
 
 
+def is_run_dir(folder: Path) -> bool:
+    """Whether `folder` is a training run's directory: its config.yaml beside its metrics.jsonl or checkpoints/
+    (the names vit_mpp/run writes; this floor is under it)."""
+    return (folder / "config.yaml").is_file() and ((folder / "metrics.jsonl").is_file()
+                                                   or (folder / "checkpoints").is_dir())
+
+
 def check_out_folder(out: Path) -> Path:
     """A folder for a tool's results: new (in a writable place), or an existing, writable folder that is neither an
-    export nor a shard set (results never go into the model's own folder, nor among a data set's shards)."""
-    if out.exists() and (not out.is_dir() or is_export(out) or (out / MANIFEST_NAME).exists()):
-        what = "a file" if not out.is_dir() else "an export" if is_export(out) else f"a shard set ({MANIFEST_NAME})"
+    export, a shard set nor a run directory (results never go into the model's own folder, among a data set's
+    shards, nor over the files a training run wrote, its confusion matrix say)."""
+    if out.exists() and (not out.is_dir() or is_export(out) or (out / MANIFEST_NAME).exists() or is_run_dir(out)):
+        what = ("a file" if not out.is_dir() else "an export" if is_export(out) else
+                f"a shard set ({MANIFEST_NAME})" if (out / MANIFEST_NAME).exists() else
+                "a training run's directory (config.yaml, metrics.jsonl)")
         raise ConfigError(f"--out {out} is {what}: give a folder for the results")
     check_writable_place("--out", out, out)
     return out
