@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import os
+import shutil
 import subprocess
 import sys
 
@@ -102,6 +103,21 @@ def test_a_bad_out_or_device_is_one_line_before_any_image_is_read(export, tmp_pa
                                 capsys)
     assert code == 2 and err.strip() == message.format(tmp=tmp_path) and out == "", err
     assert Image.open(image).size == (20, 20)
+
+
+def test_an_out_among_the_export_it_labels_with_is_one_line_and_the_export_still_loads(export, tmp_path, capsys):
+    # --out EXPORT/config.json wrote the CSV over the export's config (exit 0): the model no longer loaded
+    model = shutil.copytree(export, tmp_path / "export")
+    before = {p.name: p.read_bytes() for p in model.iterdir() if p.is_file()}
+    image = tmp_path / "a.png"
+    Image.fromarray(np.zeros((20, 20, 3), dtype=np.uint8)).save(image)
+    code, out, err = in_process(predict_module.main, ["--checkpoint", str(model), "--images", str(image), "--out",
+                                                      str(model / "config.json")], capsys)
+    assert code == 2 and err.strip() == f"error: --out {model / 'config.json'} is inside an export: give a file of " \
+        "its own" and out == "", err
+    assert {p.name: p.read_bytes() for p in model.iterdir() if p.is_file()} == before
+    assert in_process(predict_module.main, ["--checkpoint", str(model), "--images", str(image), "--out",
+                                            str(tmp_path / "preds.csv")], capsys)[0] == 0
 
 
 @pytest.mark.parametrize("name, message", [

@@ -3,6 +3,7 @@ before any work, one ConfigError each."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,26 @@ def test_out_files(tmp_path):
     with pytest.raises(ConfigError, match=f"{tmp_path / 'f'} is a file, not a folder"):
         check_out_file(str(tmp_path / "f" / "a" / "b.csv"))
     assert check_out_file(str(tmp_path / "new" / "b.csv")) == tmp_path / "new" / "b.csv"
+
+
+def test_an_output_file_never_replaces_a_model_a_shard_set_or_a_run_record(tmp_path):
+    # predict --out runs/x/export/config.json replaced the export's config (the model no longer loaded), and
+    # --out runs/x/metrics.jsonl the run's log
+    export = write_encoder_export(tmp_path / "run" / "export", create_vit(SMALL_MODEL), SMALL_MODEL)
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_4").mkdir(parents=True)
+    for name in ("config.yaml", "metrics.jsonl", "summary.json"):
+        (run / name).write_text("{}\n")
+    (tmp_path / "shards").mkdir()
+    (tmp_path / "shards" / "_info.json").write_text("{}")
+    for path, says in [(export / "config.json", "is inside an export"), (export / "new.csv", "is inside an export"),
+                       (tmp_path / "shards" / "a.csv", "is inside a shard set (_info.json)"),
+                       (run / "checkpoints" / "step_4" / "model.safetensors", "is inside a checkpoint"),
+                       (run / "metrics.jsonl", "is one of a training run's records"),
+                       (run / "summary.json", "is one of a training run's records")]:
+        with pytest.raises(ConfigError, match=re.escape(f"--out {path} {says}: give a file of its own")):
+            check_out_file(str(path))
+    assert check_out_file(str(run / "predictions.csv")) == run / "predictions.csv"  # a file of its own in a run
     assert not (tmp_path / "new").exists()  # created when the file is written, not by the check
 
 

@@ -57,13 +57,31 @@ def check_distinct_runs(run_dirs: list[str]) -> None:
 
 
 def check_out_file(path: str, flag: str = "--out") -> Path:
-    """An output file written when the work is done: not a folder, and its folder, or the nearest one of its parents
-    that exists, a writable folder."""
+    """An output file written when the work is done: not a folder, not among the files of an export, a shard set or
+    a checkpoint, nor a run directory's records (a typo there replaced a model's config.json or a run's
+    metrics.jsonl), and its folder, or the nearest one of its parents that exists, a writable folder."""
     out = Path(path)
     if out.is_dir():
         raise ConfigError(f"{flag} {path} is a folder: give a file name")
+    if taken := _taken(out):
+        raise ConfigError(f"{flag} {path} is {taken}: give a file of its own")
     check_writable_place(flag, out, out.absolute().parent)
     return out
+
+
+def _taken(out: Path) -> str | None:
+    """What an output file would replace or write among, said as `is ...`, or None."""
+    folder = out.absolute().parent
+    if is_export(folder):
+        return "inside an export"
+    if (folder / MANIFEST_NAME).exists():
+        return f"inside a shard set ({MANIFEST_NAME})"
+    if folder.parent.name == "checkpoints" and is_run_dir(folder.parent.parent):
+        return "inside a checkpoint"
+    return "one of a training run's records" if out.name in RUN_RECORDS and is_run_dir(folder) else None
+
+
+RUN_RECORDS = ("config.yaml", "metrics.jsonl", "summary.json")  # what a run writes that nothing can make again
 
 
 def is_run_dir(folder: Path) -> bool:
