@@ -42,7 +42,7 @@ from vit_mpp.data.urls import ReadPolicy
 from vit_mpp.durable import writing
 from vit_mpp.errors import UserError
 from vit_mpp.progress import progress
-from vit_mpp.tools.args import check_writable_place
+from vit_mpp.tools.args import check_writable_place, folder_role
 
 SHARD_SIZE = 1000  # samples per written shard
 # what a subset's manifest records of how it was drawn, and the flag that sets each: a rerun names those that differ
@@ -137,6 +137,8 @@ def check_out(out: Path, source: str, overwrite: bool) -> None:
         raise SubsetError(f"OUT {out} is the source set: write the subset into a folder of its own")
     if not out.is_dir():
         return
+    if role := folder_role(out, shards=False):
+        raise SubsetError(f"OUT {out} is {role}: give the subset a folder of its own")
     ours = [p for p in out.iterdir() if p.suffix in (".tar", ".tmp") or p.name == MANIFEST_NAME]
     others = sorted(p.name for p in out.iterdir() if p not in ours)
     if others:

@@ -32,6 +32,7 @@ from vit_mpp.data.image_prep import EncodeSettings
 from vit_mpp.data.manifest import MANIFEST_NAME
 from vit_mpp.errors import UserError
 from vit_mpp.progress import progress
+from vit_mpp.tools.args import folder_role
 
 SETTLE_S = 60.0  # a build stopping on an error waits this long for the shards being published to be journaled
 
@@ -167,6 +168,8 @@ def build(source: SourceSpec, out: str, layout: ShardLayout, encode: EncodeSetti
     if urls.is_local(source.path) and os.path.isdir(source.path) and store.local and _inside(out, source.path):
         raise OutputError(f"OUT {out} is inside SOURCE {source.path}: its files would become inputs of the next "
                           "run; choose an output folder outside SOURCE")
+    if store.local and (role := folder_role(store.path, shards=False)):  # shards among a model's or a run's files
+        raise OutputError(f"OUT {out} is {role}: give the shards a folder of their own")
     if layout.existing_splits != source.existing_splits:
         raise ValueError("ShardLayout.val_fraction is None exactly when SourceSpec.existing_splits is set")
     parts, dry_run = options.parts, options.dry_run

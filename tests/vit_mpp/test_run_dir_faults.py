@@ -173,3 +173,23 @@ def test_a_shard_folder_is_refused_as_a_run_dir_before_anything_is_written(demo_
         assert lines[0] == f"error: train.run_dir {demo_shards} is a shard folder (it holds _info.json): a run " \
                            "writes its checkpoints and logs into a folder of its own; use another train.run_dir"
     assert sorted(os.listdir(demo_shards)) == before
+
+
+def test_a_models_folder_is_never_written_into_by_a_run_or_a_build(demo_shards, demo_folder, encoder_export,
+                                                                   tmp_path, capsys):
+    # train.run_dir=EXPORT wrote the run's config, logs and curves.png over the model's own; build-shards OUT=EXPORT
+    # put shards and a manifest among its files (then a run could not resume there: "a shard folder")
+    from data_tools.cli import main as build_main
+
+    export = shutil.copytree(encoder_export, tmp_path / "export")
+    before = {p.name: p.read_bytes() for p in export.iterdir() if p.is_file()}
+    for dry in ([], ["--dry-run"]):
+        result = run(pretrain(demo_shards, export, *dry), capsys)
+        assert result.returncode == 2 and result.stderr.strip() == (
+            f"error: train.run_dir {export} is an export: a run writes its checkpoints and logs into a folder of its "
+            "own; use another train.run_dir"), result.stderr
+    code, _, err = in_process(build_main, [str(demo_folder), str(export), "--min-side", "4"], capsys)
+    assert code == 2 and err.strip() == f"error: OUT {export} is an export: give the shards a folder of their own"
+    code, _, err = in_process(build_main, ["subset", str(demo_shards), str(export), "--per-class", "1"], capsys)
+    assert code == 2 and err.strip() == f"error: OUT {export} is an export: give the subset a folder of its own"
+    assert {p.name: p.read_bytes() for p in export.iterdir()} == before

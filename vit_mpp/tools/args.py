@@ -63,43 +63,45 @@ def check_out_file(path: str, flag: str = "--out") -> Path:
     out = Path(path)
     if out.is_dir():
         raise ConfigError(f"{flag} {path} is a folder: give a file name")
-    if taken := _taken(out):
-        raise ConfigError(f"{flag} {path} is {taken}: give a file of its own")
-    check_writable_place(flag, out, out.absolute().parent)
-    return out
-
-
-def _taken(out: Path) -> str | None:
-    """What an output file would replace or write among, said as `is ...`, or None."""
     folder = out.absolute().parent
-    if is_export(folder):
-        return "inside an export"
-    if (folder / MANIFEST_NAME).exists():
-        return f"inside a shard set ({MANIFEST_NAME})"
-    if folder.parent.name == "checkpoints" and is_run_dir(folder.parent.parent):
-        return "inside a checkpoint"
-    return "one of a training run's records" if out.name in RUN_RECORDS and is_run_dir(folder) else None
+    role = folder_role(folder, shards=True)
+    if role and not role.startswith("a training run"):
+        raise ConfigError(f"{flag} {path} is inside {role}: give a file of its own")
+    if role and out.name in RUN_RECORDS:
+        raise ConfigError(f"{flag} {path} is one of a training run's records: give a file of its own")
+    check_writable_place(flag, out, folder)
+    return out
 
 
 RUN_RECORDS = ("config.yaml", "metrics.jsonl", "summary.json")  # what a run writes that nothing can make again
 
 
-def is_run_dir(folder: Path) -> bool:
-    """Whether `folder` is a training run's directory: its config.yaml beside its metrics.jsonl or checkpoints/
-    (the names vit_mpp/run writes; this floor is under it)."""
-    return (folder / "config.yaml").is_file() and ((folder / "metrics.jsonl").is_file()
-                                                   or (folder / "checkpoints").is_dir())
+def folder_role(folder: Path, shards: bool) -> str | None:
+    """What an existing folder already is, that a tool's output must not be written into (said as `an export`), or
+    None: an export, a training run's directory (its config.yaml beside its metrics.jsonl or checkpoints/: the names
+    vit_mpp/run writes, a floor above this one), one of its checkpoints, and with `shards` a shard set."""
+    def run_dir(f: Path) -> bool:
+        return (f / "config.yaml").is_file() and ((f / "metrics.jsonl").is_file() or (f / "checkpoints").is_dir())
+
+    if not folder.is_dir():
+        return None
+    if is_export(folder):
+        return "an export"
+    if shards and (folder / MANIFEST_NAME).exists():
+        return f"a shard set ({MANIFEST_NAME})"
+    if run_dir(folder):
+        return "a training run's directory (config.yaml, metrics.jsonl)"
+    return "a checkpoint" if folder.parent.name == "checkpoints" and run_dir(folder.parent.parent) else None
 
 
 def check_out_folder(out: Path) -> Path:
     """A folder for a tool's results: new (in a writable place), or an existing, writable folder that is neither an
-    export, a shard set nor a run directory (results never go into the model's own folder, among a data set's
-    shards, nor over the files a training run wrote, its confusion matrix say)."""
-    if out.exists() and (not out.is_dir() or is_export(out) or (out / MANIFEST_NAME).exists() or is_run_dir(out)):
-        what = ("a file" if not out.is_dir() else "an export" if is_export(out) else
-                f"a shard set ({MANIFEST_NAME})" if (out / MANIFEST_NAME).exists() else
-                "a training run's directory (config.yaml, metrics.jsonl)")
-        raise ConfigError(f"--out {out} is {what}: give a folder for the results")
+    export, a shard set, a run directory nor a checkpoint (results never go into the model's own folder, among a data
+    set's shards, nor over the files a training run wrote, its confusion matrix say)."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file: give a folder for the results")
+    if role := folder_role(out, shards=True):
+        raise ConfigError(f"--out {out} is {role}: give a folder for the results")
     check_writable_place("--out", out, out)
     return out
 
