@@ -65,15 +65,16 @@ def check_out_file(path: str, flag: str = "--out") -> Path:
         raise ConfigError(f"{flag} {path} is a folder: give a file name")
     folder = out.absolute().parent
     role = folder_role(folder, shards=True)
-    if role and not role.startswith("a training run"):
+    if role and role != RUN_DIR:
         raise ConfigError(f"{flag} {path} is inside {role}: give a file of its own")
-    if role and out.name in RUN_RECORDS:
+    if role == RUN_DIR and out.name in RUN_RECORDS:
         raise ConfigError(f"{flag} {path} is one of a training run's records: give a file of its own")
     check_writable_place(flag, out, folder)
     return out
 
 
 RUN_RECORDS = ("config.yaml", "metrics.jsonl", "summary.json")  # what a run writes that nothing can make again
+RUN_DIR = "a training run's directory (config.yaml, metrics.jsonl)"  # a folder_role
 
 
 def folder_role(folder: Path, shards: bool) -> str | None:
@@ -90,7 +91,7 @@ def folder_role(folder: Path, shards: bool) -> str | None:
     if shards and (folder / MANIFEST_NAME).exists():
         return f"a shard set ({MANIFEST_NAME})"
     if run_dir(folder):
-        return "a training run's directory (config.yaml, metrics.jsonl)"
+        return RUN_DIR
     return "a checkpoint" if folder.parent.name == "checkpoints" and run_dir(folder.parent.parent) else None
 
 

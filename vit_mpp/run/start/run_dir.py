@@ -18,7 +18,7 @@ from vit_mpp.config.engine import ConfigError, flatten, save_config, to_dict
 from vit_mpp.data.manifest import MANIFEST_NAME
 from vit_mpp.processes.run_dir_lock import check_not_locked, lock_run_dir
 from vit_mpp.run.durability.checkpoint_files import TRAINER_STATE, latest_checkpoint
-from vit_mpp.tools.args import folder_role, make_out_folder
+from vit_mpp.tools.args import RUN_DIR, folder_role, make_out_folder
 
 
 def prepare_run_dir(run_dir: str | Path, cfg: Any, is_main: bool, dry_run: bool = False) -> list[str]:
@@ -35,7 +35,7 @@ def prepare_run_dir(run_dir: str | Path, cfg: Any, is_main: bool, dry_run: bool 
         raise ConfigError(f"train.run_dir {run_dir} is a shard folder (it holds {MANIFEST_NAME}): a run writes its "
                           "checkpoints and logs into a folder of its own; use another train.run_dir")
     role = folder_role(run_dir, shards=False)
-    if role and not role.startswith("a training run"):  # among a model's files: its curves.png overwritten
+    if role and role != RUN_DIR:  # among a model's files: its curves.png overwritten
         raise ConfigError(f"train.run_dir {run_dir} is {role}: a run writes its checkpoints and logs into a folder "
                           "of its own; use another train.run_dir")
     if dry_run:
