@@ -333,6 +333,9 @@ def test_a_grid_that_cannot_be_written_is_one_line_before_the_shards_are_read(tm
     capsys.readouterr()
     build_main(["inspect", str(tmp_path / "out"), "--grid", str(tmp_path / "grid.JPG"), "--samples", "2"])
     assert Image.open(tmp_path / "grid.JPG").format == "JPEG"
+    for _ in range(2):  # docs/build_shards.md's own example, into the set beside its shards; a rerun too
+        build_main(["inspect", str(tmp_path / "out"), "--grid", str(tmp_path / "out" / "_samples.png")])
+    assert Image.open(tmp_path / "out" / "_samples.png").format == "PNG"
 
 
 def test_inspect_counts_samples_as_training_reads_them(tmp_path, capsys):

@@ -48,13 +48,16 @@ def test_an_output_file_never_replaces_a_model_a_shard_set_or_a_run_record(tmp_p
     (tmp_path / "shards").mkdir()
     (tmp_path / "shards" / "_info.json").write_text("{}")
     for path, says in [(export / "config.json", "is inside an export"), (export / "new.csv", "is inside an export"),
-                       (tmp_path / "shards" / "a.csv", "is inside a shard set (_info.json)"),
+                       (tmp_path / "shards" / "_info.json", "is one of a shard set's files"),
+                       (tmp_path / "shards" / "train-000000.tar", "is one of a shard set's files"),
                        (run / "checkpoints" / "step_4" / "model.safetensors", "is inside a checkpoint"),
                        (run / "metrics.jsonl", "is one of a training run's records"),
                        (run / "summary.json", "is one of a training run's records")]:
         with pytest.raises(ConfigError, match=re.escape(f"--out {path} {says}: give a file of its own")):
             check_out_file(str(path))
     assert check_out_file(str(run / "predictions.csv")) == run / "predictions.csv"  # a file of its own in a run
+    grid = tmp_path / "shards" / "_samples.png"  # docs/build_shards.md: inspect OUT --grid OUT/_samples.png
+    assert check_out_file(str(grid), "--grid") == grid
     assert not (tmp_path / "new").exists()  # created when the file is written, not by the check
 
 

@@ -57,24 +57,27 @@ def check_distinct_runs(run_dirs: list[str]) -> None:
 
 
 def check_out_file(path: str, flag: str = "--out") -> Path:
-    """An output file written when the work is done: not a folder, not among the files of an export, a shard set or
-    a checkpoint, nor a run directory's records (a typo there replaced a model's config.json or a run's
+    """An output file written when the work is done: not a folder, not inside an export or a checkpoint, not one of a
+    shard set's files nor of a run directory's records (a typo there replaced a model's config.json or a run's
     metrics.jsonl), and its folder, or the nearest one of its parents that exists, a writable folder."""
     out = Path(path)
     if out.is_dir():
         raise ConfigError(f"{flag} {path} is a folder: give a file name")
     folder = out.absolute().parent
     role = folder_role(folder, shards=True)
-    if role and role != RUN_DIR:
-        raise ConfigError(f"{flag} {path} is inside {role}: give a file of its own")
     if role == RUN_DIR and out.name in RUN_RECORDS:
         raise ConfigError(f"{flag} {path} is one of a training run's records: give a file of its own")
+    if role == SHARD_SET and (out.name == MANIFEST_NAME or out.suffix in (".tar", ".jsonl")):
+        raise ConfigError(f"{flag} {path} is one of a shard set's files: give a file of its own")
+    if role and role not in (RUN_DIR, SHARD_SET):  # a new file beside a run's or shards (OUT/_samples.png) is fine
+        raise ConfigError(f"{flag} {path} is inside {role}: give a file of its own")
     check_writable_place(flag, out, folder)
     return out
 
 
 RUN_RECORDS = ("config.yaml", "metrics.jsonl", "summary.json")  # what a run writes that nothing can make again
-RUN_DIR = "a training run's directory (config.yaml, metrics.jsonl)"  # a folder_role
+RUN_DIR = "a training run's directory (config.yaml, metrics.jsonl)"  # folder_role's answers that allow a new file
+SHARD_SET = f"a shard set ({MANIFEST_NAME})"
 
 
 def folder_role(folder: Path, shards: bool) -> str | None:
@@ -89,7 +92,7 @@ def folder_role(folder: Path, shards: bool) -> str | None:
     if is_export(folder):
         return "an export"
     if shards and (folder / MANIFEST_NAME).exists():
-        return f"a shard set ({MANIFEST_NAME})"
+        return SHARD_SET
     if run_dir(folder):
         return RUN_DIR
     return "a checkpoint" if folder.parent.name == "checkpoints" and run_dir(folder.parent.parent) else None
