@@ -71,8 +71,8 @@ def split_keys(of: SplitOf, read: ReadPolicy = ReadPolicy()) -> set[str]:
 def shared_samples(a: SplitOf, b: SplitOf, read: ReadPolicy = ReadPolicy()) -> int:
     """How many samples the two splits have in common, as far as the subset records tell (0 for unrelated origins):
     all of one set's when it was drawn from the other, else the keys the two hold both."""
-    root = origin(a)
-    if origin(b) != root and not (same_place(origin(b)[0], root[0]) and origin(b)[1] == root[1]):
+    root, other = origin(a), origin(b)
+    if not (same_place(other[0], root[0]) and other[1] == root[1]):
         return 0
     if same_place(a.location, root[0]) and a.split == root[1]:
         return load_split(b.location, b.split)[0].num_samples  # b was drawn from a
