@@ -106,24 +106,29 @@ def check_val(value: str, apart: list[tuple[str, str, str]], labelled_info: dict
     return val, split, info
 
 
-def val_overlap(setup: Setup, labelled: str | Path) -> int:
+def val_split_of(setup: Setup) -> SplitOf:
+    """--val's split with its manifest, read once for the checks below."""
+    return SplitOf(setup.val, setup.val_split, read_manifest(setup.val))
+
+
+def val_overlap(val: SplitOf, labelled: str | Path) -> int:
     """How many of --val's images the train split of `labelled` holds, as far as the subset records tell
     (vit_mpp/data/lineage.py: sets of unrelated origins share none)."""
-    return shared_samples(SplitOf(str(labelled), "train", read_manifest(labelled)),
-                          SplitOf(setup.val, setup.val_split, read_manifest(setup.val)))
+    return shared_samples(SplitOf(str(labelled), "train", read_manifest(labelled)), val)
 
 
 def check_val_samples(setup: Setup) -> None:
     """--val holds none of the images the fine-tunings train on: each seed's --labelled without a sweep (a sweep's
     subsets are checked as they are drawn, `check_subsets_apart`); at point all, a note."""
+    val = val_split_of(setup)
     if setup.points == [""]:
         for seed in setup.seeds:
             labelled = setup.labelled.replace("{seed}", str(seed))
-            if n := val_overlap(setup, labelled):
+            if n := val_overlap(val, labelled):
                 raise ConfigError(f"--val {setup.val}:{setup.val_split} holds {n} of the images of --labelled "
                                   f"{labelled} (drawn from the same source): validate on a set apart from the images "
                                   "the runs train on (build-shards subset --exclude draws one)")
-    elif "all" in setup.points and (n := val_overlap(setup, setup.labelled)):
+    elif "all" in setup.points and (n := val_overlap(val, setup.labelled)):
         setup.notes.append(f"at point all the fine-tunings train on --labelled whole, {n} of --val {setup.val}'s "
                            "images among them")
 
@@ -131,9 +136,12 @@ def check_val_samples(setup: Setup) -> None:
 def check_subsets_apart(setup: Setup, root: Path, seeds: list[int]) -> None:
     """Each label-sweep subset drawn under `root` holds none of --val's images (drawn apart from it when --val is a
     subset of --labelled; a --val drawn otherwise from the same source may not be)."""
+    if not setup.val:
+        return
+    val = val_split_of(setup)
     for point in (p for p in setup.points if p.startswith("k")):
         for seed in seeds:
-            if setup.val and (n := val_overlap(setup, label_sweep.subset_folder(root, point, seed))):
+            if n := val_overlap(val, label_sweep.subset_folder(root, point, seed)):
                 raise ConfigError(f"--val {setup.val}:{setup.val_split} holds {n} of the images of the subset "
                                   f"{point} of seed {seed} (drawn from the same source): draw --val from --labelled "
                                   "(build-shards subset LABELLED VAL ...), and the sweep draws its subsets apart")

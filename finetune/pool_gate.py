@@ -84,9 +84,7 @@ def check_validation_apart(least: float, data: TrainingData, read: ReadPolicy = 
               "data.val_split=train)")
     if shared:
         raise ConfigError(f"config key 'semi.gate': {where} holds the shard {shared[0]} the run trains on, {advice}")
-    val_info = (data.manifests[data.locations.index(data.val_location)] if data.val_location in data.locations
-                else data.val_manifest or {})
-    val = SplitOf(data.val_location, data.val_split.name, val_info)
+    val = SplitOf(data.val_location, data.val_split.name, data.val_set_manifest)
     for location, info, train_set in zip(data.locations, data.manifests, data.sets):
         if train_set.labelled and (n := shared_samples(SplitOf(location, train_set.split.name, info), val, read)):
             raise ConfigError(f"config key 'semi.gate': {where} holds {n} of the {train_set.split.num_samples} "

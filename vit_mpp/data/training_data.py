@@ -63,6 +63,13 @@ class TrainingData:
             return self.names[self.locations.index(self.val_location)]
         return set_name(self.val_location, self.val_manifest or {})
 
+    @property
+    def val_set_manifest(self) -> dict[str, Any]:
+        """The manifest of the set evaluation reads: a training set's (`val_manifest` is then None), or its own."""
+        if self.val_location in self.locations:
+            return self.manifests[self.locations.index(self.val_location)]
+        return self.val_manifest or {}
+
     def record(self, shares: dict[str, float] | None = None, knn: tuple[Split, int] | None = None) -> dict[str, Any]:
         """What an export records of its training data: the first set's manifest record; for a mixture every set
         with its weight, its realised share (`shares`, as the run measured them) and its training images; the set
