@@ -33,7 +33,7 @@ from vit_mpp.models.pretrained import Pretrained, checkpoint_kind, results_folde
 from vit_mpp.models.pretrained import load_model as load_pretrained_model
 from vit_mpp.models.vit import grid_size, patch_size
 from vit_mpp.progress import progress
-from vit_mpp.tools.args import check_device, check_out_folder, make_out_folder
+from vit_mpp.tools.args import check_device, check_out_folder, make_out_folder, open_out_file, write_out_text
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -142,12 +142,12 @@ def param_report(model: torch.nn.Module, out: Path) -> list[dict[str, Any]]:
     Console().print(table)
     buf = io.StringIO()
     Console(file=buf, width=110, color_system=None).print(table)
-    (out / "params.txt").write_text(buf.getvalue())
-    with open(out / "params.csv", "w", newline="") as f:
+    write_out_text(out / "params.txt", buf.getvalue())
+    with open_out_file(out / "params.csv", "") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    (out / "params.json").write_text(json.dumps(rows, indent=1))
+    write_out_text(out / "params.json", json.dumps(rows, indent=1))
     return rows
 
 
@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> None:
     written = ["params.txt", "params.csv", "params.json", "position_similarity.png", "embedding_filters.png",
                *summary.get("attention_maps", []), *(["attention_distance.png"] if len(images) else []), "summary.json"]
     summary["files"] = written
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    write_out_text(out / "summary.json", json.dumps(summary, indent=1))
     print(f"wrote {len(written)} files to {out}: {', '.join(written)}")
 
 

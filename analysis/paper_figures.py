@@ -9,7 +9,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from vit_mpp.tools.figures import plt, save_figure
+from vit_mpp.tools.figures import pyplot, save_figure
 
 
 def _upsample(grid_map: torch.Tensor, hw: tuple[int, int]) -> np.ndarray:
@@ -25,6 +25,7 @@ def plot_attention(image: np.ndarray, rollout: torch.Tensor, layers: torch.Tenso
     n_layers = layers.shape[0]
     cols = min(6, max(3, n_layers))
     rows = 1 + math.ceil(n_layers / cols)
+    plt = pyplot()
     fig, axes = plt.subplots(rows, cols, figsize=(2.0 * cols, 2.2 * rows), squeeze=False)
     for ax in axes.flat:
         ax.axis("off")
@@ -58,6 +59,7 @@ def plot_position_similarity(sim: torch.Tensor, grid: tuple[int, int], path: Pat
         for c in range(gw):
             mosaic[r * (gh + pad): r * (gh + pad) + gh, c * (gw + pad): c * (gw + pad) + gw] = s[r, c]
     side = min(9.0, max(4.0, 0.45 * max(gh, gw)))
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(side * gw / max(gh, gw) + 1.2, side * gh / max(gh, gw)))
     cmap = plt.get_cmap("viridis").with_extremes(bad="white")  # NaN marks the gaps between tiles
     im = ax.imshow(mosaic, cmap=cmap, vmin=-1, vmax=1, interpolation="nearest")
@@ -79,6 +81,7 @@ def plot_filters(pcs: torch.Tensor, explained: torch.Tensor, path: Path) -> Path
     k = pcs.shape[0]
     cols = min(7, k)
     rows = math.ceil(k / cols)
+    plt = pyplot()
     fig, axes = plt.subplots(rows, cols, figsize=(1.3 * cols, 1.45 * rows + 0.5), squeeze=False)
     for ax in axes.flat:
         ax.axis("off")
@@ -99,6 +102,7 @@ def plot_attention_distance(dist: torch.Tensor, uniform: float, img_hw: tuple[in
     `uniform` is the distance of a head that attends to all patches equally, drawn as a reference line."""
     n_layers, heads = dist.shape
     d = dist.cpu().numpy()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(5.5, 4.0))
     cmap = plt.get_cmap("tab20" if heads > 10 else "tab10")
     for h in range(heads):

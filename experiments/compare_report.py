@@ -18,7 +18,7 @@ from experiments.compare_arms import POOL_KINDS, Setup, Stage, kind
 from experiments.run_scheduler import scored_top1
 from vit_mpp.run.metering.metrics_log import read_metrics
 from vit_mpp.run.metering.summary import covers_last_step, read_summary, wall_time_s
-from vit_mpp.tools.args import make_out_folder, open_out_file
+from vit_mpp.tools.args import make_out_folder, open_out_file, write_out_text
 
 
 def final_top1(run_dir: Path) -> float | None:
@@ -257,6 +257,6 @@ def write_report(report: dict[str, Any], out: Path) -> str:
     else:
         text = markdown(report)
     write_csv(report, out / "compare.csv")
-    (out / "compare.md").write_text(text)
-    (out / "compare.json").write_text(json.dumps(report, indent=1) + "\n")
+    write_out_text(out / "compare.md", text)
+    write_out_text(out / "compare.json", json.dumps(report, indent=1) + "\n")
     return text

@@ -17,6 +17,7 @@ from vit_mpp.data import lineage
 from vit_mpp.data.lineage import same_place
 from vit_mpp.data.manifest import MANIFEST_NAME, manifest_classes, manifest_digest, read_manifest
 from vit_mpp.errors import UserError
+from vit_mpp.tools.figures import pyplot, save_figure
 
 SUBSETS = "labelled"  # in --out: the subsets, labelled/k<K>_s<seed>
 
@@ -144,12 +145,7 @@ def curve_markdown(curve: dict[str, Any]) -> str:
 
 def plot_curve(curve: dict[str, Any], path: Path, title: str) -> None:
     """Top-1 against labels per class, log x, one line per arm with its seeds' spread as error bars."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    fig, ax = pyplot().subplots(figsize=(6.4, 4.2))
     xs = [p["per_class"] for p in curve["points"]]
     for arm, row in curve["arms"].items():
         pairs = [(x, row[p["name"]]) for x, p in zip(xs, curve["points"]) if row[p["name"]][0] is not None]
@@ -163,6 +159,4 @@ def plot_curve(curve: dict[str, Any], path: Path, title: str) -> None:
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)

@@ -37,6 +37,7 @@ from experiments import compare
 from experiments.digits import labelled_subset, load_digits, make_data, write_digits
 from vit_mpp.cli import ArgumentParser
 from vit_mpp.processes.exits import run_main
+from vit_mpp.tools.args import write_out_text
 
 REPO = Path(__file__).resolve().parents[1]
 PRETRAIN_CONFIG = "configs/pretrain/digits.yaml"
@@ -136,7 +137,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     line = (f"Reference: logistic regression on the raw 8x8 pixels of the same labelled images: {mean:.3f}{spread} "
             f"({', '.join(f'{b:.3f}' for b in baseline)})")
     print(line)
-    (out / "results.md").write_text(f"python {' '.join(sys.argv)}\n\n{(out / 'compare.md').read_text()}\n{line}\n")
+    write_out_text(out / "results.md", f"python {' '.join(sys.argv)}\n\n{(out / 'compare.md').read_text()}\n{line}\n")
     return report
 
 

@@ -216,9 +216,14 @@ def dry_run_command(stage: Stage, nowhere: Path, moved: dict[str, str], resolved
 
 
 def write_cache(cache: Path, known: dict[str, Any]) -> None:
-    """The dry runs' lengths kept in `cache`, atomically: a compare killed here leaves the old one whole."""
+    """The dry runs' lengths kept in `cache`, atomically: a compare killed here leaves the old one whole; a cache
+    that holds them already is not written again (a rerun of a finished compare writes only its report)."""
+    text = json.dumps(known, indent=1) + "\n"
+    with contextlib.suppress(OSError, UnicodeDecodeError):
+        if cache.read_text() == text:
+            return
     make_out_folder(cache.parent)
-    write_atomic(cache, json.dumps(known, indent=1) + "\n")
+    write_atomic(cache, text)
 
 
 # ------------------------------------------------------------------------------------------------------- the runs

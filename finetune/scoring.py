@@ -16,7 +16,7 @@ from accelerate import Accelerator
 
 from vit_mpp.data.stream import normalize, to_device
 from vit_mpp.durable import write_atomic
-from vit_mpp.tools.figures import plt, save_figure
+from vit_mpp.tools.figures import pyplot, save_figure
 
 MAX_TICK_LABELS = 40  # beyond this, class names on the axes are unreadable
 # A pool's rule: teacher probabilities (B, K) -> (pseudo-label, kept), each (B,) (finetune/thresholds.py `label`)
@@ -92,6 +92,7 @@ def write_confusion(confusion: torch.Tensor, class_names: list[str] | None, out_
     # Rows normalised, so classes of different sizes read alike; the counts are in the JSON.
     rates = (confusion.double() / confusion.sum(1, keepdim=True).clamp(min=1)).numpy()
     size = min(16.0, 3.0 + 0.35 * num_classes)
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(size + 1.5, size))
     im = ax.imshow(rates, cmap="Blues", vmin=0.0, vmax=1.0, interpolation="nearest")
     fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04, label="fraction of the true class")

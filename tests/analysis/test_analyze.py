@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 from analysis import attention_stats as stats
 from analysis.analyze import main as analyze_main
 from data_tools.cli import main as build_main
+from tests.helpers.disks import small_disk
 from tests.helpers.models import write_encoder_export
 from tests.helpers.shards import img2dataset_folder
 from vit_mpp.config.sections import ModelConfig
@@ -130,6 +131,25 @@ def test_cli_end_to_end(tiny_export, tmp_path):
     assert summary["grid"] == [4, 4] and summary["params"] == sum(p.numel() for p in create_vit(TINY).parameters())
     assert len(summary["mean_attention_distance_px"]) == 2 and len(summary["filter_pc_explained_variance"]) == 8
     assert (out / "params.csv").read_text().splitlines()[-1].startswith("total,")
+
+
+@pytest.mark.parametrize("room_kib", [4, 16])  # full at the parameter table (the first files), at a figure
+def test_a_full_disk_under_analyze_is_one_line_and_what_it_wrote_is_whole(tiny_export, tmp_path, capsys, room_kib):
+    """A real full disk (a small tmpfs): the parameter table and summary.json were plain writes, a traceback and a cut
+    file on a full disk; every file analyze writes is now whole or not there."""
+    with small_disk(tmp_path / "disk", 256) as disk:
+        (disk / "filler").write_bytes(b"x" * (256 - room_kib) * 1024)
+        out = disk / "analysis"
+        with pytest.raises(SystemExit) as e:
+            run_main(analyze_main, [str(tiny_export), "--out", str(out), "--components", "8", "--device", "cpu"])
+        err = capsys.readouterr().err.strip()
+        assert e.value.code == 2 and "\n" not in err and "cannot be written: no space left on device" in err, err
+        written = sorted(p.name for p in out.iterdir())
+        assert not [n for n in written if n.endswith(".tmp")], written
+        for name in written:
+            if name.endswith(".json"):
+                json.loads((out / name).read_text())
+        assert ("/params." in err) if room_kib == 4 else ("params.json" in written and ".png cannot" in err), err
 
 
 def test_cli_timm_state_dict(tmp_path, capsys):

@@ -22,10 +22,12 @@ import yaml
 
 from data_tools.cli import main as build_main
 from experiments import compare, compare_arms, compare_report, run_scheduler
+from tests.helpers.disks import small_disk
 from tests.helpers.processes import REPO, Background, in_process, run_module, subprocess_env
 from tests.helpers.runs import read_metrics
 from tests.helpers.shards import write_shard_set
 from vit_mpp.data.manifest import read_manifest
+from vit_mpp.processes.exits import run_main
 
 PRE_STEPS, PRE_BATCH, FT_EPOCHS, FT_BATCH = 20, 8, 3, 4
 REAL_LAUNCH = run_scheduler.launch  # FakeStages replaces it
@@ -390,6 +392,30 @@ def test_a_finished_run_is_reused_and_a_half_finished_one_resumed(tmp_path, monk
     md = (tmp_path / "out/compare.md").read_text()
     assert "| mpp - scratch | +0.300 | +0.300 |" in md and "| mpp | 0.900 | 0.900 |" in md
     assert (tmp_path / "out/compare.csv").read_text().splitlines()[0] == "what,name,mean,std,seed_0"
+
+
+def test_a_full_disk_as_the_report_is_written_is_one_line_and_the_old_report_is_kept_whole(tmp_path, monkeypatch,
+                                                                                            shards, capsys):
+    """A real full disk (a small tmpfs) under --out: compare.md and compare.json were plain writes, a traceback and
+    a cut report once every run had finished; now each file is whole or as it was, and the same command, given room,
+    writes them."""
+    FakeStages(monkeypatch, top1=lambda stage: 0.9 if "mpp" in stage.name else 0.6)
+    with small_disk(tmp_path / "disk", 2048) as disk:
+        args = argv(shards, disk / "out", "--seeds", "0", "--arms", "scratch,mpp")
+        compare.main(args)
+        before = {name: (disk / "out" / name).read_bytes() for name in ("compare.md", "compare.csv", "compare.json")}
+        (disk / "filler").write_bytes(b"x" * (os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize))
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as e:
+            run_main(compare.main, args)
+        err = capsys.readouterr().err.strip()
+        assert e.value.code == 2 and "\n" not in err and "cannot be written: no space left on device" in err, err
+        assert "/out/compare." in err and {n: (disk / "out" / n).read_bytes() for n in before} == before, err
+        assert not list((disk / "out").glob("*.tmp"))
+        (disk / "filler").unlink()
+        (disk / "out/compare.md").unlink()
+        compare.main(args)
+        assert {n: (disk / "out" / n).read_bytes() for n in before} == before
 
 
 def test_a_torn_dry_run_cache_is_run_again_not_a_traceback(tmp_path, monkeypatch, shards):

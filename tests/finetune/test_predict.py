@@ -16,6 +16,7 @@ import torch
 from PIL import Image
 
 from finetune import predict as predict_module
+from tests.helpers.disks import small_disk
 from tests.helpers.models import SMALL_MODEL
 from tests.helpers.processes import REPO, in_process, subprocess_env
 from vit_mpp.data.image_formats import IMAGE_SUFFIXES
@@ -150,3 +151,36 @@ def test_out_in_a_folder_that_does_not_exist_yet_is_created(export, tmp_path):
     out = tmp_path / "new" / "deeper" / "preds.csv"
     predict_module.main(["--checkpoint", str(export), "--images", str(image), "--out", str(out)])
     assert [r["path"] for r in csv.DictReader(out.open())] == [str(image)]
+
+
+def test_a_full_disk_as_predict_writes_is_one_line_and_the_old_csv_is_kept_whole(export, tmp_path):
+    """A real full disk (a small tmpfs) under the real command: the rows were streamed into --out, so a full disk
+    was a traceback and left a cut CSV where the old one had been; now they go under a temporary name, renamed over
+    --out only when the last row is written."""
+    images = tmp_path / "images"
+    images.mkdir()
+    for i in range(120):
+        Image.fromarray(np.full((20, 20, 3), i, dtype=np.uint8)).save(images / f"image_with_a_long_name_{i:04d}.png")
+    with small_disk(tmp_path / "disk", 64) as disk:
+        out = disk / "preds.csv"
+        first = predict("--checkpoint", str(export), "--images", str(images / "image_with_a_long_name_0000.png"),
+                        "--out", str(out))
+        assert first.returncode == 0, first.stderr
+        before = out.read_bytes()
+        (disk / "filler").write_bytes(b"x" * (64 - 12) * 1024)  # 8 KiB left; the CSV of 120 images needs ~19
+        result = predict("--checkpoint", str(export), "--images", str(images), "--out", str(out), "--top-k", "3")
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 2 and len(lines) == 1, result.stderr[-3000:]
+        assert lines[0].startswith(f"error: --out {out} cannot be written: no space left on device"), lines
+        assert out.read_bytes() == before and sorted(p.name for p in disk.iterdir()) == ["filler", "preds.csv"]
+
+
+def test_an_out_that_is_a_pipe_or_a_device_is_written_straight_into(export, tmp_path):
+    """--out /dev/stdout: written into, not replaced by a file of that name (outputs are written under a temporary
+    name and renamed over the old file, which a device or a link to one must not be)."""
+    image = tmp_path / "a.png"
+    Image.fromarray(np.zeros((20, 20, 3), dtype=np.uint8)).save(image)
+    result = predict("--checkpoint", str(export), "--images", str(image), "--out", "/dev/stdout")
+    assert result.returncode == 0, result.stderr
+    assert [r["path"] for r in csv.DictReader(result.stdout.splitlines())] == [str(image)]
+    assert os.path.islink("/dev/stdout") or not os.path.isfile("/dev/stdout")

@@ -3,6 +3,8 @@ config), curves.png for every run and `python -m analysis plot` overlaying runs,
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,13 +15,13 @@ from analysis.plot_runs import main as plot_main
 from pretrain.__main__ import main as pretrain_main
 from pretrain.probes import probe_top1
 from tests.helpers.disks import small_disk
-from tests.helpers.processes import in_process
+from tests.helpers.processes import REPO, in_process, subprocess_env
 from tests.helpers.runs import read_metrics, run_tiny_pretrain
 from tests.helpers.shards import write_shard_set
 from vit_mpp.durable import WriteFailed
 from vit_mpp.models.knn import knn_top1
 from vit_mpp.processes.exits import run_main
-from vit_mpp.tools.figures import plt, save_figure
+from vit_mpp.tools.figures import pyplot, save_figure
 
 
 def tiny_pretrain(shards: Path, run_dir: Path, *overrides: str) -> None:
@@ -93,6 +95,7 @@ def test_a_figure_that_cannot_be_written_is_one_error_and_the_old_figure_is_kept
     failed write is one line and the figure from before is still there, whole."""
     with small_disk(tmp_path / "disk", 64) as disk:
         old = disk / "curves.png"
+        plt = pyplot()
         fig = plt.figure()
         plt.plot([1, 2])
         save_figure(fig, old)
@@ -104,6 +107,18 @@ def test_a_figure_that_cannot_be_written_is_one_error_and_the_old_figure_is_kept
                                               "free some space, then run the same command to go on$"):
             save_figure(fig, old)
         assert old.read_bytes() == before and sorted(p.name for p in disk.iterdir()) == ["curves.png", "filler"]
+
+
+def test_matplotlib_is_imported_at_the_first_figure_not_as_a_run_starts():
+    """Half a second of every process's start-up (every rank, every evaluate and predict) went to importing
+    matplotlib for the figure drawn at the end, if any."""
+    code = ("import sys, pretrain.train, finetune.train, finetune.evaluate, finetune.predict, experiments.compare\n"
+            "assert 'matplotlib' not in sys.modules, 'imported at start-up'\n"
+            "from vit_mpp.tools.figures import pyplot\n"
+            "assert pyplot().get_backend().lower() == 'agg' and 'matplotlib' in sys.modules")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                            env=subprocess_env(), cwd=REPO)
+    assert result.returncode == 0, result.stderr[-2000:]
 
 
 def test_knn_top1_on_separable_and_on_random_features():

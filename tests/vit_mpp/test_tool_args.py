@@ -105,7 +105,8 @@ def test_what_the_checks_cannot_foresee_is_one_line_too():
     with pytest.raises(ConfigError, match="--out /proc/no-such/results cannot be created: no such file or directory"):
         make_out_folder(Path("/proc/no-such/results"))
     with pytest.raises(WriteFailed, match="--csv /proc/no-such/a.csv cannot be written: no such file or directory"):
-        open_out_file("/proc/no-such/a.csv", "--csv")
+        with open_out_file("/proc/no-such/a.csv", "--csv"):
+            pass
 
 
 def test_summary_checks_its_csv_before_reading_the_runs(tmp_path, capsys):

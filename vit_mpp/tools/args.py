@@ -5,7 +5,9 @@ check can foresee is one line too."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TextIO
 
@@ -126,26 +128,76 @@ def _cannot_write(path: str | Path, flag: str, error: OSError) -> WriteFailed:
     return write_failed(f"{flag} {path}" if flag else str(path), error)
 
 
-def open_out_file(path: str | Path, flag: str = "--out") -> TextIO:
-    """Open a (checked) output file for writing text, creating its folder; what the checks cannot foresee is one
-    line too."""
+def _target(path: str | Path) -> tuple[Path, Path | None]:
+    """The file an output replaces (a link's target, not the link) and the temporary name it is written under first;
+    None for an existing file that is not a regular one (a pipe, /dev/stdout), which is written straight into."""
+    path = Path(path)
+    if path.exists():
+        if not path.is_file():
+            return path, None
+        path = path.resolve()
+    return path, path.with_name(path.name + TMP_SUFFIX)
+
+
+class _OutFile:
+    """The text stream `open_out_file` gives: each write that fails (a full disk) is the one-line WriteFailed."""
+
+    def __init__(self, f: TextIO, path: Path, flag: str) -> None:
+        self._f, self._path, self._flag = f, path, flag
+
+    def write(self, text: str) -> int:
+        try:
+            return self._f.write(text)
+        except OSError as e:
+            raise _cannot_write(self._path, self._flag, e) from None
+
+
+@contextlib.contextmanager
+def open_out_file(path: str | Path, flag: str = "--out") -> Iterator[TextIO]:
+    """A (checked) output file to write text into, whole or not at all: written under a temporary name, renamed
+    over `path` when the block ends without an error (a failed or killed writer leaves the old file as it was and
+    no half-written one that looks whole); its folder created; a write that fails is one line. A pipe or a device
+    (`/dev/stdout`) is written straight into."""
+    path, tmp = _target(path)
     try:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        return open(path, "w", newline="")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(tmp or path, "w", newline="")
     except OSError as e:
         raise _cannot_write(path, flag, e) from None
+    done = False
+    try:
+        yield _OutFile(f, path, flag)  # type: ignore[misc]  # a write-only stream: what csv.writer and print use
+        try:
+            f.close()
+            if tmp:
+                os.replace(tmp, path)
+        except OSError as e:
+            raise _cannot_write(path, flag, e) from None
+        done = True
+    finally:
+        if not done:
+            with contextlib.suppress(OSError):
+                f.close()
+            if tmp:
+                tmp.unlink(missing_ok=True)
 
 
 def write_out_bytes(path: str | Path, data: bytes, flag: str = "") -> None:
     """Write an output file whole or not at all (under a temporary name, then renamed over the old one, which a full
     disk then leaves as it was), creating its folder; a write that fails (no space, a special file system) is one
     line, naming `flag` where the user gave the path."""
-    path = Path(path)
-    tmp = path.with_name(path.name + TMP_SUFFIX)
+    path, tmp = _target(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
+        (tmp or path).write_bytes(data)
+        if tmp:
+            os.replace(tmp, path)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
+        if tmp:
+            tmp.unlink(missing_ok=True)
         raise _cannot_write(path, flag, e) from None
+
+
+def write_out_text(path: str | Path, text: str, flag: str = "") -> None:
+    """`write_out_bytes` for text (UTF-8)."""
+    write_out_bytes(path, text.encode("utf-8"), flag)

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from vit_mpp.run.metering.metrics_log import read_metrics
-from vit_mpp.tools.figures import plt, save_figure
+from vit_mpp.tools.figures import pyplot, save_figure
 
 CURVES_NAME = "curves.png"
 # (panel title, [(metrics.jsonl key, legend suffix)]) in drawing order; a panel appears when any run logged a key.
@@ -34,6 +34,7 @@ def plot_curves(runs: dict[str, list[dict[str, Any]]], out: str | Path, title: s
         return None
     cols = min(3, len(panels))
     rows = math.ceil(len(panels) / cols)
+    plt = pyplot()
     fig, axes = plt.subplots(rows, cols, figsize=(5.0 * cols, 3.4 * rows), squeeze=False)
     colours = plt.get_cmap("tab10")
     for ax, (name, keys) in zip(axes.flat, panels):
