@@ -66,6 +66,18 @@ def test_a_tracker_whose_package_is_missing_is_one_line_before_training(demo_sha
     assert not (tmp_path / "run").exists()  # before anything was written
 
 
+def test_curves_are_drawn_at_the_end_not_at_every_evaluation_of_a_short_run(demo_shards, tmp_path, monkeypatch):
+    """A draw takes a second or two, which the other ranks wait: drawn at an evaluation only a minute or more after
+    the last draw (the full-disk test of the figure replaced draws at every one: tests/vit_mpp)."""
+    from vit_mpp.run.metering import step_meter
+
+    drawn, real = [], step_meter.write_run_curves
+    monkeypatch.setattr(step_meter, "write_run_curves", lambda run_dir: drawn.append(run_dir) or real(run_dir))
+    tiny_pretrain(demo_shards, tmp_path / "run", "knn.train_images=0")
+    assert [r["step"] for r in read_metrics(tmp_path / "run") if "val_loss" in r] == [2, 4]
+    assert len(drawn) == 1 and (tmp_path / "run" / "curves.png").is_file()
+
+
 def test_every_run_draws_its_curves_and_plot_overlays_runs(watched, demo_shards, tmp_path, capsys):
     tiny_pretrain(demo_shards, tmp_path / "pixels", "mpp.target=l2", "knn.train_images=0")
     for run_dir in (watched, tmp_path / "pixels"):  # mean colour (the default target) and L2

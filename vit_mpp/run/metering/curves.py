@@ -1,6 +1,7 @@
 """Training curves as a picture, from runs' metrics.jsonl: no tracker needed. Every run writes `run_dir/curves.png`
-at each evaluation and at the end (`write_run_curves`), and `python -m analysis plot RUN_DIR ...` overlays runs
-(`plot_curves`), a panel for each group of metrics some run logged. See docs/pretrain.md#trackers-and-curves.
+at the end and at evaluations at most once a minute (`write_run_curves`, called by step_meter.py), and `python -m
+analysis plot RUN_DIR ...` overlays runs (`plot_curves`), a panel for each group of metrics some run logged. See
+docs/pretrain.md#trackers-and-curves.
 """
 
 from __future__ import annotations

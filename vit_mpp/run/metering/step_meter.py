@@ -26,6 +26,7 @@ from vit_mpp.run.metering.metrics_log import MetricsLog
 from vit_mpp.run.metering.summary import RunTimes, summary_lines, summary_record, write_summary
 from vit_mpp.run.metering.tracking import log_images, log_scalars
 
+CURVES_EVERY_S = 60.0  # curves.png redrawn at an evaluation at most this often (and at the end)
 SHOWN = ("loss", "acc")  # the metrics the progress line shows, besides lr, rate and eta
 
 
@@ -147,6 +148,7 @@ class StepMeter:
         self.start_time = time.perf_counter()
         self.before = previous_times(log) if self.start_step else Before()  # resumed: the run's times until then
         self.curves_sent_at: int | None = None
+        self.drawn_at = self.start_time  # curves.png: drawn at an evaluation CURVES_EVERY_S after the last
         self.laps, self.logged = Laps(), Laps()  # this process's, and as they were at the last log
         self.peak = peak_flops(accelerator.device, train.mixed_precision, getattr(train, "peak_tflops", 0.0))
         self.names, self.flops_per_image = workload.set_names, workload.flops_per_image
@@ -276,13 +278,16 @@ class StepMeter:
                                 "elapsed_s": self.elapsed(), "run_s": self.run_time()})
         log_scalars(self.accelerator, result, step)
         self.last_step = step
-        self.draw()
+        if time.perf_counter() - self.drawn_at >= CURVES_EVERY_S:
+            self.draw()
         self.laps.evaluation += took
         self.laps.evaluations += 1
 
     def draw(self) -> None:
         """Write the run's curves.png from its metrics.jsonl (main process), and send it to the trackers that take
-        images; at each evaluation and at the end."""
+        images; at the end, and at an evaluation a minute or more after the last draw (a draw takes a second or two,
+        which every other rank waits at its next collective)."""
+        self.drawn_at = time.perf_counter()
         if self.accelerator.is_main_process:
             path = write_run_curves(self.metrics_log.path.parent)
             if path is not None and self.curves_sent_at != self.last_step:  # the final draw repeats the last eval's
