@@ -210,6 +210,14 @@ class _WorkerBatches(_MultiProcessingDataLoaderIter):
     and ended by its __del__. A finalizer of its own would run before that __del__ when the iterator is collected in
     a reference cycle (an exception's frames), and torch, still watching, raised its 'killed by signal' there."""
 
+    def __del__(self, end: Callable[[Any], None] = end_workers, exit_status: Any = torch.utils.data._utils) -> None:
+        # Dropped half-read: its workers ended at once, as `end_workers` does. torch's own end waited 5 s for each
+        # worker of an iterator collected in a reference cycle (its word to end never reached them), 20 s for two.
+        # `end` and torch's `_utils` bound here for the same reason as `kill` below; nothing while Python exits.
+        if not getattr(self, "_shutdown", True) and exit_status.python_exit_status is False:
+            end(self)
+        super().__del__()
+
     def _shutdown_workers(self, kill: Callable[[Iterable[Any]], None] = _kill) -> None:
         # `kill` bound here: an iterator that lives to the interpreter's end is ended after this module's names are
         # gone (its workers were killed by then: `_end_running`)
