@@ -48,7 +48,7 @@ from experiments.run_scheduler import (
 )
 from vit_mpp.cli import ArgumentParser
 from vit_mpp.config.engine import ConfigError
-from vit_mpp.data.lineage import SplitOf, shared_samples
+from vit_mpp.data.lineage import Keys, SplitOf, shared_samples
 from vit_mpp.data.manifest import check_manifest, load_split, manifest_classes, manifest_file, read_manifest
 from vit_mpp.data.training_data import shard_identity
 from vit_mpp.errors import UserError
@@ -111,24 +111,24 @@ def val_split_of(setup: Setup) -> SplitOf:
     return SplitOf(setup.val, setup.val_split, read_manifest(setup.val))
 
 
-def val_overlap(val: SplitOf, labelled: str | Path) -> int:
+def val_overlap(val: SplitOf, labelled: str | Path, known: Keys) -> int:
     """How many of --val's images the train split of `labelled` holds, as far as the subset records tell
-    (vit_mpp/data/lineage.py: sets of unrelated origins share none)."""
-    return shared_samples(SplitOf(str(labelled), "train", read_manifest(labelled)), val)
+    (vit_mpp/data/lineage.py: sets of unrelated origins share none); --val's keys read once per `known`."""
+    return shared_samples(SplitOf(str(labelled), "train", read_manifest(labelled)), val, known=known)
 
 
 def check_val_samples(setup: Setup) -> None:
     """--val holds none of the images the fine-tunings train on: each seed's --labelled without a sweep (a sweep's
     subsets are checked as they are drawn, `check_subsets_apart`); at point all, a note."""
-    val = val_split_of(setup)
+    val, known = val_split_of(setup), {}
     if setup.points == [""]:
         for seed in setup.seeds:
             labelled = setup.labelled.replace("{seed}", str(seed))
-            if n := val_overlap(val, labelled):
+            if n := val_overlap(val, labelled, known):
                 raise ConfigError(f"--val {setup.val}:{setup.val_split} holds {n} of the images of --labelled "
                                   f"{labelled} (drawn from the same source): validate on a set apart from the images "
                                   "the runs train on (build-shards subset --exclude draws one)")
-    elif "all" in setup.points and (n := val_overlap(val, setup.labelled)):
+    elif "all" in setup.points and (n := val_overlap(val, setup.labelled, known)):
         setup.notes.append(f"at point all the fine-tunings train on --labelled whole, {n} of --val {setup.val}'s "
                            "images among them")
 
@@ -138,10 +138,10 @@ def check_subsets_apart(setup: Setup, root: Path, seeds: list[int]) -> None:
     subset of --labelled; a --val drawn otherwise from the same source may not be)."""
     if not setup.val:
         return
-    val = val_split_of(setup)
+    val, known = val_split_of(setup), {}
     for point in (p for p in setup.points if p.startswith("k")):
         for seed in seeds:
-            if n := val_overlap(val, label_sweep.subset_folder(root, point, seed)):
+            if n := val_overlap(val, label_sweep.subset_folder(root, point, seed), known):
                 raise ConfigError(f"--val {setup.val}:{setup.val_split} holds {n} of the images of the subset "
                                   f"{point} of seed {seed} (drawn from the same source): draw --val from --labelled "
                                   "(build-shards subset LABELLED VAL ...), and the sweep draws its subsets apart")

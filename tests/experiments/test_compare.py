@@ -349,6 +349,25 @@ def test_a_val_drawn_from_the_same_source_as_the_labels_is_refused_where_they_ov
                              "--val", f"{tmp_path / 'apart'}:train"))
 
 
+def test_the_val_check_reads_the_keys_of_val_once_for_every_seed(tmp_path, monkeypatch, shards, capsys):
+    # each seed's --labelled compared with --val read --val's keys again (12 reads for 4 points x 3 seeds)
+    from vit_mpp.data import lineage
+
+    FakeStages(monkeypatch)
+    source = write_shard_set(tmp_path / "source", {"train": [30], "val": [6]})
+    for seed in (0, 1, 2):
+        assert in_process(build_main, ["subset", str(source), str(tmp_path / f"k2_s{seed}"), "--per-class", "2",
+                                       "--seed", str(seed)], capsys)[0] == 0
+    val = tmp_path / "val"
+    assert in_process(build_main, ["subset", str(source), str(val), "--per-class", "3", "--seed", "9",
+                                   *(f"--exclude={tmp_path / f'k2_s{seed}'}" for seed in (0, 1, 2))], capsys)[0] == 0
+    read, real = [], lineage.split_keys
+    monkeypatch.setattr(lineage, "split_keys", lambda of, *more: read.append(Path(of.location).name) or real(of, *more))
+    assert compare.main(argv({**shards, "labelled": tmp_path / "k2_s{seed}"}, tmp_path / "out", "--seeds", "0", "1",
+                             "2", "--arms", "mpp", "--val", f"{val}:train"))
+    assert sorted(read) == ["k2_s0", "k2_s1", "k2_s2", "val"], read
+
+
 def keys(folder: Path) -> set[str]:
     """The sample keys of a set's train split."""
     found = set()

@@ -6,6 +6,7 @@ key. Sets of unrelated origins are not compared: keys such as `000123` repeat ac
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -13,6 +14,8 @@ from vit_mpp.data import urls
 from vit_mpp.data.manifest import ManifestError, load_split, read_manifest
 from vit_mpp.data.tar_scan import TarDamaged, TarReader, describe, samples
 from vit_mpp.data.urls import ReadPolicy
+from vit_mpp.processes.rank_lifecycle import process_rank
+from vit_mpp.progress import progress
 
 MAX_DEPTH = 16  # subsets of subsets followed at most this far (a loop of records cannot hang the check)
 
@@ -57,20 +60,39 @@ def origin(of: SplitOf) -> tuple[str, str]:
 
 
 def split_keys(of: SplitOf, read: ReadPolicy = ReadPolicy()) -> set[str]:
-    """The keys of every sample of the split (tar headers only, each shard under `read`'s deadline and retries)."""
+    """The keys of every sample of the split (tar headers only, each shard under `read`'s deadline and retries), with
+    progress on the first process (a large subset's hundred shards over a network take a while)."""
     keys: set[str] = set()
-    for url in load_split(of.location, of.split)[0].urls:
-        try:
-            keys.update(urls.read_stream(url, lambda s: [x.key for x in samples(TarReader(s))], read.timeout,
-                                         read.retries, read.wait_s))
-        except (TarDamaged, OSError) as e:
-            raise ManifestError(f"cannot read the keys of {url}: {describe(e)}") from None
+    shards = load_split(of.location, of.split)[0].urls
+    shown = progress(f"reading the keys of {of.location}:{of.split}", len(shards), "shards") if process_rank() == 0 \
+        else contextlib.nullcontext(lambda n: None)
+    with shown as advance:
+        for url in shards:
+            try:
+                keys.update(urls.read_stream(url, lambda s: [x.key for x in samples(TarReader(s))], read.timeout,
+                                              read.retries, read.wait_s))
+            except (TarDamaged, OSError) as e:
+                raise ManifestError(f"cannot read the keys of {url}: {describe(e)}") from None
+            advance(1)
     return keys
 
 
-def shared_samples(a: SplitOf, b: SplitOf, read: ReadPolicy = ReadPolicy()) -> int:
+Keys = dict[tuple[str, str], set[str]]  # split_keys already read, by (location, split): one read per check
+
+
+def _keys(of: SplitOf, read: ReadPolicy, known: Keys | None) -> set[str]:
+    if known is None:
+        return split_keys(of, read)
+    place = (of.location, of.split)
+    if place not in known:
+        known[place] = split_keys(of, read)
+    return known[place]
+
+
+def shared_samples(a: SplitOf, b: SplitOf, read: ReadPolicy = ReadPolicy(), known: Keys | None = None) -> int:
     """How many samples the two splits have in common, as far as the subset records tell (0 for unrelated origins):
-    all of one set's when it was drawn from the other, else the keys the two hold both."""
+    all of one set's when it was drawn from the other, else the keys the two hold both (read once per `known`, a
+    dict the caller keeps for the checks of one set against many)."""
     root, other = origin(a), origin(b)
     if not (same_place(other[0], root[0]) and other[1] == root[1]):
         return 0
@@ -78,4 +100,4 @@ def shared_samples(a: SplitOf, b: SplitOf, read: ReadPolicy = ReadPolicy()) -> i
         return load_split(b.location, b.split)[0].num_samples  # b was drawn from a
     if same_place(b.location, root[0]) and b.split == root[1]:
         return load_split(a.location, a.split)[0].num_samples  # a was drawn from b
-    return len(split_keys(a, read) & split_keys(b, read))
+    return len(_keys(a, read, known) & _keys(b, read, known))
