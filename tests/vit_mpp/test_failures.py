@@ -176,3 +176,15 @@ def test_a_loader_worker_that_sends_nothing_for_the_loaders_wait_is_its_ranks_on
     died = worker_died(RuntimeError("DataLoader timed out after 960.0 seconds"))
     assert died is not None and died.rank_local and "sent no batch for 960 s: stuck" in str(died)
     assert "gh-112275" in str(died) and "\n" not in str(died)
+
+
+def test_a_signal_while_torch_distributed_is_half_imported_finds_no_group(monkeypatch):
+    # The slow tests: the launcher's SIGTERM reached rank 0 as it imported torch.distributed, and the start-up's stop
+    # asked the half-made module for its group: an AttributeError traceback and status 1 instead of the launcher's
+    # line naming the rank that was killed.
+    import types
+
+    monkeypatch.setitem(sys.modules, "torch.distributed", types.ModuleType("torch.distributed"))  # no names yet
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert failures._store() is None and failures.failed_peer() is None
+    failures.stop_if_peer_failed()  # nothing noted: it returns

@@ -29,7 +29,10 @@ def _store():
     if launcher_gone():
         return None
     dist = sys.modules.get("torch.distributed")
-    if dist is None or not dist.is_available() or not dist.is_initialized():
+    try:
+        if dist is None or not dist.is_available() or not dist.is_initialized():
+            return None
+    except AttributeError:  # a signal came while torch.distributed was being imported: there is no group yet
         return None
     try:
         store = dist.distributed_c10d._get_default_store()
