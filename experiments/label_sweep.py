@@ -159,4 +159,5 @@ def plot_curve(curve: dict[str, Any], path: Path, title: str) -> None:
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+    fig.tight_layout()
     save_figure(fig, path, dpi=120)
