@@ -7,8 +7,8 @@ an evaluation's loader, on the demo's data and on a 10,000-image set; and what e
 
 Each trial is one process standing in for a rank: it imports what a rank has imported (torch, the stream; timm's
 augmentations for RandAugment), then starts the loaders a run starts, through vit_mpp/data/stream.py
-(`train_split_loader`, `eval_split_loader`: `make_loader` over a `TrainStream` or an `EvalStream` with the run's
-`ImageDecoder`, the product's `Loader`), their workers started with the given method:
+(`train_split_loader`; eval_stream.py's `eval_split_loader`: `make_loader` over a `TrainStream` or an `EvalStream`
+with the run's `ImageDecoder`, the product's `Loader`), their workers started with the given method:
 
 * the training loader (persistent workers, as a run keeps them): the time from nothing to its first batch (with
   forkserver this includes starting the fork server, which imports torch and the stream first:
@@ -161,9 +161,10 @@ def trial(spec: dict) -> dict:
     import torch
 
     from vit_mpp.config.sections import DataConfig
+    from vit_mpp.data.eval_stream import eval_split_loader
     from vit_mpp.data.image_decoder import ImageDecoder
     from vit_mpp.data.manifest import load_split
-    from vit_mpp.data.stream import Batches, eval_split_loader, loader_layout, train_split_loader
+    from vit_mpp.data.stream import Batches, loader_layout, train_split_loader
     from vit_mpp.processes.loader_workers import end_workers
 
     augment, preload = None, list(PRELOAD)

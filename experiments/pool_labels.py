@@ -23,9 +23,10 @@ from timm.models.vision_transformer import VisionTransformer
 from vit_mpp.cli import ArgumentParser
 from vit_mpp.config.engine import ConfigError
 from vit_mpp.config.sections import DataConfig
+from vit_mpp.data.eval_stream import eval_split_loader
 from vit_mpp.data.image_decoder import ImageDecoder
 from vit_mpp.data.manifest import check_every_sample_labelled, load_split
-from vit_mpp.data.stream import eval_split_loader, loader_layout, normalize
+from vit_mpp.data.stream import loader_layout, normalize
 from vit_mpp.durable import write_atomic
 from vit_mpp.models.knn import knn_top1
 from vit_mpp.models.pretrained import Pretrained, checkpoint_kind, load_model

@@ -21,9 +21,10 @@ from finetune.scoring import evaluate, per_class_accuracy, write_confusion  # no
 from vit_mpp.cli import ArgumentParser  # noqa: E402
 from vit_mpp.config.engine import ConfigError  # noqa: E402
 from vit_mpp.config.sections import DataConfig  # noqa: E402
+from vit_mpp.data.eval_stream import eval_split_loader  # noqa: E402
 from vit_mpp.data.image_decoder import ImageDecoder  # noqa: E402
 from vit_mpp.data.manifest import check_every_sample_labelled, load_split, manifest_classes  # noqa: E402
-from vit_mpp.data.stream import eval_split_loader, loader_layout  # noqa: E402
+from vit_mpp.data.stream import loader_layout  # noqa: E402
 from vit_mpp.durable import write_atomic  # noqa: E402
 from vit_mpp.models.pretrained import Pretrained, load_classifier, results_folder  # noqa: E402
 from vit_mpp.processes.exits import run_main  # noqa: E402

@@ -8,9 +8,10 @@ import torch
 from torch.utils.data import DataLoader
 
 from vit_mpp.config.sections import DataConfig
+from vit_mpp.data.eval_stream import eval_split_loader
 from vit_mpp.data.image_decoder import ImageDecoder
 from vit_mpp.data.manifest import Split
-from vit_mpp.data.stream import TrainStream, eval_split_loader, loader_layout, train_split_loader
+from vit_mpp.data.stream import TrainStream, loader_layout, train_split_loader
 
 
 def split_loader(split: Split, data: DataConfig, size: int, batch: int, *, rank: int = 0, world_size: int = 1,

@@ -19,9 +19,10 @@ from pathlib import Path
 import torch
 
 from vit_mpp.config.sections import DataConfig, TrainConfig
+from vit_mpp.data.eval_stream import eval_split_loader
 from vit_mpp.data.image_decoder import ImageDecoder
 from vit_mpp.data.manifest import load_split
-from vit_mpp.data.stream import eval_split_loader, loader_layout, train_split_loader
+from vit_mpp.data.stream import loader_layout, train_split_loader
 from vit_mpp.run.start.accelerator import make_accelerator
 
 

@@ -1,8 +1,8 @@
-"""The training and evaluation streams over webdataset shards, shared by both stages: `TrainStream`, endless full
-micro-batches per rank from one set or a weighted mixture, each sample once per epoch on any layout and resumed
-exactly (the plan: vit_mpp/data/stream_plan.py); `EvalStream`, one ordered pass over a split, padded so that every
-rank runs the same batches; `Batches`, a rank's training batches that close when told. Batches leave the workers as
-uint8 images. See docs/data_stream.md."""
+"""The training stream over webdataset shards, shared by both stages: `TrainStream`, endless full micro-batches per
+rank from one set or a weighted mixture, each sample once per epoch on any layout and resumed exactly (the plan:
+vit_mpp/data/stream_plan.py); `Batches`, a rank's training batches that close when told; and what every stream
+shares (`make_loader`, `to_device`, `normalize`, the read settings). Batches leave the workers as uint8 images. The
+evaluation's stream is eval_stream.py's. See docs/data_stream.md."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import atexit
 import functools
 import hashlib
 import itertools
-import math
 import os
 import sys
 import weakref
@@ -264,70 +263,6 @@ def warn_few_shards(what: str, split: Split, world: int, workers: int) -> None:
               "are read by several workers (extra I/O); more, smaller shards avoid it", file=sys.stderr, flush=True)
 
 
-class EvalStream(IterableDataset):
-    """One ordered pass over a split, each sample once over all ranks and workers (see the module doc).
-
-    Each item is a dict: `image` uint8 (B, 3, H, W), `label` int64 (B,), `valid` bool (B,) (False: padding or an
-    undecodable sample, which do not count) and `key` list[str].
-    """
-
-    def __init__(self, split: Split, decoder: ImageDecoder, layout: Layout, *, rank: int, read: ReadSettings,
-                 limit: int | None = None) -> None:
-        super().__init__()
-        self.split, self.decoder, self.batch_size, self.rank, self.read = split, decoder, layout.micro, rank, read
-        self.num_workers = layout.workers
-        # limit: only the split's first `limit` samples (in manifest order), e.g. for a monitor
-        self.num_samples = split.num_samples if limit is None else min(limit, split.num_samples)
-        self.per_worker = math.ceil(self.num_samples / layout.parts)
-        self.batches_per_worker = math.ceil(self.per_worker / self.batch_size)
-        if rank == 0 and limit is None:
-            warn_few_shards(f"evaluation split '{split.name}'", split, layout.world, self.num_workers)
-
-    def __len__(self) -> int:
-        return self.batches_per_worker * self.num_workers
-
-    def __iter__(self) -> Iterator[dict[str, Any]]:
-        info = get_worker_info()
-        part = self.rank * self.num_workers + (info.id if info is not None else 0)
-        start = part * self.per_worker
-        stop = min(start + self.per_worker, self.num_samples)
-        samples = (s for seg in range_segments(self.split, list(range(len(self.split.urls))), start, stop)
-                   for s in read_segment(seg, self.read.read_retries, timeout=self.read.read_timeout_s))
-        blank = torch.zeros(3, *self.decoder.size, dtype=torch.uint8)
-        items: list[tuple[torch.Tensor, int, bool, str]] = []
-        seen = bad = 0
-        for sample in samples:
-            seen += 1
-            try:
-                items.append((self.decoder(image_bytes(sample)), sample_label(sample), True, sample["__key__"]))
-                check_label(items[-1][1], items[-1][3], self.read.num_classes)
-            except ShardError:
-                raise
-            except Exception:  # an undecodable sample keeps its place but does not count
-                bad += 1
-                items.append((blank, 0, False, sample["__key__"]))
-            if bad > self.read.max_bad_fraction * seen and (seen >= 100 or seen == stop - start):
-                raise ShardError(f"{bad} of {seen} samples undecodable in split '{self.split.name}' (worker {part}), "
-                                 f"above data.max_bad_fraction={self.read.max_bad_fraction}")
-            if len(items) == self.batch_size:
-                yield _eval_batch(items)
-                items = []
-        for _ in range(seen, self.per_worker):  # ranges are padded to equal length with blanks
-            items.append((blank, 0, False, ""))
-            if len(items) == self.batch_size:
-                yield _eval_batch(items)
-                items = []
-        if items:
-            yield _eval_batch(items)
-
-
-
-def _eval_batch(items: list[tuple[torch.Tensor, int, bool, str]]) -> dict[str, Any]:
-    images, labels, valid, keys = zip(*items)
-    return {"image": torch.stack(images), "label": torch.tensor(labels, dtype=torch.int64),
-            "valid": torch.tensor(valid, dtype=torch.bool), "key": list(keys)}
-
-
 class Batches:
     """A rank's endless training batches (`next(batches)`) that end when told: `close()` closes the stream's open
     shard reads (a loader without workers reads in this process) and stops the loader's workers. Whatever is still
@@ -363,7 +298,7 @@ def _end_live() -> None:
         batches.close()
 
 
-def make_loader(stream: TrainStream | EvalStream, data: DataConfig) -> DataLoader:
+def make_loader(stream: IterableDataset, data: DataConfig) -> DataLoader:
     """A DataLoader over a stream (batching happens inside the workers: batch_size=None), its workers set by
     `data`; an evaluation's workers end with each pass."""
     kwargs: dict[str, Any] = {}
@@ -412,11 +347,3 @@ def train_split_loader(split: Split, data: DataConfig, decoder: ImageDecoder, la
     stream = TrainStream([TrainSet(split.name, split, 1.0)], decoder, generation, rank=rank, resume_step=0,
                          read=read_settings(data, seed))
     return stream, make_loader(stream, data)
-
-
-def eval_split_loader(split: Split, data: DataConfig, decoder: ImageDecoder, layout: Layout, *, rank: int = 0,
-                      num_classes: int | None = None) -> DataLoader:
-    """One ordered pass over `split` for this rank (see EvalStream); with `num_classes` every label must be one of
-    the classes."""
-    return make_loader(EvalStream(split, decoder, layout, rank=rank, read=read_settings(data, num_classes=num_classes)),
-                       data)

@@ -17,9 +17,10 @@ from torch.utils.data import DataLoader
 from vit_mpp.config.device_checks import check_device_settings
 from vit_mpp.config.engine import is_dry_run
 from vit_mpp.config.fsdp_settings import FsdpSettings
+from vit_mpp.data.eval_stream import EvalStream
 from vit_mpp.data.image_decoder import ImageDecoder
 from vit_mpp.data.manifest import Split
-from vit_mpp.data.stream import Batches, EvalStream, TrainStream, loader_layout, make_loader, read_settings
+from vit_mpp.data.stream import Batches, TrainStream, loader_layout, make_loader, read_settings
 from vit_mpp.data.stream_plan import Generation, Layout, resume_generation
 from vit_mpp.data.training_data import Pool, TrainingData, load_training_data
 from vit_mpp.models.hub import check_hub
