@@ -119,6 +119,14 @@ def test_an_out_among_the_export_it_labels_with_is_one_line_and_the_export_still
     assert {p.name: p.read_bytes() for p in model.iterdir() if p.is_file()} == before
     assert in_process(predict_module.main, ["--checkpoint", str(model), "--images", str(image), "--out",
                                             str(tmp_path / "preds.csv")], capsys)[0] == 0
+    # through a link: an output is written through it, so its target is held to the same rule
+    link = tmp_path / "latest.csv"
+    link.symlink_to(model / "config.json")
+    code, out, err = in_process(predict_module.main, ["--checkpoint", str(model), "--images", str(image), "--out",
+                                                      str(link)], capsys)
+    assert code == 2 and err.strip() == f"error: --out {link} (a link to {(model / 'config.json').resolve()}) is " \
+        "inside an export: give a file of its own", err
+    assert {p.name: p.read_bytes() for p in model.iterdir() if p.is_file()} == before and link.is_symlink()
 
 
 @pytest.mark.parametrize("name, message", [

@@ -65,14 +65,17 @@ def check_out_file(path: str, flag: str = "--out") -> Path:
     out = Path(path)
     if out.is_dir():
         raise ConfigError(f"{flag} {path} is a folder: give a file name")
+    # a link is written through (vit_mpp/tools/args.py `_target`): its target is held to the same rules
+    for target, named in [(out, str(path))] + ([(out.resolve(), f"{path} (a link to {out.resolve()})")]
+                                               if out.is_symlink() else []):
+        role = folder_role(target.absolute().parent, shards=True)
+        if role == RUN_DIR and target.name in RUN_RECORDS:
+            raise ConfigError(f"{flag} {named} is one of a training run's records: give a file of its own")
+        if role == SHARD_SET and (target.name == MANIFEST_NAME or target.suffix in (".tar", ".jsonl")):
+            raise ConfigError(f"{flag} {named} is one of a shard set's files: give a file of its own")
+        if role and role not in (RUN_DIR, SHARD_SET):  # a new file beside a run's or shards (OUT/_samples.png) is fine
+            raise ConfigError(f"{flag} {named} is inside {role}: give a file of its own")
     folder = out.absolute().parent
-    role = folder_role(folder, shards=True)
-    if role == RUN_DIR and out.name in RUN_RECORDS:
-        raise ConfigError(f"{flag} {path} is one of a training run's records: give a file of its own")
-    if role == SHARD_SET and (out.name == MANIFEST_NAME or out.suffix in (".tar", ".jsonl")):
-        raise ConfigError(f"{flag} {path} is one of a shard set's files: give a file of its own")
-    if role and role not in (RUN_DIR, SHARD_SET):  # a new file beside a run's or shards (OUT/_samples.png) is fine
-        raise ConfigError(f"{flag} {path} is inside {role}: give a file of its own")
     check_writable_place(flag, out, folder)
     return out
 
