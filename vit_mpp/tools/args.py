@@ -65,9 +65,10 @@ def check_out_file(path: str, flag: str = "--out") -> Path:
     out = Path(path)
     if out.is_dir():
         raise ConfigError(f"{flag} {path} is a folder: give a file name")
-    # a link is written through (vit_mpp/tools/args.py `_target`): its target is held to the same rules
-    for target, named in [(out, str(path))] + ([(out.resolve(), f"{path} (a link to {out.resolve()})")]
-                                               if out.is_symlink() else []):
+    checked = [(out, str(path))]
+    if out.is_symlink():  # an output is written through a link (`_target`): its target is held to the same rules
+        checked.append((out.resolve(), f"{path} (a link to {out.resolve()})"))
+    for target, named in checked:
         role = folder_role(target.absolute().parent, shards=True)
         if role == RUN_DIR and target.name in RUN_RECORDS:
             raise ConfigError(f"{flag} {named} is one of a training run's records: give a file of its own")
