@@ -55,19 +55,27 @@ class FinetuneOptimConfig(OptimConfig):
 
 
 # timm's RandAugment string (timm.data.auto_augment.rand_augment_transform): `rand` then dash-separated sections.
-# timm skips a section it does not know; here a typo is an error instead.
-RAND_SECTION = re.compile(r"m\d+|n\d+|p\d*\.?\d+|mstd\d*\.?\d+|mmax\d+|inc[01]|t(weights|3a|3aw)")
+# timm skips a section it does not know, clips a magnitude above mmax (10 unless set) and takes n0 as "no op": here
+# each of those is an error instead, since each is a typo that would train without the augmentation asked for.
+RAND_SECTION = re.compile(r"(m|n|mmax)(\d+)|(p|mstd)(\d*\.?\d+)|inc[01]|t(weights|3a|3aw)")
 
 
 def is_rand_augment(text: str) -> bool:
-    """Whether `text` is '' (off) or a RandAugment string timm parses, e.g. `rand-m9-mstd0.5-inc1`."""
-    parts = text.split("-")
-    return text == "" or (parts[0] == "rand" and all(RAND_SECTION.fullmatch(p) for p in parts[1:]))
+    """Whether `text` is '' (off) or a RandAugment string timm parses as written, e.g. `rand-m9-mstd0.5-inc1`."""
+    if text == "":
+        return True
+    head, *sections = text.split("-")
+    matches = [RAND_SECTION.fullmatch(s) for s in sections]
+    if head != "rand" or not all(matches):
+        return False
+    numbers = {m[1] or m[3]: float(m[2] or m[4]) for m in matches if m[1] or m[3]}
+    return (numbers.get("m", 0) <= numbers.get("mmax", 10) and numbers.get("n", 2) >= 1
+            and numbers.get("p", 0.5) <= 1)
 
 
-RAND_AUGMENT = Check(is_rand_augment, "'' or a timm RandAugment string: rand then -sections from m<int>, n<int>, "
-                                      "p<float>, mstd<float>, mmax<int>, inc<0|1>, t<weights|3a|3aw> (e.g. "
-                                      "rand-m9-mstd0.5-inc1)")
+RAND_AUGMENT = Check(is_rand_augment, "'' or a timm RandAugment string: rand then -sections from m<int> (at most "
+                                      "mmax, 10 unless set), n<int> (>= 1), p<float> (<= 1), mstd<float>, mmax<int>, "
+                                      "inc<0|1>, t<weights|3a|3aw> (e.g. rand-m9-mstd0.5-inc1)")
 
 
 @dataclass

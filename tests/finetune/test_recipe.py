@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from finetune import evaluate
 from finetune.__main__ import main
 from finetune.augment import RandAugmentU8, build_random_erasing
-from finetune.config import AugmentConfig, FinetuneConfig, InitConfig
+from finetune.config import AugmentConfig, FinetuneConfig, InitConfig, is_rand_augment
 from finetune.ema import build_ema
 from finetune.init_model import build_classifier
 from tests.helpers.loaders import split_loader
@@ -68,6 +68,22 @@ def test_rand_augment_changes_images_more_at_a_higher_magnitude():
         np.random.seed(0)
         mean_change[m] = np.mean([(ra(x).int() - x.int()).abs().float().mean() for x in images])
     assert mean_change[1] * 1.5 < mean_change[5] and mean_change[5] * 1.1 < mean_change[9], mean_change
+
+
+@pytest.mark.parametrize("text", ["", "rand", "rand-m9-mstd0.5-inc1", "rand-n2-m10-mstd101", "rand-m15-mmax20",
+                                  "rand-n1-p1", "rand-m0-tweights"])
+def test_rand_augment_strings_timm_takes_as_written_are_accepted(text):
+    assert is_rand_augment(text)
+    if text:
+        RandAugmentU8(text, 24, (0.5, 0.5, 0.5))  # and timm builds them
+
+
+@pytest.mark.parametrize("text", ["rand-m11", "rand-m99", "rand-m21-mmax20", "rand-n0", "rand-p1.5", "rand-m9-x1",
+                                  "randm9", "rand-m9.5"])
+def test_rand_augment_strings_timm_would_clip_skip_or_ignore_are_refused(text):
+    # timm clips m above mmax to mmax, runs no op for n0 and skips an unknown section: each trains without the
+    # augmentation the user wrote
+    assert not is_rand_augment(text)
 
 
 def test_posterize_at_magnitude_10_gives_black_instead_of_an_error():

@@ -141,6 +141,12 @@ BAD_VALUES = [
     ("finetune", ["augment.auto_augment=rand-m9-x1"], "'augment.auto_augment' must be '' or a timm RandAugment string"),
     ("finetune", ["augment.auto_augment=original"], "'augment.auto_augment' must be '' or a timm RandAugment string"),
     ("finetune", ["augment.auto_augment=rand-m9.5"], "'augment.auto_augment' must be '' or a timm RandAugment string"),
+    # what timm would clip or skip without a word: a magnitude above mmax (10 unless set), no ops, p above 1
+    ("finetune", ["augment.auto_augment=rand-m99"], "'augment.auto_augment' must be '' or a timm RandAugment string"),
+    ("finetune", ["augment.auto_augment=rand-m12-mmax11"], "'augment.auto_augment' must be '' or a timm RandAugment"),
+    ("finetune", ["augment.auto_augment=rand-n0"], "'augment.auto_augment' must be '' or a timm RandAugment string"),
+    ("finetune", ["augment.auto_augment=rand-p1.5"], "'augment.auto_augment' must be '' or a timm RandAugment string"),
+    ("finetune", ["semi.strong=rand-m20"], "'semi.strong' must be '' or a timm RandAugment string"),
     ("finetune", ["augment.reprob=1.5"], "'augment.reprob' must be in [0, 1]"),
     ("finetune", ["augment.reprob=-0.25"], "'augment.reprob' must be in [0, 1]"),
     ("finetune", ["augment.remode=noise"], "'augment.remode' expects one of"),
