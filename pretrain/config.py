@@ -25,7 +25,9 @@ class MPPConfig:
     mask_prob: float = opt(0.8, "of the corrupted: fraction replaced by the [mask] embedding", between(0, 1))
     random_prob: float = opt(0.1, "of the corrupted: fraction replaced by another patch of the same image",
                              between(0, 1))
-    target: Literal["mean_color", "pixels_4x4", "l2"] = opt("mean_color", "what the head predicts")
+    target: Literal["mean_color", "pixels_4x4", "l2", "hog"] = opt(
+        "mean_color", "what the head predicts: a patch's 3-bit mean colour, its 4x4 colours, its pixels (L2), or "
+        "MaskFeat's histograms of oriented gradients (hog, L2; an even patch size)")
     # 2**(3 * bits) classes: 512 at 3 bits (the paper), 4096 at 4; 5 bits would be a 32768-way head (x16 for
     # pixels_4x4), which is no longer a small head.
     bits: int = opt(3, "bits per colour channel for the classification targets", between(1, 4))

@@ -233,6 +233,8 @@ class MaskedPatchPrediction(nn.Module):
         self.patch = patch_size(encoder)
         if cfg.target == "pixels_4x4" and self.patch % 4:
             raise ConfigError(f"mpp.target=pixels_4x4 needs a patch size divisible by 4, got {self.patch}")
+        if cfg.target == "hog" and self.patch % 2:
+            raise ConfigError(f"mpp.target=hog needs an even patch size (2x2 cells a patch), got {self.patch}")
         if num_corrupted(encoder.patch_embed.num_patches, cfg.mask_ratio) < 1:
             raise ConfigError(f"mpp.mask_ratio={cfg.mask_ratio} corrupts no patch of {encoder.patch_embed.num_patches}")
         self.grid = tuple(encoder.patch_embed.grid_size)
@@ -269,8 +271,13 @@ class MaskedPatchPrediction(nn.Module):
             weight = weight * valid.float().unsqueeze(1)
         denom = weight.sum().clamp(min=1)
         metrics: dict[str, torch.Tensor] = {}
-        if self.cfg.target == "l2":
-            target = tg.norm_pix_target(pixels, self.patch) if self.cfg.norm_pix else tg.l2_target(x, self.patch)
+        if self.cfg.target not in tg.CLASS_TARGETS:
+            if self.cfg.target == "hog":
+                target = tg.hog_target(images, self.patch)
+            elif self.cfg.norm_pix:
+                target = tg.norm_pix_target(pixels, self.patch)
+            else:
+                target = tg.l2_target(x, self.patch)
             target = target.gather(1, c.positions.unsqueeze(-1).expand(-1, -1, target.shape[-1]))
             per_slot = F.mse_loss(pred, target, reduction="none").mean(-1)  # (B, K)
             classes = None

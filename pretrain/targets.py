@@ -1,14 +1,20 @@
 """Masked-patch-prediction targets, computed exactly in integers from the un-normalised uint8 pixels of a batch:
 `mean_color_target` and `pixels_4x4_target` (colour classes at `bits` bits per channel), `l2_target` (normalised
-pixels), `norm_pix_target` (each patch normalised by its own statistics). The quantisation:
-docs/method.md#masked-patch-prediction-pretraining; the shapes: docs/pretrain.md.
+pixels), `norm_pix_target` (each patch normalised by its own statistics), `hog_target` (MaskFeat's histograms of
+oriented gradients). The quantisation: docs/method.md#masked-patch-prediction-pretraining; the shapes and the
+options beyond the paper: docs/pretrain.md.
 """
 
 from __future__ import annotations
 
-import torch
+import math
 
-TARGETS = ("mean_color", "pixels_4x4", "l2")
+import torch
+import torch.nn.functional as F
+
+TARGETS = ("mean_color", "pixels_4x4", "l2", "hog")
+CLASS_TARGETS = ("mean_color", "pixels_4x4")  # cross-entropy over colour classes; the others are regressed (MSE)
+HOG_BINS = 9  # unsigned orientations over 180 degrees, 20 degrees a bin (Dalal & Triggs; MaskFeat)
 
 
 def patchify(images: torch.Tensor, p: int) -> torch.Tensor:
@@ -60,7 +66,35 @@ def norm_pix_target(images01: torch.Tensor, p: int, eps: float = 1e-6) -> torch.
     return (x - mean) / (var + eps).sqrt()
 
 
+def hog_target(images_u8: torch.Tensor, p: int, bins: int = HOG_BINS) -> torch.Tensor:
+    """(B, 3, H, W) uint8 -> (B, N, 3 * bins * 4): MaskFeat's HOG target. Per colour channel, Sobel gradients (the
+    image's border reflected); each pixel's gradient magnitude goes to the bin of its unsigned orientation; the
+    histograms are summed over each of the patch's 2x2 cells (P/2 pixels square) and each cell's histogram of each
+    channel is scaled to unit length (a flat cell stays 0). Laid out per patch as (channel, bin, cell row, cell
+    column). The unit length makes it blind to a channel's contrast and offset, so a shape is the same target
+    whatever its colours; MaskFeat's Gaussian weighting of each patch's pixels is left out. The gradients are sums of
+    integers, exact in float32 in any order: a gradient along an axis has an exact 0 component, so it falls in its
+    bin on every device rather than on either side of the boundary there."""
+    if p % 2:
+        raise ValueError(f"hog needs an even patch size (2x2 cells a patch), got {p}")
+    x = F.pad(images_u8.float(), (1, 1, 1, 1), mode="reflect")
+    sobel = torch.tensor([[1.0, 0.0, -1.0], [2.0, 0.0, -2.0], [1.0, 0.0, -1.0]], device=x.device)
+    gx = F.conv2d(x, sobel.expand(3, 1, 3, 3), groups=3)  # (B, 3, H, W)
+    gy = F.conv2d(x, sobel.t().expand(3, 1, 3, 3), groups=3)
+    magnitude = torch.hypot(gx, gy)
+    # atan2 in (-pi, pi] over pi/bins: the floor mod bins folds opposite directions into one bin
+    which = torch.floor(torch.atan2(gy, gx) * (bins / math.pi)).long().remainder_(bins)
+    b, c, h, w = magnitude.shape
+    hist = magnitude.new_zeros(b, c, bins, h, w).scatter_add_(2, which.unsqueeze(2), magnitude.unsqueeze(2))
+    cell = p // 2
+    hist = hist.reshape(b, c, bins, h // cell, cell, w // cell, cell).sum(dim=(4, 6))  # (B, 3, bins, 2gh, 2gw)
+    hist = F.normalize(hist, dim=2)
+    gh, gw = h // p, w // p
+    hist = hist.reshape(b, c, bins, gh, 2, gw, 2).permute(0, 3, 5, 1, 2, 4, 6)  # (B, gh, gw, 3, bins, 2, 2)
+    return hist.reshape(b, gh * gw, c * bins * 4)
+
+
 def target_dim(kind: str, p: int, bits: int = 3) -> int:
     """Output width of the prediction head for a target."""
     classes = 2 ** (3 * bits)
-    return {"mean_color": classes, "pixels_4x4": 16 * classes, "l2": p * p * 3}[kind]
+    return {"mean_color": classes, "pixels_4x4": 16 * classes, "l2": p * p * 3, "hog": 3 * HOG_BINS * 4}[kind]

@@ -11,6 +11,7 @@ from accelerate import Accelerator
 
 from pretrain.knn import knn_monitor
 from pretrain.mpp import MaskedPatchPrediction
+from pretrain.targets import CLASS_TARGETS
 from vit_mpp.data.manifest import Split, load_split
 from vit_mpp.data.stream import to_device
 from vit_mpp.run.loop import Gate
@@ -36,7 +37,7 @@ def mpp_validation(accelerator: Accelerator, model: MaskedPatchPrediction, loade
     totals = accelerator.reduce(totals, reduction="sum")
     model.train()
     result = {"val_loss": (totals[0] / totals[2].clamp(min=1)).item()}
-    if model.cfg.target != "l2":
+    if model.cfg.target in CLASS_TARGETS:
         result["val_acc"] = (totals[1] / totals[2].clamp(min=1)).item()
     result["val_samples"] = int(totals[3].item())
     return result

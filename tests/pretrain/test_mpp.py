@@ -1,4 +1,4 @@
-"""Masked patch prediction: the corruption rule, the three targets, and the loss (docs/method.md)."""
+"""Masked patch prediction: the corruption rule, the targets, and the loss (docs/method.md)."""
 
 from __future__ import annotations
 
@@ -115,7 +115,7 @@ def tiny_mpp(target: str = "mean_color") -> MaskedPatchPrediction:
     return MaskedPatchPrediction(enc, MPPConfig(target=target), (0.5,) * 3, (0.5,) * 3)
 
 
-@pytest.mark.parametrize("target", ["mean_color", "pixels_4x4", "l2"])
+@pytest.mark.parametrize("target", ["mean_color", "pixels_4x4", "l2", "hog"])
 def test_loss_ignores_targets_of_uncorrupted_patches(target, monkeypatch):
     model = tiny_mpp(target).eval()
     images = torch.randint(0, 256, (4, 3, 16, 16), dtype=torch.uint8, generator=seeded(5))
@@ -123,7 +123,8 @@ def test_loss_ignores_targets_of_uncorrupted_patches(target, monkeypatch):
     positions = draw_corruption(4, 16, model.cfg, generator=seeded(6)).positions
     corrupted = torch.zeros(4, 16, dtype=torch.bool)
     corrupted[torch.arange(4)[:, None], positions] = True
-    name = {"mean_color": "mean_color_target", "pixels_4x4": "pixels_4x4_target", "l2": "l2_target"}[target]
+    name = {"mean_color": "mean_color_target", "pixels_4x4": "pixels_4x4_target", "l2": "l2_target",
+            "hog": "hog_target"}[target]
     real = getattr(tg, name)
 
     def loss_with_scrambled(where: torch.Tensor) -> float:

@@ -26,6 +26,7 @@ from pretrain.mpp import (
 )
 from pretrain.train import summary
 from tests.helpers.models import SMALL, SMALL_MODEL
+from tests.helpers.runs import read_metrics, run_tiny_finetune, run_tiny_pretrain
 from vit_mpp.config.engine import ConfigError, load_config
 from vit_mpp.config.sections import ModelConfig
 from vit_mpp.models.export import strip_prefix
@@ -130,6 +131,76 @@ def test_norm_pix_is_computed_from_raw_pixels_whatever_the_dataset_statistics(mo
             losses.append(model(images, generator=seeded(2))["loss"])
     assert len(seen) == 2 and all(torch.equal(s, images.float() / 255) for s in seen)
     assert all(torch.isfinite(loss) for loss in losses)
+
+
+# --- hog (MaskFeat's histograms of oriented gradients) -----------------------------------------------------------
+
+
+def _slow_hog(pixels: np.ndarray, p: int, bins: int = 9) -> np.ndarray:
+    """One image (3, H, W) -> (N, 3 * bins * 4), pixel by pixel in float64: the reference hog_target must match."""
+    c, h, w = pixels.shape
+    padded = np.pad(pixels, ((0, 0), (1, 1), (1, 1)), mode="reflect")
+    cell = p // 2
+    hist = np.zeros((c, bins, h // cell, w // cell))
+    for ch, y, x in np.ndindex(c, h, w):
+        win = padded[ch, y:y + 3, x:x + 3]
+        gx = (win[:, 0] - win[:, 2]) @ [1, 2, 1]  # Sobel, as a cross-correlation
+        gy = [1, 2, 1] @ (win[0] - win[2])
+        which = int(np.floor(np.arctan2(gy, gx) * bins / np.pi)) % bins
+        hist[ch, which, y // cell, x // cell] += np.hypot(gx, gy)
+    hist /= np.maximum(np.linalg.norm(hist, axis=1, keepdims=True), 1e-12)
+    rows = []
+    for r, col in np.ndindex(h // p, w // p):
+        rows.append(hist[:, :, 2 * r:2 * r + 2, 2 * col:2 * col + 2].reshape(-1))  # channel, bin, cell row, column
+    return np.stack(rows)
+
+
+def test_hog_target_matches_a_slow_reference_on_random_images():
+    images = torch.randint(0, 256, (2, 3, 16, 24), dtype=torch.uint8, generator=seeded(3))
+    got = tg.hog_target(images, 8)
+    assert got.shape == (2, 6, 108) and tg.target_dim("hog", 8) == 108
+    for b in range(2):  # the border rows' gradients along an axis included: each in its bin, not the next one's
+        np.testing.assert_allclose(got[b].numpy(), _slow_hog(images[b].double().numpy(), 8), atol=1e-5)
+
+
+def test_hog_of_a_hand_made_edge_lies_in_its_orientations_bin_and_a_flat_cell_is_zero():
+    image = torch.zeros(1, 3, 8, 8, dtype=torch.uint8)
+    image[..., 4:] = 200  # a vertical edge between columns 3 and 4: the gradient is horizontal, bin 0
+    got = tg.hog_target(image, 4).view(1, 4, 3, 9, 2, 2)  # (B, patch, channel, bin, cell row, cell column)
+    left, right = got[0, [0, 2]], got[0, [1, 3]]  # patches of 4 pixels: columns 0-3 and 4-7, cells of 2
+    edge = torch.cat([left[..., 1], right[..., 0]])  # the cells holding columns 3 and 4, which the 3x3 kernel sees
+    assert torch.equal(edge[:, :, 0], torch.ones(4, 3, 2)) and edge[:, :, 1:].abs().sum() == 0
+    assert left[..., 0].abs().sum() == 0 and right[..., 1].abs().sum() == 0  # flat cells
+    turned = tg.hog_target(image.transpose(2, 3), 4).view(1, 4, 3, 9, 2, 2)  # a horizontal edge: 90 degrees, bin 4
+    assert turned[0, 0, :, 4, 1, :].eq(1).all() and turned[0, 0, :, :4].abs().sum() == 0
+
+
+def test_hog_is_blind_to_a_channels_contrast_and_level_and_follows_its_shape():
+    image = torch.randint(0, 128, (1, 3, 16, 16), generator=seeded(5)) * 2
+    recoloured = image.clone()
+    recoloured[:, 1] = recoloured[:, 1] // 2 + 100  # the green channel's contrast halved, its level raised
+    image, recoloured = image.to(torch.uint8), recoloured.to(torch.uint8)
+    assert torch.equal(tg.hog_target(image, 8), tg.hog_target(recoloured, 8))
+    assert not torch.equal(tg.hog_target(image, 8), tg.hog_target(image.flip(-1), 8))
+
+
+def test_hog_needs_an_even_patch_size():
+    with pytest.raises(ValueError, match="even patch size"):
+        tg.hog_target(torch.zeros(1, 3, 15, 15, dtype=torch.uint8), 5)
+    with pytest.raises(ConfigError, match="mpp.target=hog needs an even patch size"):
+        MaskedPatchPrediction(create_vit(ModelConfig(img_size=15, patch_size=5, embed_dim=32, depth=1, num_heads=2)),
+                              MPPConfig(target="hog"), (0.5,) * 3, (0.5,) * 3)
+
+
+def test_a_hog_pretraining_through_the_real_command_then_fine_tunes(demo_shards, tmp_path):
+    run_tiny_pretrain(demo_shards, tmp_path / "pretrain", "mpp.target=hog", "train.eval_every=3")
+    records = read_metrics(tmp_path / "pretrain")
+    evaluations = [r for r in records if "val_loss" in r]
+    assert evaluations and all(np.isfinite(r["val_loss"]) and "val_acc" not in r for r in evaluations)
+    train = [r for r in records if "loss" in r and "val_loss" not in r]
+    assert train and "acc" not in train[-1] and "target_entropy" not in train[-1]
+    run_tiny_finetune(demo_shards, tmp_path / "finetune", tmp_path / "pretrain" / "export", "train.epochs=1")
+    assert (tmp_path / "finetune" / "export" / "model.safetensors").exists()
 
 
 # --- the decoder ------------------------------------------------------------------------------------------------

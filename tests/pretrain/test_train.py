@@ -45,7 +45,7 @@ def _structured_images(n: int, size: int, seed: int) -> torch.Tensor:
     return (img / img.amax(dim=(2, 3), keepdim=True) * 255).to(torch.uint8)  # (n, 3, size, size)
 
 
-@pytest.mark.parametrize("target", ["mean_color", "pixels_4x4", "l2"])
+@pytest.mark.parametrize("target", ["mean_color", "pixels_4x4", "l2", "hog"])
 def test_every_target_trains(target):
     torch.manual_seed(0)
     enc = create_vit(ModelConfig(img_size=16, patch_size=4, embed_dim=64, depth=2, num_heads=4))
