@@ -77,6 +77,11 @@ def hog_target(images_u8: torch.Tensor, p: int, bins: int = HOG_BINS) -> torch.T
     bin on every device rather than on either side of the boundary there."""
     if p % 2:
         raise ValueError(f"hog needs an even patch size (2x2 cells a patch), got {p}")
+    with torch.autocast(images_u8.device.type, enabled=False):  # bf16 would round the sums and move orientations
+        return _hog(images_u8, p, bins)
+
+
+def _hog(images_u8: torch.Tensor, p: int, bins: int) -> torch.Tensor:
     x = F.pad(images_u8.float(), (1, 1, 1, 1), mode="reflect")
     sobel = torch.tensor([[1.0, 0.0, -1.0], [2.0, 0.0, -2.0], [1.0, 0.0, -1.0]], device=x.device)
     gx = F.conv2d(x, sobel.expand(3, 1, 3, 3), groups=3)  # (B, 3, H, W)

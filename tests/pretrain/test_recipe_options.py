@@ -163,6 +163,13 @@ def test_hog_target_matches_a_slow_reference_on_random_images():
         np.testing.assert_allclose(got[b].numpy(), _slow_hog(images[b].double().numpy(), 8), atol=1e-5)
 
 
+def test_hog_is_computed_in_float32_under_mixed_precision():
+    images = torch.randint(0, 256, (2, 3, 16, 16), dtype=torch.uint8, generator=seeded(4))
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the training step's autocast: bf16 convolutions
+        mixed = tg.hog_target(images, 8)
+    assert mixed.dtype == torch.float32 and torch.equal(mixed, tg.hog_target(images, 8))
+
+
 def test_hog_of_a_hand_made_edge_lies_in_its_orientations_bin_and_a_flat_cell_is_zero():
     image = torch.zeros(1, 3, 8, 8, dtype=torch.uint8)
     image[..., 4:] = 200  # a vertical edge between columns 3 and 4: the gradient is horizontal, bin 0
