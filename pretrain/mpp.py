@@ -2,7 +2,7 @@
 
 The module owns everything the objective adds to the encoder: the learnable [mask] embedding, the corruption
 rule, the targets, the optional light decoder and the head. Its forward takes the uint8 batch, so targets come from
-raw pixels. Options beyond the paper (block masks, decoder, norm_pix): docs/pretrain.md.
+raw pixels. Options beyond the paper (block masks, decoder, norm_pix, the hog target): docs/pretrain.md.
 """
 
 from __future__ import annotations
