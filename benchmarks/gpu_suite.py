@@ -191,7 +191,7 @@ def parse_steps(suite: Suite, row: Row) -> list[dict]:
 
 
 LEVER_NAMES = {"sdpa": "attention backend", "optim": "AdamW kernel", "batch": "micro-batch", "compile": "torch.compile",
-               "fp8": "FP8 matmuls (torchao)"}
+               "fp8": "FP8 matmuls (torchao)", "target": "MPP target"}
 
 
 def parse_levers(suite: Suite, row: Row) -> list[dict]:
@@ -278,7 +278,8 @@ def rows(scale: Scale) -> list[Row]:
     b, s = "ViT-B/16", "ViT-S/16"
     low, high = scale.lever_batches
     size, ft = scale.img_size, scale.finetune_size
-    levers = ["sdpa=flash", "sdpa=cudnn", "sdpa=efficient", "optim=foreach", f"batch={low}", f"batch={high}"]
+    levers = ["sdpa=flash", "sdpa=cudnn", "sdpa=efficient", "optim=foreach", f"batch={low}", f"batch={high}",
+              "target=hog"]
 
     def step(label: str, tag: str, compiled: bool, expect_s: float) -> Row:
         key = f"step_{'compiled' if compiled else 'eager'}_{tag}"
@@ -320,7 +321,7 @@ def rows(scale: Scale) -> list[Row]:
             "--batch", str(x.scale.batch), "--size", str(x.scale.img_size), "--json", str(x.raw("loader.json"))],
             parse_loader, ("shards",)),
         pretrain_row(b, "b16", False, 35),
-        Row("levers_b16", b, "levers", 50, lambda x: bench(x, b, "levers_b16", "--levers", *levers), parse_levers),
+        Row("levers_b16", b, "levers", 60, lambda x: bench(x, b, "levers_b16", "--levers", *levers), parse_levers),
         finetune_row(b, "b16"),
         finetune_row(s, "s16"),
         step(s, "s16", True, 90),

@@ -1,20 +1,20 @@
 """Time one MPP training step against one plain supervised step of the same timm ViT and batch; with
---against-baseline, time a lever (attention backend, compile mode, optimizer kernel, micro-batch, FP8 matmuls)
-against the bf16 eager MPP step in the same run.
+--against-baseline, time a lever (attention backend, compile mode, optimizer kernel, micro-batch, FP8 matmuls, the
+MPP target) against the bf16 eager MPP step in the same run.
 
     python benchmarks/mpp_step_bench.py [--model vit_tiny_patch16_224] [--img-size 224] [--batch 32]
                                         [--steps 10] [--rounds 3] [--device cpu|cuda] [--bf16] [--compile]
                                         [--compile-mode default|max-autotune] [--sdpa default|flash|cudnn|efficient]
                                         [--optim-impl auto|fused|foreach] [--fp8 tensorwise|rowwise] [--mpp-only]
-                                        [--against-baseline] [--json FILE]
+                                        [--target mean_color|pixels_4x4|l2|hog] [--against-baseline] [--json FILE]
     python benchmarks/mpp_step_bench.py ... --levers sdpa=flash sdpa=cudnn optim=foreach batch=128 compile=default \
-                                                     compile=default+fp8=tensorwise
+                                                     compile=default+fp8=tensorwise target=hog
 
-Both steps do forward, backward and an AdamW step on the same uint8 images; the supervised one is the same ViT with
-a classifier head on the [class] token (1000 classes, timm's own), the MPP one (pretrain/mpp.py, with a
-torch.Generator as a run passes one) corrupts 50% of the patch embeddings and predicts the 512-way mean colour of
-each. The steps are timed interleaved (--rounds rounds of --steps steps after 3 warm-up steps, which also compile),
-and the median is reported: time per step, images/s, the ratio MPP / supervised (the target is <= 1.05: the
+Both steps do forward, backward and an AdamW step on the same uint8 images; the supervised one is the same ViT with a
+classifier head on the [class] token (1000 classes, timm's own), the MPP one (pretrain/mpp.py, with a torch.Generator as
+a run passes one) corrupts 50% of the patch embeddings and predicts the 512-way mean colour of each (--target: another
+of mpp.target's). The steps are timed interleaved (--rounds rounds of --steps steps after 3 warm-up steps, which also
+compile), and the median is reported: time per step, images/s, the ratio MPP / supervised (the target is <= 1.05: the
 objective should cost next to nothing on top of the encoder) and, on a GPU the FLOPs table of vit_mpp/models/flops.py
 knows (or with --peak-tflops), the model FLOPs utilisation (MFU) as a run reports it.
 
@@ -22,7 +22,8 @@ The levers: --sdpa runs forward and backward inside `torch.nn.attention.sdpa_ker
 cudnn, efficient, math; default: torch's choice); --compile-mode is torch.compile's mode (implies --compile);
 --optim-impl is optim.impl (auto: fused on CUDA, foreach on CPU, as a run builds it); --batch is the micro-batch;
 --fp8 swaps the linear layers for torchao's FP8 ones with that scaling, as train.fp8=true does (vit_mpp/models/fp8.py;
-compiled, as a run should use it). A lever may move several knobs at once: `compile=default+fp8=tensorwise`.
+compiled, as a run should use it); --target is mpp.target (what the objective adds on top of the encoder). A lever
+may move several knobs at once: `compile=default+fp8=tensorwise`.
 With --against-baseline the MPP step of this setting and the baseline (bf16 autocast, eager, torch's attention
 choice, optim.impl auto, --baseline-batch images) are timed in turn, and the ratio of their images/s is printed.
 --levers times several levers in one process, each against the same baseline model (made once; each lever's model
@@ -51,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pretrain.config import MPPConfig  # noqa: E402
 from pretrain.mpp import MaskedPatchPrediction  # noqa: E402
+from pretrain.targets import TARGETS  # noqa: E402
 from vit_mpp.config.sections import ModelConfig, OptimConfig  # noqa: E402
 from vit_mpp.models.flops import peak_flops, training_flops  # noqa: E402
 from vit_mpp.models.fp8 import RECIPES, to_fp8  # noqa: E402
@@ -73,11 +75,13 @@ class Setting:
     sdpa: str
     optim_impl: str
     fp8: str | None = None  # None: bf16 matmuls; else torchao's float8 recipe
+    target: str = "mean_color"  # mpp.target
 
     def describe(self) -> str:
         compiled = "eager" if self.compile_mode is None else f"compiled ({self.compile_mode})"
         return (f"batch {self.batch}, {'bf16' if self.bf16 else 'fp32'}, {compiled}, attention {self.sdpa}, "
-                f"optim.impl {self.optim_impl}" + (f", fp8 {self.fp8}" if self.fp8 else ""))
+                f"optim.impl {self.optim_impl}" + (f", fp8 {self.fp8}" if self.fp8 else "")
+                + (f", target {self.target}" if self.target != "mean_color" else ""))
 
 
 def attention(backend: str) -> contextlib.AbstractContextManager:
@@ -115,7 +119,7 @@ def make_step(args: argparse.Namespace, setting: Setting, objective: str) -> Mad
     images = torch.randint(0, 256, (setting.batch, 3, args.img_size, args.img_size), dtype=torch.uint8, device=dev)
     if objective == "mpp":
         encoder = create_vit(model_config(args))
-        model = MaskedPatchPrediction(encoder, MPPConfig(), *norm_stats(encoder)).to(dev)
+        model = MaskedPatchPrediction(encoder, MPPConfig(target=setting.target), *norm_stats(encoder)).to(dev)
     else:
         model = create_vit(model_config(args), num_classes=1000).to(dev)
     mean, std = (torch.tensor(s, device=dev).view(1, 3, 1, 1) for s in norm_stats(find_encoder(model)))
@@ -175,7 +179,7 @@ def measure(args: argparse.Namespace, steps: dict[str, Made]) -> dict[str, dict[
 
 def lever_setting(baseline: Setting, lever: str) -> Setting:
     """The baseline with one lever moved, or several joined by '+': `sdpa=BACKEND`, `compile=MODE`, `optim=IMPL`,
-    `batch=N`, `fp8=RECIPE`."""
+    `batch=N`, `fp8=RECIPE`, `target=TARGET`."""
     setting = baseline
     for knob in lever.split("+"):
         key, _, value = knob.partition("=")
@@ -189,9 +193,11 @@ def lever_setting(baseline: Setting, lever: str) -> Setting:
             setting = replace(setting, batch=int(value))
         elif key == "fp8" and value in RECIPES:
             setting = replace(setting, fp8=value)
+        elif key == "target" and value in TARGETS:
+            setting = replace(setting, target=value)
         else:
-            print(f"error: --levers takes sdpa=BACKEND, compile=MODE, optim=IMPL, batch=N or fp8=RECIPE (several "
-                  f"joined by '+'), got {lever!r}", file=sys.stderr)
+            print(f"error: --levers takes sdpa=BACKEND, compile=MODE, optim=IMPL, batch=N, fp8=RECIPE or "
+                  f"target=TARGET (several joined by '+'), got {lever!r}", file=sys.stderr)
             raise SystemExit(2)
     return setting
 
@@ -255,11 +261,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="AdamW kernel, as optim.impl (auto: fused on CUDA)")
     p.add_argument("--fp8", choices=RECIPES, help="FP8 matmuls (torchao) with this scaling, as train.fp8=true does")
     p.add_argument("--mpp-only", action="store_true", help="leave the supervised step out")
+    p.add_argument("--target", choices=TARGETS, default="mean_color", help="the MPP step's mpp.target")
     p.add_argument("--against-baseline", action="store_true",
                    help="also time the bf16 eager MPP step of --baseline-batch and print the ratio")
     p.add_argument("--levers", nargs="+", metavar="LEVER",
                    help="time each of these against the baseline (bf16 eager MPP of --batch), in one process: "
-                        "sdpa=BACKEND, compile=MODE, optim=IMPL, batch=N, fp8=RECIPE; several joined by '+'")
+                        "sdpa=BACKEND, compile=MODE, optim=IMPL, batch=N, fp8=RECIPE, target=TARGET; several "
+                        "joined by '+'")
     p.add_argument("--peak-tflops", type=float, default=0.0,
                    help="dense peak of the device for MFU (0: vit_mpp/models/flops.py's table of GPUs)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
@@ -295,7 +303,7 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     compile_mode = args.compile_mode or ("default" if args.compile else None)
-    setting = Setting(args.batch, args.bf16, compile_mode, args.sdpa, args.optim_impl, args.fp8)
+    setting = Setting(args.batch, args.bf16, compile_mode, args.sdpa, args.optim_impl, args.fp8, args.target)
     baseline = Setting(args.baseline_batch or args.batch, True, None, "default", "auto")
     where = torch.cuda.get_device_name() if args.device == "cuda" else f"{torch.get_num_threads()} threads"
     if args.levers:

@@ -20,7 +20,7 @@ PER_MODEL = ("supervised step (timm), bf16 eager", "MPP step, bf16 eager", "supe
              "pretrain end to end @ 32, train.compile=true", "finetune end to end @ 48, bf16 eager")
 LEVERS = ("lever: attention backend flash", "lever: attention backend cudnn", "lever: attention backend efficient",
           "lever: AdamW kernel foreach (the baseline's is fused on CUDA)", "lever: micro-batch 4",
-          "lever: micro-batch 16", "lever: torch.compile max-autotune")
+          "lever: micro-batch 16", "lever: torch.compile max-autotune", "lever: MPP target hog")
 ONCE = ("build-shards, 2 workers, bytes kept", "loader alone (ours), 2 workers, crop 32")
 TESTS = "GPU tests (pytest -m gpu)"
 UNAVAILABLE_ON_CPU = {"lever: attention backend cudnn", "lever: attention backend efficient"}
