@@ -10,7 +10,7 @@ import pytest
 from benchmarks import mpp_step_bench as bench
 
 TINY = ["--device", "cpu", "--img-size", "16", "--patch-size", "4", "--embed-dim", "32", "--depth", "1",
-        "--num-heads", "2", "--batch", "4", "--steps", "1", "--rounds", "1"]  # --threads would set this process's
+        "--num-heads", "2", "--batch", "4", "--steps", "1", "--rounds", "1"]  # no --threads: it would set pytest's own
 
 
 def test_a_target_lever_moves_the_target_alone():
