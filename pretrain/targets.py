@@ -77,15 +77,13 @@ def hog_target(images_u8: torch.Tensor, p: int, bins: int = HOG_BINS) -> torch.T
     bin on every device rather than on either side of the boundary there."""
     if p % 2:
         raise ValueError(f"hog needs an even patch size (2x2 cells a patch), got {p}")
-    with torch.autocast(images_u8.device.type, enabled=False):  # bf16 would round the sums and move orientations
-        return _hog(images_u8, p, bins)
-
-
-def _hog(images_u8: torch.Tensor, p: int, bins: int) -> torch.Tensor:
-    x = F.pad(images_u8.float(), (1, 1, 1, 1), mode="reflect")
-    sobel = torch.tensor([[1.0, 0.0, -1.0], [2.0, 0.0, -2.0], [1.0, 0.0, -1.0]], device=x.device)
-    gx = F.conv2d(x, sobel.expand(3, 1, 3, 3), groups=3)  # (B, 3, H, W)
-    gy = F.conv2d(x, sobel.t().expand(3, 1, 3, 3), groups=3)
+    # Sobel as slices of the padded image rather than a convolution: no kernel tensor to copy to the device each
+    # step, and elementwise sums stay in float32 under autocast (a bf16 convolution would round them)
+    x = F.pad(images_u8.float(), (1, 1, 1, 1), mode="reflect")  # (B, 3, H + 2, W + 2)
+    across = x[..., :, :-2] - x[..., :, 2:]  # left minus right
+    gx = across[..., :-2, :] + 2 * across[..., 1:-1, :] + across[..., 2:, :]  # (B, 3, H, W)
+    down = x[..., :-2, :] - x[..., 2:, :]  # top minus bottom
+    gy = down[..., :, :-2] + 2 * down[..., :, 1:-1] + down[..., :, 2:]
     magnitude = torch.hypot(gx, gy)
     # atan2 in (-pi, pi] over pi/bins: the floor mod bins folds opposite directions into one bin
     which = torch.floor(torch.atan2(gy, gx) * (bins / math.pi)).long().remainder_(bins)
