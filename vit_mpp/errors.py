@@ -50,3 +50,14 @@ class StoppedUnsaved(Stopped):
     def __init__(self, signum: int, name: str) -> None:
         super().__init__(f"preempted ({name}) before the first step: nothing was saved; run the same command to "
                          "start", 128 + signum)
+
+
+class StoppedWriting(BaseException):
+    """A tool stopped by a signal while it wrote an output (vit_mpp/tools/args.py `stopped_as_exception`), with its
+    line and exit status `status` (128 + the signal's number). A BaseException, as KeyboardInterrupt is, so that no
+    `except Exception` it passes through (an image decoder's, which reports any failure as a bad image) takes it
+    for that code's own failure."""
+
+    def __init__(self, line: str, status: int) -> None:
+        super().__init__(line)
+        self.status = status

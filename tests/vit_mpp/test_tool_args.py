@@ -3,7 +3,9 @@ before any work, one ConfigError each."""
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 from pathlib import Path
 
 import pytest
@@ -12,8 +14,16 @@ import torch
 from tests.helpers.models import SMALL_MODEL, write_encoder_export
 from vit_mpp.config.engine import ConfigError
 from vit_mpp.durable import WriteFailed
+from vit_mpp.errors import StoppedWriting
 from vit_mpp.models.vit import create_vit
-from vit_mpp.tools.args import check_device, check_out_file, check_out_folder, make_out_folder, open_out_file
+from vit_mpp.tools.args import (
+    check_device,
+    check_out_file,
+    check_out_folder,
+    make_out_folder,
+    open_out_file,
+    write_out_text,
+)
 
 
 def test_devices():
@@ -119,3 +129,35 @@ def test_summary_checks_its_csv_before_reading_the_runs(tmp_path, capsys):
     assert e.value.code == 2
     assert capsys.readouterr().err.strip() == f"error: --csv {tmp_path / 'file' / 't.csv'}: {tmp_path / 'file'} " \
                                               "is a file, not a folder"
+
+
+@pytest.fixture
+def default_sigterm():
+    """SIGTERM's default action in this test (a pytest worker may have its own handler), restored after."""
+    before = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    yield
+    signal.signal(signal.SIGTERM, before)
+
+
+def test_a_stop_signal_while_an_output_is_written_removes_its_temporary_file(tmp_path, default_sigterm):
+    # The real command under a real SIGTERM: tests/finetune/test_predict.py. Here: where the handler is and is not.
+    out = tmp_path / "out.csv"
+    out.write_text("old\n")
+    with pytest.raises(StoppedWriting, match=f"stopped \\(SIGTERM\\): {re.escape(str(out))} was not written") as e:
+        with open_out_file(out) as f:
+            f.write("new\n")
+            os.kill(os.getpid(), signal.SIGTERM)
+    assert e.value.status == 128 + signal.SIGTERM and not isinstance(e.value, Exception)  # no `except Exception`
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.csv"] and out.read_text() == "old\n"
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the default back once the output is written
+    write_out_text(out, "whole\n")
+    assert out.read_text() == "whole\n" and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_a_stop_handler_someone_set_is_left_alone_while_an_output_is_written(tmp_path, default_sigterm):
+    got = []
+    signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))  # a training run's preemption handler
+    with open_out_file(tmp_path / "out.csv") as f:
+        f.write("row\n")
+        os.kill(os.getpid(), signal.SIGTERM)
+    assert got == [signal.SIGTERM] and (tmp_path / "out.csv").read_text() == "row\n"

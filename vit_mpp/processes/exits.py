@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import NoReturn
 
-from vit_mpp.errors import Stopped, UserError
+from vit_mpp.errors import Stopped, StoppedWriting, UserError
 from vit_mpp.processes import failures, stop_signals
 from vit_mpp.processes.failures import (
     is_peer_error,
@@ -40,12 +40,12 @@ def error_line(error: BaseException) -> str:
 def one_line_errors() -> Iterator[None]:
     """An entry point's body (`with one_line_errors(): main()`): a user error (bad config, path, file or data)
     becomes one line, `error: ...`, and exit 2 (once per run); a preempted run prints its line and exits with status
-    75 when a checkpoint of the step it names exists, 128 + the signal's number when nothing was saved; a rank whose
-    collective broke because a peer went away prints one line naming the peer and exits with status 2. Anything
-    else is a bug and keeps its traceback."""
+    75 when a checkpoint of the step it names exists, 128 + the signal's number when nothing was saved (as does a
+    tool stopped while it wrote an output, `StoppedWriting`); a rank whose collective broke because a peer went away
+    prints one line naming the peer and exits with status 2. Anything else is a bug and keeps its traceback."""
     try:
         yield
-    except Stopped as e:
+    except (Stopped, StoppedWriting) as e:
         quiet_after_the_outcome(e.status)
         if process_rank() == 0:
             print(e, flush=True)

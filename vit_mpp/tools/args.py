@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TextIO
@@ -14,6 +16,7 @@ from typing import TextIO
 from vit_mpp.config.engine import ConfigError
 from vit_mpp.data.manifest import MANIFEST_NAME
 from vit_mpp.durable import TMP_SUFFIX, WriteFailed, write_failed
+from vit_mpp.errors import StoppedWriting
 from vit_mpp.models.export_folder import is_export
 
 
@@ -156,13 +159,51 @@ class _OutFile:
             raise _cannot_write(self._path, self._flag, e) from None
 
 
+# What `timeout`, a scheduler or a closed terminal sends a tool: by default each ends the process where it stands,
+# leaving the output's temporary file behind (a kill -9 still does; nothing can run then).
+STOP_SIGNALS = ("SIGTERM", "SIGHUP")
+
+
+@contextlib.contextmanager
+def stopped_as_exception(path: Path) -> Iterator[None]:
+    """In the block, a stop signal (`STOP_SIGNALS`) whose handler is the default one raises `StoppedWriting` (exit
+    status 128 + its number, a line saying `path` was not written) instead of ending the process, so the writer's
+    clean-up runs. A handler someone set (a training run's preemption) is left alone, as is any thread but the main
+    one."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: object) -> None:
+        name = signal.Signals(signum).name
+        raise StoppedWriting(f"stopped ({name}): {path} was not written; run the same command again", 128 + signum)
+
+    before = {}
+    for name in STOP_SIGNALS:
+        number = getattr(signal, name, None)
+        if number is not None and signal.getsignal(number) is signal.SIG_DFL:
+            before[number] = signal.signal(number, stop)
+    try:
+        yield
+    finally:
+        for number, handler in before.items():
+            signal.signal(number, handler)
+
+
 @contextlib.contextmanager
 def open_out_file(path: str | Path, flag: str = "--out") -> Iterator[TextIO]:
     """A (checked) output file to write text into, whole or not at all: written under a temporary name, renamed
     over `path` when the block ends without an error (a failed or killed writer leaves the old file as it was and
-    no half-written one that looks whole); its folder created; a write that fails is one line. A pipe or a device
-    (`/dev/stdout`) is written straight into."""
+    no half-written one that looks whole, nor its temporary file when it was stopped by a signal,
+    `stopped_as_exception`); its folder created; a write that fails is one line. A pipe or a device (`/dev/stdout`)
+    is written straight into."""
     path, tmp = _target(path)
+    with stopped_as_exception(path), _open_out_file(path, tmp, flag) as f:
+        yield f
+
+
+@contextlib.contextmanager
+def _open_out_file(path: Path, tmp: Path | None, flag: str) -> Iterator[TextIO]:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         f = open(tmp or path, "w", newline="")
@@ -191,15 +232,19 @@ def write_out_bytes(path: str | Path, data: bytes, flag: str = "") -> None:
     disk then leaves as it was), creating its folder; a write that fails (no space, a special file system) is one
     line, naming `flag` where the user gave the path."""
     path, tmp = _target(path)
+    done = False
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        (tmp or path).write_bytes(data)
-        if tmp:
-            os.replace(tmp, path)
+        with stopped_as_exception(path):
+            (tmp or path).write_bytes(data)
+            if tmp:
+                os.replace(tmp, path)
+        done = True
     except OSError as e:
-        if tmp:
-            tmp.unlink(missing_ok=True)
         raise _cannot_write(path, flag, e) from None
+    finally:
+        if tmp and not done:
+            tmp.unlink(missing_ok=True)
 
 
 def write_out_text(path: str | Path, text: str, flag: str = "") -> None:
