@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
 from data_tools.decode_check import KeyTally
+from data_tools.indexer.read_ahead import ReadAhead
 from vit_mpp.data import deadlines, urls
 from vit_mpp.data.image_formats import IMAGE_EXTENSIONS, image_member
 from vit_mpp.data.labels import BadLabel, cls_label
-from vit_mpp.data.tar_scan import ReadAhead, TarDamaged, TarReader, describe, samples
+from vit_mpp.data.tar_scan import TarDamaged, TarReader, describe, samples
 from vit_mpp.data.urls import ReadPolicy
 
 IMAGES = frozenset(IMAGE_EXTENSIONS)
