@@ -17,6 +17,7 @@ from PIL import Image
 
 pytest.importorskip("sklearn")  # the dev extra; its bundled digits and photos are the dataset
 
+from experiments import clutter_render as cr  # noqa: E402
 from experiments import cluttered_digits as cd  # noqa: E402
 from tests.helpers.processes import in_process  # noqa: E402
 
@@ -76,7 +77,7 @@ def test_images_are_small_rgb_and_test_writers_are_held_out(made):
         used[r["set"]] |= {int(r["source"]), *map(int, r["faint_sources"].split())}
     assert len(rows) == POOL + TEST
     assert used["pool"] and used["test"] and not used["pool"] & used["test"]  # faint strokes included
-    sources = cd.load_sources()
+    sources = cr.load_sources()
     assert used["pool"] <= set(sources.train.tolist()) and used["test"] <= set(sources.test.tolist())
     assert all(int(r["label"]) == sources.labels[int(r["source"])] for r in rows)
     assert all(r["path"].split("/")[2] == r["label"] for r in rows)  # the folder is the label
@@ -105,10 +106,10 @@ def nearest_mean_top1(train: np.ndarray, train_y: np.ndarray, test: np.ndarray, 
 def test_a_class_mean_template_works_on_plain_digits_and_fails_here():
     """The plain digits are nearly separable by their class-mean images (~0.9); the cluttered renders of the same
     source digits are not (near chance, 0.1): placement, scale, colour and clutter wash the class means out."""
-    sources, clutter = cd.load_sources(), cd.Clutter.named("full")
+    sources, clutter = cr.load_sources(), cr.Clutter.named("full")
     p = cd.plan(sources, 1000, 300, 1, seed=0)
-    pool, _ = cd.render_all(sources, p.pool, sources.train, (0, 1), 32, clutter)
-    test, _ = cd.render_all(sources, p.test, sources.test, (0, 2), 32, clutter)
+    pool, _ = cr.render_all(sources, p.pool, sources.train, (0, 1), 32, clutter)
+    test, _ = cr.render_all(sources, p.test, sources.test, (0, 2), 32, clutter)
     from sklearn.datasets import load_digits
 
     plain = np.kron(load_digits().images, np.ones((4, 4)))  # the same digits, 32x32, nearest upsampling
@@ -121,15 +122,15 @@ def test_light_clutter_is_a_gradient_a_digit_and_noise(tmp_path, monkeypatch):
     """--clutter light: no faint strokes, no lines, no photos. In a corner the digit does not cover, an image is its
     gradient (a plane) plus pixel noise of at most 8 grey levels' spread; with full clutter, lines and photo
     texture make most images' corners far from a plane."""
-    sources = cd.load_sources()
+    sources = cr.load_sources()
     idx = sources.train[:400]
-    light, others = cd.render_all(sources, idx, sources.train, (0, 1), 32, cd.Clutter.named("light"))
-    full, full_others = cd.render_all(sources, idx, sources.train, (0, 1), 32, cd.Clutter.named("full"))
+    light, others = cr.render_all(sources, idx, sources.train, (0, 1), 32, cr.Clutter.named("light"))
+    full, full_others = cr.render_all(sources, idx, sources.train, (0, 1), 32, cr.Clutter.named("full"))
     assert (others == -1).all() and (full_others >= 0).any()
 
     def off_plane(images: np.ndarray) -> np.ndarray:
         """(4 corners, n): the spread (grey levels) of each 6x6 corner around its best-fitting plane."""
-        grey = images.astype(float) @ cd.LUMA
+        grey = images.astype(float) @ cr.LUMA
         yy, xx = np.mgrid[0:6, 0:6]
         plane = np.stack([np.ones(36), yy.ravel(), xx.ravel()], 1)
         spreads = []
