@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 from vit_mpp.config.engine import Check, above, at_least, between, given_keys, items, opt, replaced, section
-from vit_mpp.config.fsdp_settings import semi_pool_refused, sharded_launch
+from vit_mpp.config.fsdp_settings import SEMI_POOL_REFUSED, fsdp_launch
 from vit_mpp.config.sections import (
     ARCH_KEYS,
     DataConfig,
@@ -210,8 +210,8 @@ class FinetuneConfig:
             return
         if problem := shard_list_problem(self.semi.pool):
             yield "semi.pool", problem
-        if sharder := sharded_launch():  # the launch shards the model, which then keeps no EMA: no ema_decay will do
-            yield "semi.pool", semi_pool_refused(sharder)
+        if fsdp_launch():  # the launch shards the model, which then keeps no EMA: no ema_decay will do
+            yield "semi.pool", SEMI_POOL_REFUSED
         elif self.train.ema_decay <= 0:
             yield "semi.pool", ("the pool's labels come from the model's EMA (the teacher): set train.ema_decay (e.g. "
                                 "0.999 for a short run, Semi-ViT: 0.9999)")

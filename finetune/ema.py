@@ -6,11 +6,7 @@ from __future__ import annotations
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType
 from timm.utils import ModelEmaV3
-
-from vit_mpp.config.engine import ConfigError
-from vit_mpp.config.fsdp_settings import ema_refused
 
 
 def build_ema(accelerator: Accelerator, model: torch.nn.Module, decay: float) -> ModelEmaV3 | None:
@@ -18,10 +14,6 @@ def build_ema(accelerator: Accelerator, model: torch.nn.Module, decay: float) ->
     `decay` is 0. Call it before resuming, so that `load_state` restores it."""
     if decay <= 0:
         return None
-    if accelerator.distributed_type == DistributedType.DEEPSPEED:
-        # Each process holds a shard of the weights there, and an EMA of a shard is no model to evaluate or export.
-        # A launch that says so is refused before it starts (vit_mpp/config/fsdp_settings.py): this is the last guard.
-        raise ConfigError(ema_refused(decay, "DeepSpeed"))
     ema = ModelEmaV3(model, decay=decay)
     accelerator.register_for_checkpointing(ema)
     return ema

@@ -13,7 +13,7 @@ import pytest
 from finetune.__main__ import main as finetune_main
 from pretrain.__main__ import main as pretrain_main
 from tests.helpers.processes import REPO, in_process, subprocess_env
-from vit_mpp.config.fsdp_settings import FsdpSettings, accelerate_fsdp_off
+from vit_mpp.config.fsdp_settings import DEEPSPEED_REFUSED, FsdpSettings, accelerate_fsdp_off
 
 FSDP_CONFIG = "configs/accelerate/fsdp_vit_large.yaml"
 
@@ -134,27 +134,21 @@ def test_a_pool_under_fsdp_through_the_command_is_one_line(demo_shards, tmp_path
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("ema", ["train.ema_decay=0", "train.ema_decay=0.99"])
-def test_a_pool_under_deepspeed_is_one_line_naming_both_settings(ema, demo_shards, tmp_path):
-    # `python -m finetune` as each rank runs it in a DeepSpeed launch's environment: the EMA check used to say "set
-    # train.ema_decay=0", which the pool's own check then refused
+@pytest.mark.parametrize("stage, extra", [
+    ("pretrain", []), ("finetune", ["train.ema_decay=0"]), ("finetune", ["train.ema_decay=0.99"]),
+])
+def test_a_deepspeed_launch_is_one_line_before_anything_is_written(stage, extra, demo_shards, tmp_path):
+    # Each rank as a DeepSpeed launch starts it (`accelerate launch --use_deepspeed` sets this variable): Accelerate's
+    # DeepSpeed integration needs transformers, and each rank was a traceback in Accelerator(); with a pool, the
+    # config's checks sent the user between train.ema_decay and the launch first. vit-mpp-launch says it before
+    # any rank starts: tests/vit_mpp/test_job_launcher.py.
     env = {**subprocess_env(), "ACCELERATE_USE_DEEPSPEED": "true"}
-    done = subprocess.run([sys.executable, "-m", "finetune", *semi_argv(demo_shards, tmp_path / "run", ema)],
-                          capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
-    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
-        SEMI_UNDER_FSDP.replace("FSDP", "DeepSpeed")], done.stderr[-3000:]
-    assert not (tmp_path / "run").exists()
-
-
-def test_an_ema_is_refused_with_deepspeed_before_anything_is_written(demo_shards, encoder_export, tmp_path,
-                                                                     monkeypatch, capsys):
-    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
-    code, _, err = in_process(finetune_main, ["--config", "configs/finetune/tiny.yaml", f"data.shards={demo_shards}",
-                                              f"init.checkpoint={encoder_export}", f"train.run_dir={tmp_path / 'run'}",
-                                              "train.ema_decay=0.99", "--dry-run"], capsys)
-    assert code == 2 and err.strip().splitlines() == [
-        "error: train.ema_decay=0.99 needs the whole model on every process, and DeepSpeed shards it; set "
-        "train.ema_decay=0, or fine-tune without the DeepSpeed accelerate config"], err
+    argv = pretrain_argv(demo_shards, tmp_path / "run") if stage == "pretrain" else semi_argv(
+        demo_shards, tmp_path / "run", *extra)
+    done = subprocess.run([sys.executable, "-m", stage, *argv], capture_output=True, text=True, timeout=300, env=env,
+                          cwd=REPO)
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [f"error: {DEEPSPEED_REFUSED}"], \
+        done.stderr[-3000:]
     assert not (tmp_path / "run").exists()
 
 

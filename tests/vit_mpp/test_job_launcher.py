@@ -11,6 +11,7 @@ import pytest
 
 from tests.helpers.processes import JOB_LAUNCHER, REPO, subprocess_env
 from tests.helpers.shards import write_shard_set
+from vit_mpp.config.fsdp_settings import DEEPSPEED_REFUSED
 
 
 @pytest.fixture(scope="module")
@@ -26,6 +27,8 @@ def shards(tmp_path_factory):
     (["-m", "nosuchmodule"], "error: -m nosuchmodule: no such module here"),
     (["-m", "pretrain.nosuchmodule"], "error: -m pretrain.nosuchmodule: no such module here"),
     (["nosuchscript.py"], "error: nosuchscript.py: no such script"),
+    (["--use_deepspeed", "-m", "pretrain"], "error: the accelerate config asks for DeepSpeed, which this tool does "
+                                            "not run"),
 ])
 def test_a_bad_launch_is_one_line_and_status_2_before_any_rank_starts(shards, tmp_path, flags, line):
     # Tried as a hostile user would: --num_processes 0 (and -1) trained on one process with status 0; a missing
@@ -37,6 +40,25 @@ def test_a_bad_launch_is_one_line_and_status_2_before_any_rank_starts(shards, tm
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith(line), result.stderr[-3000:]
     assert not run_dir.exists()  # no rank started
+
+
+@pytest.mark.parametrize("where", ["--config_file", "the default config"])
+def test_a_deepspeed_accelerate_config_is_one_line_before_any_rank_starts(shards, tmp_path, where):
+    # Accelerate 1.x's DeepSpeed integration needs transformers, which the tool does not install: each rank was a
+    # traceback in Accelerator() (or, without deepspeed, the launcher's ImportError). A config Accelerate reads
+    # without being named, `accelerate config`'s default file, counts too.
+    config = tmp_path / "hf" / "accelerate" / "default_config.yaml"
+    config.parent.mkdir(parents=True)
+    config.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\n"
+                      "deepspeed_config: {zero_stage: 2}\nnum_processes: 1\n")
+    flags = ["--config_file", str(config)] if where == "--config_file" else []
+    run_dir = tmp_path / "run"
+    result = subprocess.run([*JOB_LAUNCHER, *flags, "-m", "pretrain", "--config", "configs/pretrain/tiny.yaml",
+                             f"data.shards={shards}", f"train.run_dir={run_dir}"], capture_output=True, text=True,
+                            cwd=REPO, env={**subprocess_env(), "HF_HOME": str(tmp_path / "hf")}, timeout=300)
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [f"error: {DEEPSPEED_REFUSED}"], \
+        result.stderr[-3000:]
+    assert not run_dir.exists()
 
 
 def test_a_launch_of_a_module_or_a_folder_that_is_there_is_not_refused():

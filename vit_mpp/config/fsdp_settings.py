@@ -1,8 +1,9 @@
 """FSDP as an Accelerate config asks for it (`accelerate launch --config_file configs/accelerate/fsdp_vit_large.yaml`):
 the settings its launcher passes to every rank in the environment (`FsdpSettings.read`), and the run settings that
-cannot go with them, refused in one line before anything is written (`check_fsdp`); also a model EMA, and the pool
-whose teacher it is, under a DeepSpeed launch (`sharded_launch`), which shards the model too. The project shards the
-model itself (vit_mpp/run/start/sharding.py), the same way on CPU processes and GPUs: docs/cluster.md#sharding-fsdp.
+cannot go with them, refused in one line before anything is written (`check_fsdp`). A DeepSpeed launch is refused
+the same way (`refuse_deepspeed`): Accelerate's DeepSpeed integration needs transformers, and the run's checkpoints,
+resume and exports are made for data parallel and FSDP2. The project shards the model itself
+(vit_mpp/run/start/sharding.py), the same way on CPU processes and GPUs: docs/cluster.md#sharding-fsdp.
 Torch-free: the entry points ask before torch is imported.
 """
 
@@ -19,25 +20,29 @@ from vit_mpp.config.engine import ConfigError
 USE_FSDP = "ACCELERATE_USE_FSDP"
 USE_DEEPSPEED = "ACCELERATE_USE_DEEPSPEED"  # `accelerate launch --use_deepspeed`, or a DeepSpeed accelerate config
 WRAP_POLICIES = ("TRANSFORMER_BASED_WRAP", "NO_WRAP")
+DEEPSPEED_REFUSED = ("the accelerate config asks for DeepSpeed, which this tool does not run (Accelerate's DeepSpeed "
+                     "integration needs transformers, and the run's checkpoints, resume and exports are made for data "
+                     "parallel and FSDP2): to shard the model, launch with configs/accelerate/fsdp_vit_large.yaml "
+                     "(docs/cluster.md#sharding-fsdp)")
 
 
-def semi_pool_refused(sharder: str) -> str:
-    """semi.pool's teacher is the model's EMA, which is not kept when `sharder` (FSDP, DeepSpeed) shards the model:
-    whichever check meets the two first (the pool's own when train.ema_decay=0, the launch's when it is > 0) says
-    this, so that neither sends the user to the other."""
-    return (f"needs the model's EMA (train.ema_decay > 0) as its teacher, and an EMA is not kept under {sharder} (it "
-            f"needs the whole model on every process, and {sharder} shards it): fine-tune with the pool without the "
-            f"{sharder} accelerate config, or without semi.pool")
+# semi.pool's teacher is the model's EMA, which is not kept when FSDP shards the model: whichever check meets the two
+# first (the pool's own when train.ema_decay=0, the launch's when it is > 0) says this, so neither sends the user to
+# the other.
+SEMI_POOL_REFUSED = ("needs the model's EMA (train.ema_decay > 0) as its teacher, and an EMA is not kept under FSDP "
+                     "(it needs the whole model on every process, and FSDP shards it): fine-tune with the pool without "
+                     "the FSDP accelerate config, or without semi.pool")
 
 
-def ema_refused(decay: float, sharder: str) -> str:
-    return (f"train.ema_decay={decay:g} needs the whole model on every process, and {sharder} shards it; set "
-            f"train.ema_decay=0, or fine-tune without the {sharder} accelerate config")
+def fsdp_launch(env: MutableMapping[str, str] = os.environ) -> bool:
+    """Whether the launch config asks for FSDP."""
+    return _flag(env, USE_FSDP)
 
 
-def sharded_launch(env: MutableMapping[str, str] = os.environ) -> str | None:
-    """Which sharder the launch config asks for ("FSDP", "DeepSpeed"), None for neither."""
-    return "FSDP" if _flag(env, USE_FSDP) else "DeepSpeed" if _flag(env, USE_DEEPSPEED) else None
+def refuse_deepspeed(env: MutableMapping[str, str] = os.environ) -> None:
+    """A ConfigError when the launch config asks for DeepSpeed (`DEEPSPEED_REFUSED`)."""
+    if _flag(env, USE_DEEPSPEED):
+        raise ConfigError(DEEPSPEED_REFUSED)
 
 
 def _flag(env: MutableMapping[str, str], name: str, default: bool = False) -> bool:
@@ -89,20 +94,20 @@ def accelerate_fsdp_off(env: MutableMapping[str, str] = os.environ) -> Iterator[
             env[USE_FSDP] = switch
 
 
-def check_ema(cfg: Any, sharder: str) -> None:
-    """Refuse a model EMA, and the pool whose teacher it is, under a launch that shards the model."""
+def check_ema(cfg: Any) -> None:
+    """Refuse a model EMA, and the pool whose teacher it is, under FSDP."""
     semi = getattr(cfg, "semi", None)
     if semi is not None and semi.pool_sets():
-        raise ConfigError(f"config key 'semi.pool' {semi_pool_refused(sharder)}")  # as the pool's own check words it
+        raise ConfigError(f"config key 'semi.pool' {SEMI_POOL_REFUSED}")  # as the pool's own check words it
     if getattr(cfg.train, "ema_decay", 0.0) > 0:
-        raise ConfigError(ema_refused(cfg.train.ema_decay, sharder))
+        raise ConfigError(f"train.ema_decay={cfg.train.ema_decay:g} needs the whole model on every process, and FSDP "
+                          "shards it; set train.ema_decay=0, or fine-tune without the FSDP accelerate config")
 
 
 def check_fsdp(cfg: Any, env: MutableMapping[str, str] = os.environ) -> None:
-    """Raise a ConfigError when the launch config asks for FSDP (`env`) with a setting that cannot go with it, or for
-    DeepSpeed with a model EMA (the project shards the model itself; a DeepSpeed launch is Accelerate's own)."""
-    if sharded_launch(env) == "DeepSpeed":
-        return check_ema(cfg, "DeepSpeed")
+    """Raise a ConfigError when the launch config asks for FSDP (`env`) with a setting that cannot go with it, or
+    for DeepSpeed (`refuse_deepspeed`)."""
+    refuse_deepspeed(env)
     settings = FsdpSettings.read(env)
     if settings is None:
         return
@@ -120,7 +125,7 @@ def check_fsdp(cfg: Any, env: MutableMapping[str, str] = os.environ) -> None:
     if tc.mixed_precision == "fp16":
         raise ConfigError("train.mixed_precision=fp16 does not go with FSDP here (its loss scaler would have to see "
                           "every shard's gradients); use train.mixed_precision=bf16 (bf16 parameters, fp32 reduction)")
-    check_ema(cfg, "FSDP")
+    check_ema(cfg)
     if tc.fp8:
         raise ConfigError("train.fp8=true has not been verified with FSDP; use train.fp8=false with the FSDP config "
                           "(train.mixed_precision=bf16 is its fast path)")

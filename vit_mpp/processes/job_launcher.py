@@ -10,6 +10,7 @@ every process of a step) is passed on to the ranks, which agree, save and stop; 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -23,7 +24,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import yaml
+
 from vit_mpp.cli import UsageError
+from vit_mpp.config.fsdp_settings import DEEPSPEED_REFUSED
 from vit_mpp.errors import EXIT_PREEMPTED
 from vit_mpp.processes.rank_lifecycle import START_UP_LINES, STOP_SIGNALS, UNDER_LAUNCH
 
@@ -225,11 +229,29 @@ def parse_args(argv: list[str] | None) -> object:
         error(f"--num_processes {args.num_processes}: a launch needs at least one process")
     if args.config_file is not None and not os.path.isfile(args.config_file):
         error(f"--config_file {args.config_file}: no such file")
+    if args.use_deepspeed or config_asks_for_deepspeed(args.config_file):
+        raise UsageError(DEEPSPEED_REFUSED)  # each rank would say it (fsdp_settings.py); here before any starts
     if args.module and not module_found(args.training_script):
         error(f"-m {args.training_script}: no such module here (no rank could run it)")
     if not (args.module or args.no_python or os.path.exists(args.training_script)):  # a folder runs its __main__
         error(f"{args.training_script}: no such script")
     return args
+
+
+def config_asks_for_deepspeed(path: str | None) -> bool:
+    """Whether the accelerate config the launch reads (`path`, or Accelerate's default one when there is one) says
+    `distributed_type: DEEPSPEED`; a file that cannot be read is left to Accelerate's launcher to report."""
+    from accelerate.commands.config.config_args import default_config_file
+
+    path = path or (default_config_file if os.path.isfile(default_config_file) else None)
+    if path is None:
+        return False
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f) if path.endswith(".json") else yaml.safe_load(f)
+    except (OSError, ValueError, yaml.YAMLError):
+        return False
+    return isinstance(config, dict) and str(config.get("distributed_type", "")).upper() == "DEEPSPEED"
 
 
 def module_found(name: str) -> bool:

@@ -9,6 +9,7 @@ from typing import Any
 
 from vit_mpp.config.device_checks import check_device_settings
 from vit_mpp.config.engine import parse_args
+from vit_mpp.config.fsdp_settings import refuse_deepspeed
 from vit_mpp.data.manifest import check_location
 from vit_mpp.processes.stop_signals import start_up_resumes_from, stop_during_start_up
 from vit_mpp.run.durability.checkpoint_files import saved_step
@@ -19,6 +20,7 @@ def read_run_config(cls: type, argv: list[str] | None, prog: str, description: s
     """The stage's config from the command line, checked (a user error raises, the entry point prints one line)."""
     stop_during_start_up()  # a signal during the seconds of imports: one line, not a silent end
     mark_start()  # the run's clock: its summary's total time counts the start-up too
+    refuse_deepspeed()  # before the config's own checks, which would otherwise send the user round (semi.pool's EMA)
     cfg = parse_args(cls, argv, prog=prog, description=description)
     start_up_resumes_from(partial(saved_step, cfg.train.run_dir))  # a signal from now on names what a rerun resumes
     check_device_settings(cfg)  # data.decode=gpu, train.fp8=true where they cannot run: one line, first
