@@ -61,6 +61,22 @@ def test_a_deepspeed_accelerate_config_is_one_line_before_any_rank_starts(shards
     assert not run_dir.exists()
 
 
+def test_a_deepspeed_default_config_is_not_what_a_launch_flag_overrides(tmp_path):
+    # As Accelerate's launcher decides: a flag that chooses the kind of launch (--multi_gpu, --use_fsdp) wins over
+    # the config file's distributed_type, and --cpu skips the default file; those launches are not refused.
+    config = tmp_path / "hf" / "accelerate" / "default_config.yaml"
+    config.parent.mkdir(parents=True)
+    config.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\nnum_processes: 1\n")
+    check = ("from accelerate.commands.launch import launch_command_parser\n"
+             "from vit_mpp.processes.job_launcher import asks_for_deepspeed\n"
+             "for flags in ([], ['--multi_gpu', '--num_processes', '2'], ['--use_fsdp'], ['--cpu'],\n"
+             "              ['--config_file', 'configs/accelerate/fsdp_vit_large.yaml']):\n"
+             "    print(asks_for_deepspeed(launch_command_parser().parse_args([*flags, '-m', 'pretrain'])))\n")
+    result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, cwd=REPO, timeout=120,
+                            env={**subprocess_env(), "HF_HOME": str(tmp_path / "hf")})
+    assert result.stdout.split() == ["True", "False", "False", "False", "False"], result.stderr[-3000:]
+
+
 def test_a_launch_of_a_module_or_a_folder_that_is_there_is_not_refused():
     from vit_mpp.processes.job_launcher import module_found
 

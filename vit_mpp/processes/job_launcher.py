@@ -229,7 +229,7 @@ def parse_args(argv: list[str] | None) -> object:
         error(f"--num_processes {args.num_processes}: a launch needs at least one process")
     if args.config_file is not None and not os.path.isfile(args.config_file):
         error(f"--config_file {args.config_file}: no such file")
-    if args.use_deepspeed or config_asks_for_deepspeed(args.config_file):
+    if asks_for_deepspeed(args):
         raise UsageError(DEEPSPEED_REFUSED)  # each rank would say it (fsdp_settings.py); here before any starts
     if args.module and not module_found(args.training_script):
         error(f"-m {args.training_script}: no such module here (no rank could run it)")
@@ -238,12 +238,23 @@ def parse_args(argv: list[str] | None) -> object:
     return args
 
 
-def config_asks_for_deepspeed(path: str | None) -> bool:
-    """Whether the accelerate config the launch reads (`path`, or Accelerate's default one when there is one) says
-    `distributed_type: DEEPSPEED`; a file that cannot be read is left to Accelerate's launcher to report."""
+# Launch flags that choose the kind of launch themselves: with one, Accelerate's launcher does not take the kind from
+# the config file's distributed_type (`_validate_launch_command`).
+KIND_FLAGS = ("multi_gpu", "tpu", "tpu_use_cluster", "use_fsdp", "use_megatron_lm")
+
+
+def asks_for_deepspeed(args: object) -> bool:
+    """Whether Accelerate's launcher would launch with DeepSpeed: `--use_deepspeed`, or, with no flag that chooses
+    the kind of launch, `distributed_type: DEEPSPEED` in the config it reads (`--config_file`, or Accelerate's
+    default file unless `--cpu`). A config that cannot be read is left to Accelerate's launcher to report."""
     from accelerate.commands.config.config_args import default_config_file
 
-    path = path or (default_config_file if os.path.isfile(default_config_file) else None)
+    if getattr(args, "use_deepspeed", False):
+        return True
+    if any(getattr(args, flag, False) for flag in KIND_FLAGS):
+        return False
+    default = default_config_file if os.path.isfile(default_config_file) and not getattr(args, "cpu", False) else None
+    path = getattr(args, "config_file", None) or default
     if path is None:
         return False
     try:
