@@ -32,6 +32,7 @@ from vit_mpp.config.sections import ARCH_KEYS
 from vit_mpp.durable import write_atomic
 from vit_mpp.errors import EXIT_PREEMPTED, Stopped, UserError
 from vit_mpp.models.export_folder import is_export
+from vit_mpp.processes.signal_handlers import handling
 from vit_mpp.progress import format_duration
 from vit_mpp.run.metering.metrics_log import read_metrics
 from vit_mpp.tools.args import make_out_folder
@@ -90,20 +91,11 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
 children = Children()
 
 
-@contextlib.contextmanager
-def handling_stop_signals(handler: Callable[[int, Any], None]) -> Iterator[None]:
+def handling_stop_signals(handler: Callable[[int, Any], None]) -> contextlib.AbstractContextManager[None]:
     """`handler` handles the STOP_SIGNALS in the main thread (the previous handlers come back), but not one that
     compare's parent set to be ignored: `nohup` ignores SIGHUP so that a sweep outlives its terminal, and a background
     job of a non-interactive shell ignores SIGINT."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS if signal.getsignal(sig) is not signal.SIG_IGN}
-    try:
-        yield
-    finally:
-        for sig, before in previous.items():
-            signal.signal(sig, before)
+    return handling(STOP_SIGNALS, handler, takes=lambda current: current is not signal.SIG_IGN)
 
 
 @contextlib.contextmanager

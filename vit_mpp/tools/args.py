@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TextIO
@@ -18,6 +17,7 @@ from vit_mpp.data.manifest import MANIFEST_NAME
 from vit_mpp.durable import TMP_SUFFIX, WriteFailed, write_failed
 from vit_mpp.errors import StoppedWriting
 from vit_mpp.models.export_folder import is_export
+from vit_mpp.processes.signal_handlers import handling
 
 
 def check_device(name: str) -> str:
@@ -161,33 +161,20 @@ class _OutFile:
 
 # What `timeout`, a scheduler or a closed terminal sends a tool: by default each ends the process where it stands,
 # leaving the output's temporary file behind (a kill -9 still does; nothing can run then).
-STOP_SIGNALS = ("SIGTERM", "SIGHUP")
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 
-@contextlib.contextmanager
-def stopped_as_exception(path: Path) -> Iterator[None]:
+def stopped_as_exception(path: Path) -> contextlib.AbstractContextManager[None]:
     """In the block, a stop signal (`STOP_SIGNALS`) whose handler is the default one raises `StoppedWriting` (exit
     status 128 + its number, a line saying `path` was not written) instead of ending the process, so the writer's
     clean-up runs. A handler someone set (a training run's preemption) is left alone, as is any thread but the main
     one."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
 
     def stop(signum: int, frame: object) -> None:
         name = signal.Signals(signum).name
         raise StoppedWriting(f"stopped ({name}): {path} was not written; run the same command again", 128 + signum)
 
-    before = {}
-    for name in STOP_SIGNALS:
-        number = getattr(signal, name, None)
-        if number is not None and signal.getsignal(number) is signal.SIG_DFL:
-            before[number] = signal.signal(number, stop)
-    try:
-        yield
-    finally:
-        for number, handler in before.items():
-            signal.signal(number, handler)
+    return handling(STOP_SIGNALS, stop, takes=lambda current: current is signal.SIG_DFL)
 
 
 @contextlib.contextmanager
