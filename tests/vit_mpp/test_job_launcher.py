@@ -42,15 +42,21 @@ def test_a_bad_launch_is_one_line_and_status_2_before_any_rank_starts(shards, tm
     assert not run_dir.exists()  # no rank started
 
 
+def deepspeed_default_config(root):
+    """`accelerate config`'s default file asking for DeepSpeed, where Accelerate looks with HF_HOME=root/hf."""
+    config = root / "hf" / "accelerate" / "default_config.yaml"
+    config.parent.mkdir(parents=True)
+    config.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\n"
+                      "deepspeed_config: {zero_stage: 2}\nnum_processes: 1\n")
+    return config
+
+
 @pytest.mark.parametrize("where", ["--config_file", "the default config"])
 def test_a_deepspeed_accelerate_config_is_one_line_before_any_rank_starts(shards, tmp_path, where):
     # Accelerate 1.x's DeepSpeed integration needs transformers, which the tool does not install: each rank was a
     # traceback in Accelerator() (or, without deepspeed, the launcher's ImportError). A config Accelerate reads
     # without being named, `accelerate config`'s default file, counts too.
-    config = tmp_path / "hf" / "accelerate" / "default_config.yaml"
-    config.parent.mkdir(parents=True)
-    config.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\n"
-                      "deepspeed_config: {zero_stage: 2}\nnum_processes: 1\n")
+    config = deepspeed_default_config(tmp_path)
     flags = ["--config_file", str(config)] if where == "--config_file" else []
     run_dir = tmp_path / "run"
     result = subprocess.run([*JOB_LAUNCHER, *flags, "-m", "pretrain", "--config", "configs/pretrain/tiny.yaml",
@@ -64,9 +70,7 @@ def test_a_deepspeed_accelerate_config_is_one_line_before_any_rank_starts(shards
 def test_a_deepspeed_default_config_is_not_what_a_launch_flag_overrides(tmp_path):
     # As Accelerate's launcher decides: a flag that chooses the kind of launch (--multi_gpu, --use_fsdp) wins over
     # the config file's distributed_type, and --cpu skips the default file; those launches are not refused.
-    config = tmp_path / "hf" / "accelerate" / "default_config.yaml"
-    config.parent.mkdir(parents=True)
-    config.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\nnum_processes: 1\n")
+    deepspeed_default_config(tmp_path)
     check = ("from accelerate.commands.launch import launch_command_parser\n"
              "from vit_mpp.processes.job_launcher import asks_for_deepspeed\n"
              "for flags in ([], ['--multi_gpu', '--num_processes', '2'], ['--use_fsdp'], ['--cpu'],\n"
