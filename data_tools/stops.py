@@ -3,6 +3,12 @@ command line (data_tools/cli.py) turns into one line."""
 
 from __future__ import annotations
 
+import signal
+
+# What stops a build or an index as Ctrl-C does (data_tools/cli.py turns SIGTERM into KeyboardInterrupt); their
+# poll loops take them through vit_mpp/processes/signal_handlers.py `deferred`, so they raise between waits.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
 
 class BuildStopped(Exception):
     """The build stopped for a reason other than the user's input (a worker died, an upload kept failing, Ctrl-C);

@@ -25,12 +25,13 @@ from data_tools.builder.shard_ranges import WorkContext
 from data_tools.builder.sources.base import Source, SourceSpec
 from data_tools.builder.sources.registry import open_source
 from data_tools.scratch import scratch, sweep_stale
-from data_tools.stops import Interrupted
+from data_tools.stops import STOP_SIGNALS, Interrupted
 from data_tools.store import LocalStore, OutputError, RemoteStore, open_store
 from vit_mpp.data import urls
 from vit_mpp.data.image_prep import EncodeSettings
 from vit_mpp.data.manifest import MANIFEST_NAME
 from vit_mpp.errors import UserError
+from vit_mpp.processes.signal_handlers import deferred
 from vit_mpp.progress import progress
 from vit_mpp.tools.args import folder_role
 
@@ -133,11 +134,13 @@ def run_ranges(b: Build, todo: list[RangeRef], journal: Journal, resumed: int, t
     runner = RayExecutor(ctx, store) if executor == "ray" else LocalExecutor(ctx, store.staging(), workers)
     committer = Committer(store, journal, workers, lambda rec: finished.__setitem__(0, finished[0] + 1))
     tasks = (plan.task(r) for r in todo)
-    try:
-        with runner, progress("building shards", total, "images", completed=resumed) as shown:
+    try:  # Ctrl-C and SIGTERM raise at run_pending(), between waits, not inside a wait's lock
+        with deferred(STOP_SIGNALS) as run_pending, runner, \
+                progress("building shards", total, "images", completed=resumed) as shown:
 
-            def idle() -> None:
-                committer.poll()
+            def idle(timeout: float = 0.0) -> None:
+                run_pending()
+                committer.poll(timeout)
                 shown.update(completed=resumed + runner.processed())
 
             try:
@@ -146,7 +149,8 @@ def run_ranges(b: Build, todo: list[RangeRef], journal: Journal, resumed: int, t
             except Exception:
                 committer.settle(SETTLE_S)
                 raise
-            committer.drain()
+            while committer.pending:  # the last publications
+                idle(0.25)
             idle()
     except KeyboardInterrupt:
         raise Interrupted(f"interrupted after {finished[0]:,} of the {len(todo):,} ranges left to write; finished "

@@ -90,7 +90,3 @@ class Committer:
                 return
             except Exception:  # that range's publication failed: it is written again on resume
                 continue
-
-    def drain(self) -> None:
-        while self.pending:
-            self.poll(timeout=0.25)

@@ -66,13 +66,14 @@ _shared = threading.local()  # this worker's progress counter and stop flag (`in
 
 def init_worker(counter: Any, stop: Any, process: bool) -> None:
     """Pool initializer, run in the thread that will run this worker's tasks: the shared byte counter and stop
-    flag; a worker process leaves Ctrl-C to the main one."""
+    flag; a worker process leaves Ctrl-C to the main one, and SIGTERM ends it (not the handler it was forked with)."""
     _shared.counter, _shared.stop = counter, stop
     # a stalled read is left when the workers are asked to stop, not at its deadline (the check runs in the threads
     # that wait for this worker, so it holds the flag itself, not through this thread's `_shared`)
     deadlines.while_waiting(functools.partial(_abandon_if, stop))
     if process:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _count(n: int) -> None:

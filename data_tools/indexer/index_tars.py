@@ -31,7 +31,7 @@ from data_tools.indexer.find_tars import (
     place_manifest,
     split_names,
 )
-from data_tools.stops import Interrupted, WorkerDied
+from data_tools.stops import STOP_SIGNALS, Interrupted, WorkerDied
 from data_tools.store import open_store
 from vit_mpp import __version__
 from vit_mpp.data import urls
@@ -39,6 +39,7 @@ from vit_mpp.data.image_formats import IMAGE_EXTENSIONS
 from vit_mpp.data.manifest import manifest_file, write_manifest_url
 from vit_mpp.data.urls import ReadPolicy
 from vit_mpp.errors import UserError
+from vit_mpp.processes.signal_handlers import deferred
 from vit_mpp.progress import progress
 from vit_mpp.tools.args import check_writable_place
 
@@ -127,28 +128,31 @@ def read_shards(shards: list[ShardRef], options: IndexOptions, show: Callable[[i
     results: dict[str, ShardIndex] = {}
     todo = iter(shards)
     pending: dict[Future, ShardRef] = {}
-    pool = _pool(options, workers, counter, stop)
     try:
-        while True:
-            while len(pending) < 2 * workers and (ref := next(todo, None)) is not None:
-                pending[pool.submit(index_shard, ref.url, options.verify, options.read)] = ref
-            if not pending:
-                break
-            done, _ = wait(pending, timeout=0.25, return_when=FIRST_COMPLETED)
-            for future in done:
-                ref, result = pending.pop(future), future.result()
-                if result.problem and not (options.skip_bad and result.problem == DAMAGED):
-                    raise _refuse(result)
-                results[ref.url] = result
-            show(len(results), len(shards), counter.value)
+        with deferred(STOP_SIGNALS) as run_pending:  # Ctrl-C raises at run_pending(), not in wait()'s lock
+            pool = _pool(options, workers, counter, stop)
+            try:
+                while True:
+                    while len(pending) < 2 * workers and (ref := next(todo, None)) is not None:
+                        pending[pool.submit(index_shard, ref.url, options.verify, options.read)] = ref
+                    if not pending:
+                        break
+                    done, _ = wait(pending, timeout=0.25, return_when=FIRST_COMPLETED)
+                    run_pending()
+                    for future in done:
+                        ref, result = pending.pop(future), future.result()
+                        if result.problem and not (options.skip_bad and result.problem == DAMAGED):
+                            raise _refuse(result)
+                        results[ref.url] = result
+                    show(len(results), len(shards), counter.value)
+            finally:
+                stop.value = 1  # running reads stop at their next chunk (or deadline), not at the end of the shard
+                pool.shutdown(wait=True, cancel_futures=True)
     except BrokenProcessPool:
         raise WorkerDied("a worker process died while reading shards (killed for memory, or a crash in an image "
                          "decoder); nothing was written") from None
     except KeyboardInterrupt:
         raise Interrupted("interrupted; nothing was written") from None
-    finally:
-        stop.value = 1  # running reads stop at their next chunk (or their deadline), not at the end of the shard
-        pool.shutdown(wait=True, cancel_futures=True)
     return [results[s.url] for s in shards]
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import signal
 import struct
 import subprocess
 import sys
@@ -386,7 +387,8 @@ def test_out_under_a_file_or_not_writable_is_one_line(tmp_path, capsys):
     assert (tmp_path / "file").read_text() == "a file"
 
 
-def test_ctrl_c_is_one_line_and_the_same_command_resumes(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])  # Ctrl-C; a scheduler's stop
+def test_ctrl_c_is_one_line_and_the_same_command_resumes(tmp_path, sig):
     make_tree(tmp_path / "src", {"a": 150, "b": 150}, size=64)
     args = [str(tmp_path / "src"), str(tmp_path / "out"), "--shard-size", "5", "--max-side", "40", "--workers", "2"]
     proc = subprocess.Popen([sys.executable, "-m", "data_tools.cli", *args], env=subprocess_env(), cwd=REPO,
@@ -396,7 +398,7 @@ def test_ctrl_c_is_one_line_and_the_same_command_resumes(tmp_path):
     while proc.poll() is None and time.time() < deadline and (
             not journal.exists() or len(journal.read_text().splitlines()) < 8):
         time.sleep(0.005)
-    interrupt_paused(proc)
+    interrupt_paused(proc, sig)
     _, err = proc.communicate(timeout=60)
     assert not (tmp_path / "out" / "_info.json").exists(), "the build finished before Ctrl-C"
     lines = err.strip().splitlines()
