@@ -148,6 +148,7 @@ def run_ranges(b: Build, todo: list[RangeRef], journal: Journal, resumed: int, t
                     committer.add(record)
             except Exception:
                 committer.settle(SETTLE_S)
+                run_pending()  # workers ended by the stop signal this process was sent too: the stop is told
                 raise
             while committer.pending:  # the last publications
                 idle(0.25)

@@ -145,6 +145,9 @@ def read_shards(shards: list[ShardRef], options: IndexOptions, show: Callable[[i
                             raise _refuse(result)
                         results[ref.url] = result
                     show(len(results), len(shards), counter.value)
+            except BrokenProcessPool:
+                run_pending()  # its workers ended by the stop signal this process was sent too: the stop is told
+                raise
             finally:
                 stop.value = 1  # running reads stop at their next chunk (or deadline), not at the end of the shard
                 pool.shutdown(wait=True, cancel_futures=True)

@@ -387,18 +387,24 @@ def test_out_under_a_file_or_not_writable_is_one_line(tmp_path, capsys):
     assert (tmp_path / "file").read_text() == "a file"
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])  # Ctrl-C; a scheduler's stop
-def test_ctrl_c_is_one_line_and_the_same_command_resumes(tmp_path, sig):
+@pytest.mark.parametrize("sig, whole_job", [(signal.SIGINT, False), (signal.SIGTERM, False), (signal.SIGTERM, True)])
+def test_ctrl_c_is_one_line_and_the_same_command_resumes(tmp_path, sig, whole_job):
+    # Ctrl-C; a scheduler's stop of the main process; one of every process of the job (SLURM's scancel), where the
+    # workers end of it too: the line says interrupted, not that a worker died
     make_tree(tmp_path / "src", {"a": 150, "b": 150}, size=64)
     args = [str(tmp_path / "src"), str(tmp_path / "out"), "--shard-size", "5", "--max-side", "40", "--workers", "2"]
     proc = subprocess.Popen([sys.executable, "-m", "data_tools.cli", *args], env=subprocess_env(), cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=ctrl_c_enabled)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=ctrl_c_enabled,
+                            start_new_session=whole_job)
     journal = tmp_path / "out" / "_journal.jsonl"
     deadline = time.time() + 60
     while proc.poll() is None and time.time() < deadline and (
             not journal.exists() or len(journal.read_text().splitlines()) < 8):
         time.sleep(0.005)
-    interrupt_paused(proc, sig)
+    if whole_job:
+        os.killpg(proc.pid, sig)
+    else:
+        interrupt_paused(proc, sig)
     _, err = proc.communicate(timeout=60)
     assert not (tmp_path / "out" / "_info.json").exists(), "the build finished before Ctrl-C"
     lines = err.strip().splitlines()

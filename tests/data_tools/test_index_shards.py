@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tarfile
@@ -168,6 +169,29 @@ def test_ctrl_c_during_a_stalled_read_is_one_line_at_once(laion, tmp_path, pool)
     lines = err.strip().splitlines()
     assert proc.returncode == 130 and lines == ["error: interrupted; nothing was written"], err
     assert elapsed < 15, elapsed  # not the 60 s of the read's deadline
+    assert not (tmp_path / "m").exists()
+
+
+def test_sigterm_to_the_whole_job_during_a_stalled_read_is_one_line(laion, tmp_path):
+    # a scheduler (SLURM's scancel) signals every process of the job: the worker processes end, the main one says
+    # it was interrupted, not that a worker died
+    with serve_faulty(laion) as base:
+        FaultyHandler.faults["/00001.tar"] = ("stall", 100)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "data_tools.cli", "index", f"{base}/{{00000..00002}}.tar", "--out",
+             str(tmp_path / "m"), "--read-timeout", "60", "--workers", "2", "--pool", "process"],
+            env=subprocess_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            start_new_session=True)
+        deadline = time.monotonic() + 60
+        while "/00001.tar" not in FaultyHandler.requests and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.01)
+        time.sleep(0.5)
+        start = time.monotonic()
+        os.killpg(proc.pid, signal.SIGTERM)
+        _, err = proc.communicate(timeout=90)
+        elapsed = time.monotonic() - start
+    assert proc.returncode == 130 and err.strip().splitlines() == ["error: interrupted; nothing was written"], err
+    assert elapsed < 15, elapsed
     assert not (tmp_path / "m").exists()
 
 
