@@ -324,7 +324,7 @@ def main(argv: list[str] | None = None) -> None:
     line too, saying that re-running the same command resumes it. Anything else is a bug and keeps its traceback."""
     previous = signal.signal(signal.SIGTERM, _terminate) if _in_main_thread() else None
     try:
-        run_main(_main, argv)
+        run_main(_main, argv, own_interrupt=True)
     except KeyboardInterrupt:
         print("error: interrupted; finished shards are kept: re-run the same command to resume", file=sys.stderr)
         sys.exit(Interrupted.status)

@@ -20,7 +20,7 @@ from PIL import Image
 from finetune import predict as predict_module
 from tests.helpers.disks import small_disk
 from tests.helpers.models import SMALL_MODEL
-from tests.helpers.processes import REPO, in_process, subprocess_env
+from tests.helpers.processes import REPO, ctrl_c_enabled, in_process, subprocess_env
 from vit_mpp.data.image_formats import IMAGE_SUFFIXES
 from vit_mpp.models.export import Export, write_export
 from vit_mpp.models.vit import create_vit
@@ -221,5 +221,34 @@ def test_a_sigterm_while_predict_writes_leaves_the_old_csv_and_no_temporary_file
     assert child.returncode == 128 + signal.SIGTERM, stderr[-3000:]
     assert stdout.strip() == f"stopped (SIGTERM): {out} was not written; run the same command again", stdout
     assert "Traceback" not in stderr, stderr[-3000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["images", "preds.csv"]
+    assert out.read_text() == "the old predictions\n"
+
+
+def test_ctrl_c_while_predict_labels_is_one_line_and_leaves_the_old_csv(export, tmp_path):
+    """Ctrl-C was a KeyboardInterrupt traceback from wherever predict stood (an image decoder); the temporary
+    file was already removed and the old CSV kept."""
+    images = tmp_path / "images"
+    images.mkdir()
+    noise = np.random.default_rng(0).integers(0, 256, (384, 384, 3), dtype=np.uint8)
+    Image.fromarray(noise).save(images / "i0000.png")
+    for i in range(1, 600):
+        os.link(images / "i0000.png", images / f"i{i:04d}.png")
+    out = tmp_path / "preds.csv"
+    out.write_text("the old predictions\n")
+    child = subprocess.Popen([sys.executable, "-m", "finetune.predict", "--checkpoint", str(export), "--images",
+                              str(images), "--out", str(out), "--batch-size", "1"], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=subprocess_env(), cwd=REPO,
+                             preexec_fn=ctrl_c_enabled)
+    tmp = tmp_path / "preds.csv.tmp"
+    deadline = time.monotonic() + 120
+    while not tmp.exists() and child.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert tmp.exists(), "predict never opened its temporary file"
+    child.send_signal(signal.SIGINT)
+    stdout, stderr = child.communicate(timeout=60)
+    assert child.returncode == 130, stderr[-3000:]
+    assert stderr.strip().splitlines()[-1:] == ["error: interrupted; run the same command again"], stderr[-3000:]
+    assert "Traceback" not in stderr and stdout == "", stderr[-3000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["images", "preds.csv"]
     assert out.read_text() == "the old predictions\n"

@@ -165,3 +165,16 @@ def test_a_rank_stopped_before_its_config_failed_ends_at_once_without_a_line():
                             text=True, timeout=60)
     assert result.returncode == 2 and not result.stderr, result.stderr
     assert time.monotonic() - start < QUIET_WAIT_S
+
+
+def test_ctrl_c_in_a_tool_is_one_line_and_status_130_and_build_shards_keeps_its_own(capsys):
+    from vit_mpp.processes.exits import run_main
+
+    def main(argv):
+        raise KeyboardInterrupt
+
+    with pytest.raises(SystemExit) as e:
+        run_main(main, [])
+    assert e.value.code == 130 and capsys.readouterr().err == "error: interrupted; run the same command again\n"
+    with pytest.raises(KeyboardInterrupt):  # build-shards says what its build kept (data_tools/cli.py)
+        run_main(main, [], own_interrupt=True)

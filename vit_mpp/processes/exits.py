@@ -84,7 +84,19 @@ def _one_line(error: UserError) -> NoReturn:
     sys.exit(2)
 
 
-def run_main(main: Callable[[list[str] | None], object], argv: list[str] | None = None) -> None:
-    """`main(argv)` under `one_line_errors` (the tools' entry points, and tests that call them in-process)."""
+INTERRUPTED_STATUS = 130  # 128 + SIGINT, as a shell reports a process Ctrl-C ended
+
+
+def run_main(main: Callable[[list[str] | None], object], argv: list[str] | None = None,
+             own_interrupt: bool = False) -> None:
+    """`main(argv)` under `one_line_errors` (the tools' entry points, and tests that call them in-process). Ctrl-C
+    is one line, `error: interrupted; run the same command again`, and status 130, not a traceback (an output being
+    written is left as it was: `open_out_file`); `own_interrupt`: the caller says it itself (build-shards)."""
     with one_line_errors():
-        main(argv)
+        try:
+            main(argv)
+        except KeyboardInterrupt:
+            if own_interrupt:
+                raise
+            say("error: interrupted; run the same command again")
+            sys.exit(INTERRUPTED_STATUS)
