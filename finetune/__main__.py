@@ -3,7 +3,7 @@
 The config is read and checked before torch is imported, so a bad config fails in a fraction of a second.
 """
 
-from vit_mpp.processes.rank_lifecycle import die_with_launcher
+from vit_mpp.processes.rank_lifecycle import command_owns_the_process, die_with_launcher
 
 die_with_launcher()  # first of all: a launcher killed while this rank starts must not leave it running
 
@@ -23,5 +23,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    command_owns_the_process()  # Ctrl-C during the imports: one line (vit_mpp/processes/rank_lifecycle.py)
     with one_line_errors():  # a user error is one line and exit 2, a preemption 75 (vit_mpp/processes/exits.py)
         main()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import signal
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from pretrain.__main__ import main as pretrain_main
 from pretrain.config import MPPConfig
 from pretrain.mpp import MaskedPatchPrediction
 from tests.helpers.models import write_encoder_export
-from tests.helpers.processes import REPO, in_process, subprocess_env
+from tests.helpers.processes import REPO, ctrl_c_enabled, in_process, subprocess_env
 from tests.helpers.runs import read_metrics
 from vit_mpp.config.sections import ModelConfig
 from vit_mpp.models.vit import create_vit
@@ -87,6 +88,28 @@ def test_killed_run_resumes_from_its_checkpoint_and_finishes(demo_shards, tmp_pa
     assert logged == list(range(5, 101, 5)), "each step logged once, in order, across the kill"
     assert (run_dir / "export" / "model.safetensors").is_file()
     assert json.loads((run_dir / "checkpoints" / "step_000100" / "trainer_state.json").read_text())["step"] == 100
+
+
+@pytest.mark.parametrize("stage", ["pretrain", "finetune"])
+def test_ctrl_c_while_a_stage_imports_torch_is_one_line_without_a_launcher(demo_shards, tmp_path, stage):
+    # `python -m pretrain` at a terminal: a Ctrl-C in the seconds of its imports was a KeyboardInterrupt traceback
+    # from inside torch (under a launcher it was already this line)
+    run_dir = tmp_path / "run"
+    extra = ["init.checkpoint=", "model.patch_size=4"] if stage == "finetune" else []
+    proc = subprocess.Popen([sys.executable, "-m", stage, "--config", f"configs/{stage}/tiny.yaml",
+                             f"data.shards={demo_shards}", f"train.run_dir={run_dir}", *extra], cwd=REPO,
+                            env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=ctrl_c_enabled)
+    deadline = time.time() + 60
+    while "libtorch_cpu" not in pathlib.Path(f"/proc/{proc.pid}/maps").read_text():  # inside `import torch`
+        assert proc.poll() is None and time.time() < deadline, "torch was never loaded"
+        time.sleep(0.002)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines() == [
+        "preempted (SIGINT) during start-up: nothing was saved; run the same command to start"], err[-3000:]
+    assert not (run_dir / "checkpoints").exists()
 
 
 def test_compiled_training_exports_every_encoder_weight(demo_shards, tmp_path):

@@ -33,6 +33,23 @@ def under_a_launch() -> bool:
     return launched() or UNDER_LAUNCH in os.environ
 
 
+_owns_the_process = False  # a stage run as its own command (`python -m pretrain`), not code calling its main()
+
+
+def command_owns_the_process() -> None:
+    """Called by a stage's `__main__` block: its process's stop signals are the run's to set without a launcher too."""
+    global _owns_the_process
+    _owns_the_process = True
+
+
+def sets_the_signals() -> bool:
+    """Whether the run sets this process's stop-signal handlers for its whole life (its start-up's one line, nothing
+    after its outcome): a rank a launcher started, or a stage run as its own command (a Ctrl-C during its imports
+    was a traceback). Not code that calls a stage's main() in its own process (tests, a notebook): its handlers
+    are its own."""
+    return under_a_launch() or _owns_the_process
+
+
 def process_rank() -> int:
     """This process's global rank under a launcher (0 without one), read from the environment the launcher sets."""
     return int(os.environ.get("RANK", "0"))
@@ -171,11 +188,12 @@ _outcome: int | None = None  # the decided outcome's status (`quiet_after_the_ou
 
 
 def quiet_after_the_outcome(status: int) -> None:
-    """The run's outcome is decided (done, preempted with its line, failed with its line): under a launcher, a later
-    stop signal (the launcher stops the other ranks when one has ended, a scheduler's second signal) ends this
-    process at once with that `status`, without a line of its own."""
+    """The run's outcome is decided (done, preempted with its line, failed with its line): under a launcher or as
+    its own command (`sets_the_signals`), a later stop signal (the launcher stops the other ranks when one has
+    ended, a scheduler's second signal, a second Ctrl-C) ends this process at once with that `status`, without a
+    line of its own."""
     global _outcome
-    if under_a_launch():
+    if sets_the_signals():
         _outcome = status
         for sig in STOP_SIGNALS:
             signal.signal(sig, lambda signum, frame: exit_now(status))

@@ -27,7 +27,7 @@ from vit_mpp.processes.rank_lifecycle import (
     exit_now,
     process_rank,
     quiet_after_the_outcome,
-    under_a_launch,
+    sets_the_signals,
 )
 from vit_mpp.processes.stderr import say
 
@@ -38,12 +38,13 @@ _early: int | None = None  # a signal that came before that
 
 
 def stop_during_start_up() -> None:
-    """A rank's start-up under a launcher (its imports take seconds): until the run catches its signals
-    (`StopSignals`), a preemption signal ends the rank with one line, not silently, once what a rerun resumes from
-    is known (`start_up_resumes_from`): 75 when a checkpoint exists, 128 + the signal's number when none does.
+    """A rank's start-up (its imports take seconds), under a launcher or run as its own command: until the run
+    catches its signals (`StopSignals`), a preemption signal (Ctrl-C included) ends the rank with one line, not
+    silently or with a traceback from the import it stood in, once what a rerun resumes from is known
+    (`start_up_resumes_from`): 75 when a checkpoint exists, 128 + the signal's number when none does.
     vit-mpp-launch starts its ranks with these signals blocked, so that one sent before this call waits for it;
     they are unblocked here."""
-    if under_a_launch():
+    if sets_the_signals():
         for sig in STOP_SIGNALS:
             signal.signal(sig, _stop_during_start_up)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
@@ -169,7 +170,7 @@ class StopSignals:
         if self._pipe is None:
             return
         signal.set_wakeup_fd(self._old_wakeup)
-        done = kind is None and under_a_launch()  # the run is done: a later signal ends the rank with 0, no line
+        done = kind is None and sets_the_signals()  # the run is done: a later signal ends the rank with 0, no line
         for sig, previous in self._previous.items():
             if not (done and sig in STOP_SIGNALS):  # kept until the line below: no start-up handler between them
                 signal.signal(sig, previous)
