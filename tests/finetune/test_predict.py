@@ -196,43 +196,17 @@ def test_an_out_that_is_a_pipe_or_a_device_is_written_straight_into(export, tmp_
     assert os.path.islink("/dev/stdout") or not os.path.isfile("/dev/stdout")
 
 
-def test_a_sigterm_while_predict_writes_leaves_the_old_csv_and_no_temporary_file(export, tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_while_predict_writes_is_one_line_leaving_the_old_csv_and_no_temporary_file(export, tmp_path, sig):
     """`timeout`, a scheduler or a closed terminal stopping predict mid-way: the rows go to `preds.csv.tmp`, which
-    the signal's default action left behind; now the signal ends the command through its clean-up, with one line
-    and the status the signal gives (128 + 15), the old CSV as it was."""
+    SIGTERM's default action left behind; now the signal ends the command through its clean-up, with one line and
+    the status the signal gives (128 + 15), the old CSV as it was. Ctrl-C was a KeyboardInterrupt traceback from
+    wherever predict stood (an image decoder); now `run_main`'s line and 130."""
     images = tmp_path / "images"
     images.mkdir()
     noise = np.random.default_rng(0).integers(0, 256, (384, 384, 3), dtype=np.uint8)
     Image.fromarray(noise).save(images / "i0000.png")
     for i in range(1, 600):  # ~8 ms each at batch 1: seconds of labelling after the temporary file appears
-        os.link(images / "i0000.png", images / f"i{i:04d}.png")
-    out = tmp_path / "preds.csv"
-    out.write_text("the old predictions\n")
-    child = subprocess.Popen([sys.executable, "-m", "finetune.predict", "--checkpoint", str(export), "--images",
-                              str(images), "--out", str(out), "--batch-size", "1"], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, env=subprocess_env(), cwd=REPO)
-    tmp = tmp_path / "preds.csv.tmp"
-    deadline = time.monotonic() + 120
-    while not tmp.exists() and child.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert tmp.exists(), "predict never opened its temporary file"
-    child.send_signal(signal.SIGTERM)
-    stdout, stderr = child.communicate(timeout=60)
-    assert child.returncode == 128 + signal.SIGTERM, stderr[-3000:]
-    assert stdout.strip() == f"stopped (SIGTERM): {out} was not written; run the same command again", stdout
-    assert "Traceback" not in stderr, stderr[-3000:]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["images", "preds.csv"]
-    assert out.read_text() == "the old predictions\n"
-
-
-def test_ctrl_c_while_predict_labels_is_one_line_and_leaves_the_old_csv(export, tmp_path):
-    """Ctrl-C was a KeyboardInterrupt traceback from wherever predict stood (an image decoder); the temporary
-    file was already removed and the old CSV kept."""
-    images = tmp_path / "images"
-    images.mkdir()
-    noise = np.random.default_rng(0).integers(0, 256, (384, 384, 3), dtype=np.uint8)
-    Image.fromarray(noise).save(images / "i0000.png")
-    for i in range(1, 600):
         os.link(images / "i0000.png", images / f"i{i:04d}.png")
     out = tmp_path / "preds.csv"
     out.write_text("the old predictions\n")
@@ -245,10 +219,13 @@ def test_ctrl_c_while_predict_labels_is_one_line_and_leaves_the_old_csv(export, 
     while not tmp.exists() and child.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)
     assert tmp.exists(), "predict never opened its temporary file"
-    child.send_signal(signal.SIGINT)
+    child.send_signal(sig)
     stdout, stderr = child.communicate(timeout=60)
-    assert child.returncode == 130, stderr[-3000:]
-    assert stderr.strip().splitlines()[-1:] == ["error: interrupted; run the same command again"], stderr[-3000:]
-    assert "Traceback" not in stderr and stdout == "", stderr[-3000:]
+    assert child.returncode == 128 + sig, stderr[-3000:]
+    if sig == signal.SIGTERM:
+        assert stdout.strip() == f"stopped (SIGTERM): {out} was not written; run the same command again", stdout
+    else:
+        assert stdout == "" and stderr.strip().splitlines()[-1:] == ["error: interrupted; run the same command again"]
+    assert "Traceback" not in stderr, stderr[-3000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["images", "preds.csv"]
     assert out.read_text() == "the old predictions\n"
