@@ -27,7 +27,7 @@ from data_tools.builder.sources.base import REPEATED_ROWS, UNLABELLED_ROWS, Sour
 from data_tools.builder.sources.registry import KINDS
 from data_tools.indexer import index_tars as index_shards
 from data_tools.indexer.index_tars import IndexOptions
-from data_tools.stops import BuildStopped, Interrupted
+from data_tools.stops import BuildStopped
 from data_tools.store import open_store
 from vit_mpp.cli import ArgumentParser
 from vit_mpp.data import urls
@@ -324,10 +324,7 @@ def main(argv: list[str] | None = None) -> None:
     line too, saying that re-running the same command resumes it. Anything else is a bug and keeps its traceback."""
     previous = signal.signal(signal.SIGTERM, _terminate) if _in_main_thread() else None
     try:
-        run_main(_main, argv, own_interrupt=True)
-    except KeyboardInterrupt:
-        print("error: interrupted; finished shards are kept: re-run the same command to resume", file=sys.stderr)
-        sys.exit(Interrupted.status)
+        run_main(_main, argv, interrupted="interrupted; finished shards are kept: re-run the same command to resume")
     except BuildStopped as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(e.status)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import signal
 
+from vit_mpp.errors import EXIT_INTERRUPTED
+
 # What stops a build or an index as Ctrl-C does (data_tools/cli.py turns SIGTERM into KeyboardInterrupt); their
 # poll loops take them through vit_mpp/processes/signal_handlers.py `deferred`, so they raise between waits.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -24,4 +26,4 @@ class WorkerDied(BuildStopped):
 class Interrupted(BuildStopped):
     """Ctrl-C (SIGINT) or SIGTERM: the build stopped; finished shards are kept."""
 
-    status = 130
+    status = EXIT_INTERRUPTED

@@ -22,6 +22,7 @@ class UserError(Exception):
 
 
 EXIT_PREEMPTED = 75  # sysexits.h EX_TEMPFAIL: a checkpoint of the step named exists; the same command resumes
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a process Ctrl-C ended
 
 
 class Stopped(Exception):

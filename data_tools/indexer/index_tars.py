@@ -147,13 +147,11 @@ def read_shards(shards: list[ShardRef], options: IndexOptions, show: Callable[[i
                     show(len(results), len(shards), counter.value)
             except BrokenProcessPool:
                 run_pending()  # its workers ended by the stop signal this process was sent too: the stop is told
-                raise
+                raise WorkerDied("a worker process died while reading shards (killed for memory, or a crash in an "
+                                 "image decoder); nothing was written") from None
             finally:
                 stop.value = 1  # running reads stop at their next chunk (or deadline), not at the end of the shard
                 pool.shutdown(wait=True, cancel_futures=True)
-    except BrokenProcessPool:
-        raise WorkerDied("a worker process died while reading shards (killed for memory, or a crash in an image "
-                         "decoder); nothing was written") from None
     except KeyboardInterrupt:
         raise Interrupted("interrupted; nothing was written") from None
     return [results[s.url] for s in shards]

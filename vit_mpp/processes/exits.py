@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import NoReturn
 
-from vit_mpp.errors import Stopped, StoppedWriting, UserError
+from vit_mpp.errors import EXIT_INTERRUPTED, Stopped, StoppedWriting, UserError
 from vit_mpp.processes import failures, stop_signals
 from vit_mpp.processes.failures import (
     is_peer_error,
@@ -84,19 +84,14 @@ def _one_line(error: UserError) -> NoReturn:
     sys.exit(2)
 
 
-INTERRUPTED_STATUS = 130  # 128 + SIGINT, as a shell reports a process Ctrl-C ended
-
-
 def run_main(main: Callable[[list[str] | None], object], argv: list[str] | None = None,
-             own_interrupt: bool = False) -> None:
+             interrupted: str = "interrupted; run the same command again") -> None:
     """`main(argv)` under `one_line_errors` (the tools' entry points, and tests that call them in-process). Ctrl-C
-    is one line, `error: interrupted; run the same command again`, and status 130, not a traceback (an output being
-    written is left as it was: `open_out_file`); `own_interrupt`: the caller says it itself (build-shards)."""
+    is one line, `error: {interrupted}`, and status 130, not a traceback (an output being written is left as it
+    was: `open_out_file`); build-shards' line says what its build kept."""
     with one_line_errors():
         try:
             main(argv)
         except KeyboardInterrupt:
-            if own_interrupt:
-                raise
-            say("error: interrupted; run the same command again")
-            sys.exit(INTERRUPTED_STATUS)
+            say(f"error: {interrupted}")
+            sys.exit(EXIT_INTERRUPTED)
